@@ -1,0 +1,110 @@
+"""Error mapping: every failure leaves as application/problem+json with a stable ``code``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ..errors import CoordinatorError, TooLarge
+
+log = logging.getLogger(__name__)
+
+PROBLEM = "application/problem+json"
+
+
+def problem_response(err: CoordinatorError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.problem(), status_code=err.status, media_type=PROBLEM, headers=headers)
+
+
+def _field_path(loc: tuple[Any, ...] | list[Any]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    return ".".join(parts) or "body"
+
+
+def install_problem_handlers(app: FastAPI) -> None:
+    @app.exception_handler(CoordinatorError)
+    async def _coordinator_error(_: Request, exc: CoordinatorError) -> JSONResponse:
+        headers = {}
+        retry = exc.extra.get("retry_after_s")
+        if retry is not None:
+            headers["Retry-After"] = str(max(1, int(round(float(retry)))))
+        if exc.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return problem_response(exc, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = []
+        for e in exc.errors():
+            errors.append({"field": _field_path(e.get("loc", ())), "message": e.get("msg", "invalid"), "type": e.get("type")})
+        fields = ", ".join(sorted({e["field"] for e in errors}))
+        err = CoordinatorError(f"invalid request: {fields}", code="invalid_request", status=422, errors=errors)
+        err.title = "Invalid request"
+        return problem_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}.get(exc.status_code, "http_error")
+        err = CoordinatorError(str(exc.detail), code=code, status=exc.status_code)
+        err.title = str(exc.detail)
+        return problem_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Never a stack trace to the caller; the log has it.
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return problem_response(CoordinatorError("unexpected server error; see the coordinator log"))
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies above ``max_bytes`` with 413 before the app parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", []):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > self.max_bytes:
+                    await self._reject(send)
+                    return
+        received = 0
+        too_large = False
+
+        async def limited() -> Message:
+            nonlocal received, too_large
+            msg = await receive()
+            if msg["type"] == "http.request":
+                received += len(msg.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise _BodyTooLarge()
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        resp = problem_response(TooLarge(f"request body exceeds {self.max_bytes} bytes"))
+        await send({"type": "http.response.start", "status": 413, "headers": resp.raw_headers})
+        await send({"type": "http.response.body", "body": resp.body})
+
+
+class _BodyTooLarge(Exception):
+    pass

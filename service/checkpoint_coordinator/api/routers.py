@@ -1,0 +1,7 @@
+"""Feature routers beyond runs and health, in the order they appear in the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROUTERS: list[Any] = []

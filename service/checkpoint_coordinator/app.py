@@ -1,0 +1,74 @@
+"""The FastAPI application and its lifespan (engine, background workers)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from .api import health, problems, runs
+from .config import Settings
+from .ledger.db import make_async_engine
+
+log = logging.getLogger(__name__)
+
+API_DESCRIPTION = """
+The checkpoint coordinator keeps the recovery ledger of long multi-turn RL rollouts in Postgres,
+drives consistent snapshots of NeMo Gym deployments, and answers restore plans after a crash.
+
+Errors are `application/problem+json` documents with a stable `code`.
+"""
+
+
+def create_app(settings: Settings | None = None, *, database_url: str | None = None) -> FastAPI:
+    settings = settings or Settings()
+    url = database_url or settings.database_url_value()
+    if not url:
+        raise ValueError("create_app needs a database URL (the CLI starts the embedded database first)")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.engine = make_async_engine(url)
+        app.state.background = []
+        try:
+            from .background import start_background
+
+            await start_background(app)
+            yield
+        finally:
+            from .background import stop_background
+
+            await stop_background(app)
+            await app.state.engine.dispose()
+
+    app = FastAPI(
+        title="Checkpoint coordinator",
+        version="0.1.0",
+        description=API_DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    problems.install_problem_handlers(app)
+    app.include_router(health.router)
+    app.include_router(runs.router)
+    for router in _feature_routers():
+        app.include_router(router)
+    _install_observability(app)
+    app.add_middleware(problems.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def _feature_routers() -> list[Any]:
+    from .api import routers
+
+    return routers.ROUTERS
+
+
+def _install_observability(app: FastAPI) -> None:
+    with contextlib.suppress(ImportError):
+        from .observability.http import install_http_metrics
+
+        install_http_metrics(app)

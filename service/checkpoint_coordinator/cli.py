@@ -1,0 +1,163 @@
+"""``ckpt-coordinator``: serve the coordinator, migrate a database, and the tools around them."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import Settings
+
+log = logging.getLogger("checkpoint_coordinator")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ckpt-coordinator",
+        description="Checkpoint coordinator: crash recovery for long multi-turn RL rollouts "
+        "(Postgres recovery ledger + NeMo Gym checkpoint control).",
+        epilog="Settings come from CKPTC_* environment variables; see the README's configuration table.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the HTTP service",
+        description="Run the coordinator's HTTP API. Without CKPTC_DATABASE_URL an embedded PostgreSQL "
+        "is started in the data directory, migrated to head, and stopped again on exit.",
+    )
+    s.add_argument("--host", help="listen address (CKPTC_HOST, default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="listen port (CKPTC_PORT, default 8080)")
+    s.add_argument("--data-dir", type=Path, help="embedded PostgreSQL data directory parent (CKPTC_DATA_DIR)")
+    s.add_argument("--no-migrate", action="store_true", help="do not upgrade the database to head before serving")
+
+    m = sub.add_parser(
+        "migrate",
+        help="upgrade (or downgrade) a database schema",
+        description="Apply the ledger migrations to CKPTC_DATABASE_URL (or --database-url); without either, "
+        "to the embedded database in the data directory.",
+    )
+    m.add_argument("--database-url", help="PostgreSQL URL; overrides CKPTC_DATABASE_URL")
+    m.add_argument("--data-dir", type=Path, help="embedded PostgreSQL data directory parent (CKPTC_DATA_DIR)")
+    m.add_argument("--revision", default="head", help="target revision (default: head)")
+    m.add_argument("--downgrade", action="store_true", help="downgrade to --revision instead of upgrading")
+
+    g = sub.add_parser(
+        "gymsim",
+        help="run a reference Gym deployment instance (gymsim)",
+        description="Run gymsim, the reference NeMo Gym checkpoint participant deployment; the arguments "
+        "after 'gymsim' are gymsim's own (try 'ckpt-coordinator gymsim --help').",
+        add_help=False,
+    )
+    g.add_argument("args", nargs=argparse.REMAINDER)
+
+    for name, mod, helptext in _extra_commands():
+        e = sub.add_parser(name, help=helptext, add_help=False, description=helptext)
+        e.add_argument("args", nargs=argparse.REMAINDER)
+        e.set_defaults(extra_module=mod)
+    return p
+
+
+def _extra_commands() -> list[tuple[str, str, str]]:
+    return [
+        ("demo", "checkpoint_coordinator.demo", "end-to-end demo: trainer + coordinator + gymsim, crash and restore"),
+        ("import-ledger", "checkpoint_coordinator.restore.import_cli", "import a NeMo RL rollout-recovery ledger into a run"),
+    ]
+
+
+def _configure_logging(settings: Settings) -> None:
+    try:
+        from .observability.logging import configure_logging
+
+        configure_logging(format=settings.log_format, level=settings.log_level)
+    except ImportError:
+        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def resolve_database(settings: Settings, data_dir: Path | None = None):  # type: ignore[no-untyped-def]
+    """Return (url, embedded handle or None)."""
+    url = settings.database_url_value()
+    if url:
+        return url, None
+    from .ledger.db import start_embedded
+
+    target = data_dir or settings.data_dir
+    log.info("starting embedded PostgreSQL in %s", target / "pgdata")
+    emb = start_embedded(target)
+    return emb.url, emb
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .ledger.db import migrate, redact_url
+
+    url, emb = resolve_database(settings, args.data_dir)
+    try:
+        if not args.no_migrate:
+            migrate(url)
+        log.info("database %s at migration head", redact_url(url))
+        app = create_app(settings, database_url=url)
+        uvicorn.run(
+            app,
+            host=args.host or settings.host,
+            port=args.port if args.port is not None else settings.port,
+            log_config=None,
+            timeout_graceful_shutdown=75,
+        )
+    finally:
+        if emb is not None:
+            log.info("stopping embedded PostgreSQL")
+            emb.stop()
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from .ledger.db import downgrade, migrate, redact_url
+
+    url, emb = (args.database_url, None) if args.database_url else resolve_database(settings, args.data_dir)
+    try:
+        if args.downgrade:
+            downgrade(url, args.revision)
+        else:
+            migrate(url, args.revision)
+        print(f"database {redact_url(url)} at revision {args.revision}")
+    finally:
+        if emb is not None:
+            emb.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "gymsim":
+        from gymsim.cli import main as gymsim_main
+
+        return gymsim_main(args.args)
+    extra = getattr(args, "extra_module", None)
+    if extra:
+        import importlib
+
+        return int(importlib.import_module(extra).main(args.args) or 0)
+    try:
+        settings = Settings()
+    except Exception as e:  # pydantic ValidationError: say which variable, never a traceback
+        print(f"ckpt-coordinator: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    _configure_logging(settings)
+    os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
+    if args.command == "serve":
+        return cmd_serve(args, settings)
+    if args.command == "migrate":
+        return cmd_migrate(args, settings)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

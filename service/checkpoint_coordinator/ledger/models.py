@@ -1,0 +1,378 @@
+"""The ledger schema (recovery-ledger.md section 1) as SQLAlchemy 2 typed models.
+
+The alembic revisions in ``migrations/`` create exactly this schema; a test runs autogenerate
+against a migrated database and fails on any difference. Uniqueness rules of section 2 live in
+constraints, not only in code: one current attempt per sibling (partial unique index), unique
+rollout ids per run, one non-terminal snapshot per run, unique ``(run_id, step)`` train steps.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKeyConstraint,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_N_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+RUN_STATES = ("open", "closed")
+GROUP_STATUSES = ("generating", "ready", "finalized", "abandoned")
+ATTEMPT_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
+RETIREMENT_STATES = ("none", "retire_pending", "retired", "forget_pending", "forgotten")
+SNAPSHOT_OUTCOMES = ("published", "failed", "aborted")
+OUTBOX_OPS = ("retire", "forget")
+OUTBOX_STATES = ("pending", "delivered", "superseded")
+LEVELS = ("turn", "sibling", "prompt_group")
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+TS = DateTime(timezone=True)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id"),
+        CheckConstraint(_in("state", RUN_STATES), name="state"),
+        CheckConstraint("epoch >= 1", name="epoch"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    config: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    checkpoint_root: Mapped[str] = mapped_column(Text)
+    token_hash: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text, server_default="open")
+    epoch: Mapped[int] = mapped_column(BigInteger, server_default="1")
+    restored_from_rollout_snapshot: Mapped[str | None] = mapped_column(Text)
+    consecutive_snapshot_losses: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Dispatch gate: closed while a snapshot holds it (section 4.2 / 5.2).
+    gate_snapshot_id: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    closed_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class GymInstance(Base):
+    __tablename__ = "gym_instances"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "instance_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    instance_id: Mapped[str] = mapped_column(Text)
+    servers: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    # Sent to Gym on every control call, so it cannot be hashed; never returned by the API.
+    control_token: Mapped[str] = mapped_column(Text)
+    registered_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    discovered_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class GymParticipant(Base):
+    __tablename__ = "gym_participants"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "instance_id", "server_name"),
+        ForeignKeyConstraint(
+            ["run_id", "instance_id"],
+            ["gym_instances.run_id", "gym_instances.instance_id"],
+            ondelete="CASCADE",
+        ),
+        UniqueConstraint("run_id", "instance_id", "kind", "participant_name"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    instance_id: Mapped[str] = mapped_column(Text)
+    server_name: Mapped[str] = mapped_column(Text)
+    base_url: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(Text)
+    participant_name: Mapped[str] = mapped_column(Text)
+    mode: Mapped[str | None] = mapped_column(Text)
+    stage: Mapped[int] = mapped_column(Integer)
+
+
+class PromptGroup(Base):
+    __tablename__ = "prompt_groups"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "group_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint(_in("status", GROUP_STATUSES), name="status"),
+        CheckConstraint(_in("restore_level", LEVELS), name="restore_level"),
+        CheckConstraint("expected_generations >= 1", name="expected_generations"),
+        Index(None, "run_id", "status"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    group_id: Mapped[str] = mapped_column(Text)
+    prompt_ref: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    task_digest: Mapped[str] = mapped_column(Text)
+    task_source: Mapped[str | None] = mapped_column(Text)
+    agent_name: Mapped[str | None] = mapped_column(Text)
+    restore_level: Mapped[str] = mapped_column(Text)
+    expected_generations: Mapped[int] = mapped_column(Integer)
+    target_step: Mapped[int | None] = mapped_column(BigInteger)
+    weight_version: Mapped[str | None] = mapped_column(Text)
+    group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
+    data_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
+    status: Mapped[str] = mapped_column(Text, server_default="generating")
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    ended_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class Sibling(Base):
+    __tablename__ = "siblings"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "group_id", "generation_index"),
+        ForeignKeyConstraint(
+            ["run_id", "group_id"], ["prompt_groups.run_id", "prompt_groups.group_id"], ondelete="CASCADE"
+        ),
+        CheckConstraint("generation_index >= 0", name="generation_index"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    group_id: Mapped[str] = mapped_column(Text)
+    generation_index: Mapped[int] = mapped_column(Integer)
+    current_attempt_id: Mapped[int | None] = mapped_column(BigInteger)
+    row_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
+
+
+class Attempt(Base):
+    __tablename__ = "attempts"
+    __table_args__ = (
+        PrimaryKeyConstraint("attempt_id"),
+        ForeignKeyConstraint(
+            ["run_id", "group_id", "generation_index"],
+            ["siblings.run_id", "siblings.group_id", "siblings.generation_index"],
+            ondelete="CASCADE",
+        ),
+        UniqueConstraint("run_id", "rollout_id"),
+        CheckConstraint(_in("status", ATTEMPT_STATUSES), name="status"),
+        CheckConstraint(_in("retirement", RETIREMENT_STATES), name="retirement"),
+        CheckConstraint("gym_attempt >= 0", name="gym_attempt"),
+        # One current attempt per sibling (section 2).
+        Index(
+            "uq_attempts_current_per_sibling",
+            "run_id",
+            "group_id",
+            "generation_index",
+            unique=True,
+            postgresql_where=text("is_current"),
+        ),
+        # Live, Gym-facing attempts of an instance: commit candidates and pending drains.
+        Index(
+            "ix_attempts_live_instance",
+            "run_id",
+            "gym_instance_id",
+            "status",
+            postgresql_where=text("is_current"),
+        ),
+    )
+    attempt_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
+    run_id: Mapped[str] = mapped_column(Text)
+    group_id: Mapped[str] = mapped_column(Text)
+    generation_index: Mapped[int] = mapped_column(Integer)
+    rollout_id: Mapped[str] = mapped_column(Text)
+    gym_instance_id: Mapped[str | None] = mapped_column(Text)
+    gym_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
+    group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
+    status: Mapped[str] = mapped_column(Text, server_default="reserved")
+    is_current: Mapped[bool] = mapped_column(Boolean, server_default="true")
+    refusals: Mapped[int] = mapped_column(Integer, server_default="0")
+    receipt: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    reward: Mapped[float | None] = mapped_column(Float)
+    mask_sample: Mapped[bool | None] = mapped_column(Boolean)
+    staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    failure_class: Mapped[str | None] = mapped_column(Text)
+    retirement: Mapped[str] = mapped_column(Text, server_default="none")
+    # Set when Gym holds restored state for this attempt (a continuation at gym_attempt).
+    gym_owned: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    replaced_by_attempt_id: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    dispatched_at: Mapped[datetime | None] = mapped_column(TS)
+    ended_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class TrainStep(Base):
+    __tablename__ = "train_steps"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "step"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint("step >= 0", name="step"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    step: Mapped[int] = mapped_column(BigInteger)
+    checkpoint_ref: Mapped[str | None] = mapped_column(Text)
+    announced_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+
+
+class Snapshot(Base):
+    __tablename__ = "snapshots"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "snapshot_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint(f"outcome IS NULL OR {_in('outcome', SNAPSHOT_OUTCOMES)}", name="outcome"),
+        # One non-terminal snapshot per run (section 2).
+        Index("uq_snapshots_one_open_per_run", "run_id", unique=True, postgresql_where=text("outcome IS NULL")),
+        Index(None, "run_id", "outcome", "published_at"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    anchor_step: Mapped[int] = mapped_column(BigInteger)
+    phase: Mapped[str] = mapped_column(Text)
+    outcome: Mapped[str | None] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(Text)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    owner: Mapped[str] = mapped_column(Text)
+    gym_checkpoint_id: Mapped[str | None] = mapped_column(Text)
+    snapshot_dir: Mapped[str | None] = mapped_column(Text)
+    phase_timings: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    candidates: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    gym_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    cut_staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    data_plane_ref: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    counts: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
+    gym_parked_seconds: Mapped[float | None] = mapped_column(Float)
+    gym_restarted_episodes: Mapped[int | None] = mapped_column(Integer)
+    resume_failure: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    cut_at: Mapped[datetime | None] = mapped_column(TS)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    published_at: Mapped[datetime | None] = mapped_column(TS)
+    ended_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class SnapshotGroup(Base):
+    """Immutable copy of a live prompt group at a snapshot's ledger cut."""
+
+    __tablename__ = "snapshot_groups"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "snapshot_id", "group_id"),
+        ForeignKeyConstraint(
+            ["run_id", "snapshot_id"], ["snapshots.run_id", "snapshots.snapshot_id"], ondelete="CASCADE"
+        ),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    group_id: Mapped[str] = mapped_column(Text)
+    prompt_ref: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    task_digest: Mapped[str] = mapped_column(Text)
+    task_source: Mapped[str | None] = mapped_column(Text)
+    agent_name: Mapped[str | None] = mapped_column(Text)
+    restore_level: Mapped[str] = mapped_column(Text)
+    expected_generations: Mapped[int] = mapped_column(Integer)
+    target_step: Mapped[int | None] = mapped_column(BigInteger)
+    weight_version: Mapped[str | None] = mapped_column(Text)
+    group_attempt: Mapped[int] = mapped_column(Integer)
+    data_attempts_used: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(Text)
+
+
+class SnapshotAttempt(Base):
+    """Immutable copy of a sibling and its current attempt at a snapshot's ledger cut."""
+
+    __tablename__ = "snapshot_attempts"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "snapshot_id", "attempt_id"),
+        ForeignKeyConstraint(
+            ["run_id", "snapshot_id"], ["snapshots.run_id", "snapshots.snapshot_id"], ondelete="CASCADE"
+        ),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    attempt_id: Mapped[int] = mapped_column(BigInteger)
+    group_id: Mapped[str] = mapped_column(Text)
+    generation_index: Mapped[int] = mapped_column(Integer)
+    row_attempts_used: Mapped[int] = mapped_column(Integer)
+    rollout_id: Mapped[str] = mapped_column(Text)
+    gym_instance_id: Mapped[str | None] = mapped_column(Text)
+    gym_attempt: Mapped[int] = mapped_column(Integer)
+    group_attempt: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(Text)
+    refusals: Mapped[int] = mapped_column(Integer)
+    receipt: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    reward: Mapped[float | None] = mapped_column(Float)
+    mask_sample: Mapped[bool | None] = mapped_column(Boolean)
+    staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    gym_owned: Mapped[bool] = mapped_column(Boolean)
+
+
+class OutboxItem(Base):
+    """One retire (an episode) or forget (a rollout id) owed to one Gym instance (section 7)."""
+
+    __tablename__ = "outbox_items"
+    __table_args__ = (
+        PrimaryKeyConstraint("item_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint(_in("op", OUTBOX_OPS), name="op"),
+        CheckConstraint(_in("state", OUTBOX_STATES), name="state"),
+        Index("ix_outbox_items_due", "run_id", "instance_id", "op", "next_attempt_at", postgresql_where=text("state = 'pending'")),
+    )
+    item_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
+    run_id: Mapped[str] = mapped_column(Text)
+    instance_id: Mapped[str] = mapped_column(Text)
+    op: Mapped[str] = mapped_column(Text)
+    rollout_id: Mapped[str] = mapped_column(Text)
+    gym_attempt: Mapped[int | None] = mapped_column(Integer)
+    attempt_id: Mapped[int | None] = mapped_column(BigInteger)
+    # Gym checkpoint id to send: 'retire'/'forget' while idle, or a restore id for restore cleanup.
+    checkpoint_id: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text, server_default="pending")
+    tries: Mapped[int] = mapped_column(Integer, server_default="0")
+    last_error: Mapped[str | None] = mapped_column(Text)
+    next_attempt_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    delivered_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class OwnershipLease(Base):
+    """Who drives a run's background work (snapshots, outbox); the epoch fences a lost owner."""
+
+    __tablename__ = "ownership_leases"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    owner: Mapped[str] = mapped_column(Text)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime] = mapped_column(TS)
+
+
+class Restore(Base):
+    __tablename__ = "restores"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "restore_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    restore_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text)
+    with_gym_state: Mapped[bool] = mapped_column(Boolean)
+    gym_restore_id: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    ended_at: Mapped[datetime | None] = mapped_column(TS)
