@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidConfig
+from .domain.config import load_recovery_config
+from .domain.errors import DomainError
+from .errors import CoordinatorError, InvalidConfig
 
 
 def validate_recovery_config(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """Validate a run's recovery config; return the normalised config and warnings."""
-    from .domain import config as dc
-
+    """Validate a run's recovery config; return the normalised config (every key present)."""
     try:
-        cfg = dc.RecoveryConfig.parse(raw)  # type: ignore[attr-defined]
-    except dc.ConfigError as e:  # type: ignore[attr-defined]
-        errors = [{"field": f"recovery.{p.field}" if p.field else "recovery", "message": p.message} for p in e.problems]
-        raise InvalidConfig("; ".join(f"{x['field']}: {x['message']}" for x in errors), errors=errors) from e
-    return cfg.model_dump(mode="json"), []
+        cfg = load_recovery_config(raw)
+    except DomainError as e:
+        raise domain_problem(e, prefix="recovery", error=InvalidConfig) from e
+    return cfg.public_dict(), []
+
+
+def domain_problem(e: DomainError, *, prefix: str = "", error: type[CoordinatorError] = InvalidConfig) -> CoordinatorError:
+    """A problem document naming every field a domain refusal points at."""
+    errors = []
+    for issue in e.issues:
+        path = ".".join(x for x in (prefix, issue.path) if x)
+        errors.append({"field": path or "body", "message": issue.message})
+    return error("; ".join(f"{x['field']}: {x['message']}" for x in errors), errors=errors)

@@ -4,4 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-ROUTERS: list[Any] = []
+from . import rollouts
+
+ROUTERS: list[Any] = [rollouts.router]

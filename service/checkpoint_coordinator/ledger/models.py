@@ -156,7 +156,7 @@ class Sibling(Base):
     run_id: Mapped[str] = mapped_column(Text)
     group_id: Mapped[str] = mapped_column(Text)
     generation_index: Mapped[int] = mapped_column(Integer)
-    current_attempt_id: Mapped[int | None] = mapped_column(BigInteger)
+    # The current attempt is the sibling's attempt row with is_current (unique partial index).
     row_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
@@ -183,6 +183,7 @@ class Attempt(Base):
             postgresql_where=text("is_current"),
         ),
         # Live, Gym-facing attempts of an instance: commit candidates and pending drains.
+        Index("ix_attempts_dispatch", "run_id", "dispatch_id", postgresql_where=text("dispatch_id IS NOT NULL")),
         Index(
             "ix_attempts_live_instance",
             "run_id",
@@ -210,6 +211,8 @@ class Attempt(Base):
     retirement: Mapped[str] = mapped_column(Text, server_default="none")
     # Set when Gym holds restored state for this attempt (a continuation at gym_attempt).
     gym_owned: Mapped[bool] = mapped_column(Boolean, server_default="false")
+    # The trainer's dispatch this attempt went out in, so "stream ended" can name the missing rows.
+    dispatch_id: Mapped[str | None] = mapped_column(Text)
     replaced_by_attempt_id: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     dispatched_at: Mapped[datetime | None] = mapped_column(TS)

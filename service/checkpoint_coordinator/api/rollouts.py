@@ -1,0 +1,211 @@
+"""Trainer reports of section 4 (batch calls) and the operator reads of the live ledger."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from pydantic import Field, field_validator
+
+from ..errors import BadRequest
+from ..ledger import rollouts as repo
+from .auth import Caller, require_run_access
+from .common import GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, Strict
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"])
+
+MAX_ROWS = 20_000
+RolloutId = str
+
+
+class PromptRef(Strict):
+    sample_id: str | int = Field(description="Locator of the prompt in the trainer's dataset (never the prompt itself).")
+    task_name: str = Field(min_length=1, max_length=256)
+
+
+class AdmitGroupIn(Strict):
+    group_id: str = Field(pattern=GROUP_ID_PATTERN, min_length=1, max_length=160)
+    prompt_ref: PromptRef
+    task_digest: str = Field(min_length=1, max_length=128)
+    task_source: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
+    agent_name: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
+    expected_generations: int = Field(ge=1, le=1024)
+    target_step: int | None = Field(default=None, ge=0)
+    weight_version: str | None = Field(default=None, max_length=128)
+
+    @field_validator("group_id")
+    @classmethod
+    def _no_capture_suffix(cls, v: str) -> str:
+        import re
+
+        if re.search(r"-a[0-9]+$", v):
+            raise ValueError("must not end in -a<digits> (reserved for capture keys)")
+        return v
+
+
+class AdmitIn(Strict):
+    groups: list[AdmitGroupIn] = Field(min_length=1, max_length=5000)
+
+
+class DispatchIn(Strict):
+    dispatch_id: str = Field(pattern=NAME_PATTERN, min_length=1, max_length=128, description="Trainer-chosen id of this /run stream.")
+    instance_id: str | None = Field(default=None, pattern=INSTANCE_ID_PATTERN, max_length=256)
+    rollout_ids: list[str] = Field(min_length=1, max_length=MAX_ROWS)
+
+
+class RolloutIdsIn(Strict):
+    rollout_ids: list[str] = Field(min_length=1, max_length=MAX_ROWS)
+
+
+class SealRowIn(Strict):
+    rollout_id: str = Field(pattern=ROLLOUT_ID_PATTERN, max_length=256)
+    receipt: dict[str, Any] = Field(description="Gym's receipt; its rollout_id must be the attempt's capture key.")
+    staging_keys: list[str] = Field(default_factory=list, max_length=100_000)
+    reward: float | None = Field(default=None, allow_inf_nan=False)
+    mask_sample: bool | None = None
+
+
+class SealIn(Strict):
+    rows: list[SealRowIn] = Field(min_length=1, max_length=MAX_ROWS)
+
+
+class FailRowIn(Strict):
+    rollout_id: str = Field(pattern=ROLLOUT_ID_PATTERN, max_length=256)
+    failure_class: Literal["data", "transport"]
+    detail: str | None = Field(default=None, max_length=4096)
+
+
+class FailIn(Strict):
+    rows: list[FailRowIn] = Field(min_length=1, max_length=MAX_ROWS)
+
+
+class StreamEndedIn(Strict):
+    returned: list[str] = Field(default_factory=list, max_length=MAX_ROWS, description="Rollout ids whose rows came back.")
+
+
+class GroupIdsIn(Strict):
+    group_ids: list[str] = Field(min_length=1, max_length=MAX_ROWS)
+
+
+def _check_ids(ids: list[str], what: str = "rollout_ids") -> None:
+    import re
+
+    pat = re.compile(ROLLOUT_ID_PATTERN)
+    bad = [i for i, x in enumerate(ids) if len(x) > 256 or not pat.match(x)]
+    if bad:
+        raise BadRequest(f"{what}[{bad[0]}] is not a valid id", errors=[{"field": f"{what}.{i}", "message": "invalid id"} for i in bad[:100]])
+    if len(set(ids)) != len(ids):
+        raise BadRequest(f"{what} names an id twice", errors=[{"field": what, "message": "duplicate id"}])
+
+
+@router.post("/groups/admit", operation_id="admit_groups")
+async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Create groups, siblings and one reserved attempt per sibling; answers the rows to send."""
+    groups = [
+        repo.AdmitGroup(
+            group_id=g.group_id,
+            prompt_ref=g.prompt_ref.model_dump(),
+            task_digest=g.task_digest,
+            task_source=g.task_source,
+            agent_name=g.agent_name,
+            expected_generations=g.expected_generations,
+            target_step=g.target_step,
+            weight_version=g.weight_version,
+        )
+        for g in body.groups
+    ]
+    return {"groups": await repo.admit(request.app.state.engine, caller.run_id, groups)}
+
+
+@router.post("/attempts/dispatch", operation_id="dispatch_attempts")
+async def dispatch_attempts(body: DispatchIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Record that reserved attempts are being sent to Gym. 409 `gate_closed` while a snapshot holds the gate."""
+    _check_ids(body.rollout_ids)
+    return await repo.dispatch(
+        request.app.state.engine,
+        caller.run_id,
+        body.dispatch_id,
+        body.instance_id,
+        body.rollout_ids,
+        retry_after_s=request.app.state.settings.gate_retry_after_s,
+    )
+
+
+@router.post("/attempts/refused", operation_id="report_refused")
+async def report_refused(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Gym refused these rows at admission: same rollout id, no attempt spent; re-send after the gate reopens."""
+    _check_ids(body.rollout_ids)
+    return await repo.refused(request.app.state.engine, caller.run_id, body.rollout_ids)
+
+
+@router.post("/attempts/sealed", operation_id="report_sealed")
+async def report_sealed(body: SealIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    _check_ids([r.rollout_id for r in body.rows])
+    rows = [repo.SealRow(r.rollout_id, r.receipt, r.staging_keys, r.reward, r.mask_sample) for r in body.rows]
+    return await repo.seal(request.app.state.engine, caller.run_id, rows)
+
+
+@router.post("/attempts/failed", operation_id="report_failed")
+async def report_failed(body: FailIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    _check_ids([r.rollout_id for r in body.rows])
+    rows = [repo.FailRow(r.rollout_id, r.failure_class, r.detail) for r in body.rows]
+    return await repo.fail(request.app.state.engine, caller.run_id, rows)
+
+
+@router.post("/dispatches/{dispatch_id}/ended", operation_id="report_stream_ended")
+async def report_stream_ended(
+    body: StreamEndedIn,
+    request: Request,
+    dispatch_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """The /run stream of a dispatch ended; rows that never came back become transport failures."""
+    if body.returned:
+        _check_ids(body.returned, "returned")
+    return await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned)
+
+
+@router.post("/groups/finalize", operation_id="finalize_groups")
+async def finalize_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    _check_ids(body.group_ids, "group_ids")
+    return await repo.finalize(request.app.state.engine, caller.run_id, body.group_ids)
+
+
+@router.post("/groups/abandon", operation_id="abandon_groups")
+async def abandon_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    _check_ids(body.group_ids, "group_ids")
+    return await repo.abandon(request.app.state.engine, caller.run_id, body.group_ids)
+
+
+@router.get("/counts", operation_id="live_counts")
+async def live_counts(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Live groups and attempts by status, and the pending outbox by op."""
+    return await repo.live_counts(request.app.state.engine, caller.run_id)
+
+
+@router.get("/groups/{group_id}", operation_id="get_group")
+async def get_group(
+    request: Request,
+    group_id: str = Path(..., pattern=GROUP_ID_PATTERN, max_length=160),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """One group with its siblings and their attempt history."""
+    return await repo.group_detail(request.app.state.engine, caller.run_id, group_id)
+
+
+@router.post("/attempts/pending", operation_id="pending_attempts")
+async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Which of these rollouts are still dispatched without a result (index lookups only)."""
+    _check_ids(body.rollout_ids)
+    return {"pending": await repo.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)}
+
+
+@router.get("/outbox", operation_id="list_outbox")
+async def list_outbox(
+    request: Request,
+    limit: int = Query(100, ge=1, le=1000),
+    after: int | None = Query(None, ge=0),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """Pending retire/forget items owed to Gym instances."""
+    return await repo.pending_outbox(request.app.state.engine, caller.run_id, limit=limit, after=after)

@@ -1,0 +1,982 @@
+"""Live rollout bookkeeping (recovery-ledger.md sections 1, 2, 4 and 7).
+
+Every public function is one transaction that read-locks the run (fencing), locks the prompt
+groups it touches in group-id order (so two batches on the same groups never deadlock), decides
+in Python, and writes with set-based SQL (``unnest`` arrays), never a statement per row.
+
+A batch is atomic: if any row is refused, nothing of the batch is written and the caller gets a
+typed 409 naming each refused row.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
+from .runs import RunRow, lock_run
+
+TokenHex = Callable[[], str]
+
+
+def _hex() -> str:
+    return secrets.token_hex(16)
+
+
+def capture_key(rollout_id: str, gym_attempt: int) -> str:
+    return rollout_id if gym_attempt == 0 else f"{rollout_id}-a{gym_attempt}"
+
+
+def new_rollout_id(group_id: str, generation_index: int, token_hex: TokenHex = _hex) -> str:
+    return f"{group_id}_g{generation_index}_a{token_hex()}"
+
+
+LEVEL_RANK = {"turn": 0, "sibling": 1, "prompt_group": 2}
+
+
+def resolve_level(config: dict[str, Any], agent_name: str | None, task_source: str | None) -> str:
+    agent_over = config.get("agent_target_level_overrides") or {}
+    source_over = config.get("task_source_target_level_overrides") or {}
+    if agent_name is not None and agent_name in agent_over:
+        return str(agent_over[agent_name])
+    if task_source is not None and task_source in source_over:
+        return str(source_over[task_source])
+    return str(config.get("target_level", "sibling"))
+
+
+def granularity(level: str) -> str:
+    return "prompt_group" if level == "prompt_group" else "sibling"
+
+
+@dataclass(frozen=True)
+class Budgets:
+    max_row_attempts: int
+    max_group_attempts: int
+    max_data_attempts: int
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> Budgets:
+        return cls(
+            max_row_attempts=int(config.get("max_row_attempts", 3)),
+            max_group_attempts=int(config.get("max_group_attempts", 3)),
+            max_data_attempts=int(config.get("max_data_attempts", 2)),
+        )
+
+
+class BatchRefused(Conflict):
+    """One or more rows of a batch were refused; nothing of the batch was written."""
+
+    code = "batch_refused"
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        codes = sorted({r["code"] for r in rows})
+        super().__init__(
+            f"{len(rows)} row(s) refused ({', '.join(codes)}); nothing of this batch was written",
+            code=codes[0] if len(codes) == 1 else "batch_refused",
+            rows=rows[:1000],
+            refused_count=len(rows),
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class AttemptRow:
+    attempt_id: int
+    group_id: str
+    generation_index: int
+    rollout_id: str
+    gym_instance_id: str | None
+    gym_attempt: int
+    group_attempt: int
+    status: str
+    is_current: bool
+    refusals: int
+    receipt: dict[str, Any] | None
+    reward: float | None
+    mask_sample: bool | None
+    staging_keys: list[str] | None
+    gym_owned: bool
+    dispatch_id: str | None
+    retirement: str
+    row_attempts_used: int = 0
+
+    @property
+    def capture_key(self) -> str:
+        return capture_key(self.rollout_id, self.gym_attempt)
+
+
+@dataclass
+class GroupRow:
+    group_id: str
+    restore_level: str
+    expected_generations: int
+    group_attempt: int
+    data_attempts_used: int
+    status: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+_ATT_COLS = (
+    "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_instance_id, a.gym_attempt, "
+    "a.group_attempt, a.status, a.is_current, a.refusals, a.receipt, a.reward, a.mask_sample, "
+    "a.staging_keys, a.gym_owned, a.dispatch_id, a.retirement"
+)
+
+
+async def _lock_groups(conn: AsyncConnection, run_id: str, group_ids: Iterable[str]) -> dict[str, GroupRow]:
+    ids = sorted(set(group_ids))
+    if not ids:
+        return {}
+    rows = (
+        await conn.execute(
+            text(
+                "SELECT group_id, restore_level, expected_generations, group_attempt, data_attempts_used, status, "
+                "prompt_ref, task_digest, task_source, agent_name, target_step, weight_version "
+                "FROM prompt_groups WHERE run_id = :r AND group_id = ANY(:ids) ORDER BY group_id FOR UPDATE"
+            ),
+            {"r": run_id, "ids": ids},
+        )
+    ).all()
+    out = {}
+    for r in rows:
+        m = r._mapping
+        out[m["group_id"]] = GroupRow(
+            group_id=m["group_id"],
+            restore_level=m["restore_level"],
+            expected_generations=m["expected_generations"],
+            group_attempt=m["group_attempt"],
+            data_attempts_used=m["data_attempts_used"],
+            status=m["status"],
+            fields={k: m[k] for k in ("prompt_ref", "task_digest", "task_source", "agent_name", "target_step", "weight_version", "expected_generations")},
+        )
+    return out
+
+
+async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, AttemptRow]:
+    rows = (
+        await conn.execute(
+            text(f"SELECT {_ATT_COLS} FROM attempts a WHERE a.run_id = :r AND a.rollout_id = ANY(:ids)"),
+            {"r": run_id, "ids": list(rollout_ids)},
+        )
+    ).all()
+    return {r.rollout_id: AttemptRow(**dict(r._mapping)) for r in rows}
+
+
+async def _current_attempts(conn: AsyncConnection, run_id: str, group_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
+    rows = (
+        await conn.execute(
+            text(
+                f"SELECT {_ATT_COLS}, s.row_attempts_used FROM attempts a JOIN siblings s "
+                "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+                "WHERE a.run_id = :r AND a.group_id = ANY(:ids) AND a.is_current ORDER BY a.group_id, a.generation_index"
+            ),
+            {"r": run_id, "ids": list(group_ids)},
+        )
+    ).all()
+    out: dict[str, list[AttemptRow]] = defaultdict(list)
+    for r in rows:
+        out[r.group_id].append(AttemptRow(**dict(r._mapping)))
+    return out
+
+
+def send_row(a: AttemptRow, level: str, instance_id: str | None = None) -> dict[str, Any]:
+    return {
+        "group_id": a.group_id,
+        "generation_index": a.generation_index,
+        "rollout_id": a.rollout_id,
+        "capture_key": a.capture_key,
+        "gym_attempt": a.gym_attempt,
+        "group_attempt": a.group_attempt,
+        "status": a.status,
+        "restore_level": level,
+        # A Gym-owned continuation must go back to the instance holding its state.
+        "instance_id": instance_id if instance_id is not None else (a.gym_instance_id if a.gym_owned else None),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Writing helpers
+
+
+class _Plan:
+    """Collects the writes of one batch, then applies them set-based."""
+
+    def __init__(self, run_id: str, token_hex: TokenHex) -> None:
+        self.run_id = run_id
+        self.token_hex = token_hex
+        self.status_updates: dict[int, dict[str, Any]] = {}
+        self.new_attempts: list[dict[str, Any]] = []
+        self.retires: list[AttemptRow] = []
+        self.group_updates: dict[str, dict[str, Any]] = {}
+        self.row_attempts: dict[tuple[str, int], int] = {}
+        self.transitions: dict[str, int] = defaultdict(int)
+
+    def set_attempt(self, a: AttemptRow, **changes: Any) -> None:
+        cur = self.status_updates.setdefault(a.attempt_id, {})
+        cur.update(changes)
+        if "status" in changes:
+            self.transitions[changes["status"]] += 1
+
+    def end_attempt(self, a: AttemptRow, status: str, failure_class: str | None = None) -> None:
+        """Abandon/fail an attempt; one that may still run in Gym gets a retire item."""
+        needs_retire = a.status == "dispatched" or (a.gym_owned and a.gym_instance_id is not None)
+        changes: dict[str, Any] = {"status": status, "is_current": False}
+        if failure_class:
+            changes["failure_class"] = failure_class
+        if needs_retire and a.gym_instance_id is not None and a.retirement == "none":
+            changes["retirement"] = "retire_pending"
+            self.retires.append(a)
+        self.set_attempt(a, **changes)
+
+    def mint(self, group_id: str, generation_index: int, group_attempt: int) -> dict[str, Any]:
+        row = {
+            "group_id": group_id,
+            "generation_index": generation_index,
+            "rollout_id": new_rollout_id(group_id, generation_index, self.token_hex),
+            "group_attempt": group_attempt,
+        }
+        self.new_attempts.append(row)
+        self.transitions["reserved"] += 1
+        return row
+
+    def set_group(self, group_id: str, **changes: Any) -> None:
+        self.group_updates.setdefault(group_id, {}).update(changes)
+
+    async def apply(self, conn: AsyncConnection) -> None:
+        await self._apply_attempt_updates(conn)
+        if self.new_attempts:
+            await conn.execute(
+                text(
+                    "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
+                    "SELECT :r, g, i, ro, ga FROM unnest(CAST(:g AS text[]), CAST(:i AS int[]), CAST(:ro AS text[]), CAST(:ga AS int[])) AS t(g, i, ro, ga)"
+                ),
+                {
+                    "r": self.run_id,
+                    "g": [x["group_id"] for x in self.new_attempts],
+                    "i": [x["generation_index"] for x in self.new_attempts],
+                    "ro": [x["rollout_id"] for x in self.new_attempts],
+                    "ga": [x["group_attempt"] for x in self.new_attempts],
+                },
+            )
+        if self.row_attempts:
+            keys = list(self.row_attempts)
+            await conn.execute(
+                text(
+                    "UPDATE siblings s SET row_attempts_used = t.n FROM unnest(CAST(:g AS text[]), CAST(:i AS int[]), CAST(:n AS int[])) AS t(g, i, n) "
+                    "WHERE s.run_id = :r AND s.group_id = t.g AND s.generation_index = t.i"
+                ),
+                {"r": self.run_id, "g": [k[0] for k in keys], "i": [k[1] for k in keys], "n": [self.row_attempts[k] for k in keys]},
+            )
+        for gid, ch in self.group_updates.items():
+            sets = ", ".join(f"{k} = :{k}" for k in ch)
+            if ch.get("status") in ("finalized", "abandoned"):
+                sets += ", ended_at = now()"
+            await conn.execute(text(f"UPDATE prompt_groups SET {sets} WHERE run_id = :r AND group_id = :gid"), {"r": self.run_id, "gid": gid, **ch})
+        if self.retires:
+            await enqueue_retires(conn, self.run_id, self.retires)
+        _count_transitions(self.transitions)
+
+    async def _apply_attempt_updates(self, conn: AsyncConnection) -> None:
+        if not self.status_updates:
+            return
+        # Group updates by the set of columns they touch, one UPDATE ... FROM unnest per shape.
+        by_shape: dict[tuple[str, ...], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
+        for aid, ch in self.status_updates.items():
+            by_shape[tuple(sorted(ch))].append((aid, ch))
+        for cols, items in by_shape.items():
+            params: dict[str, Any] = {"ids": [aid for aid, _ in items]}
+            select_cols, sets = ["id"], []
+            for c in cols:
+                select_cols.append(c)
+                if _COL_TYPES[c] == "jsonb":
+                    # Arrays of JSON travel as text[]; staging keys become a text[] column again.
+                    params[c] = [None if ch[c] is None else _json(ch[c]) for _, ch in items]
+                    if c == "staging_keys":
+                        sets.append(f"{c} = CASE WHEN t.{c} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(t.{c}::jsonb)) END")
+                    else:
+                        sets.append(f"{c} = t.{c}::jsonb")
+                else:
+                    params[c] = [ch[c] for _, ch in items]
+                    sets.append(f"{c} = t.{c}")
+            casts = ", ".join(f"CAST(:{c} AS {'text' if _COL_TYPES[c] == 'jsonb' else _COL_TYPES[c]}[])" for c in cols)
+            extra = ""
+            if "status" in cols:
+                extra = ", ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END"
+                extra += ", dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END"
+            await conn.execute(
+                text(
+                    f"UPDATE attempts a SET {', '.join(sets)}{extra} FROM unnest(CAST(:ids AS bigint[]), {casts}) "
+                    f"AS t({', '.join(select_cols)}) WHERE a.attempt_id = t.id"
+                ),
+                params,
+            )
+
+
+_COL_TYPES = {
+    "status": "text",
+    "is_current": "boolean",
+    "failure_class": "text",
+    "retirement": "text",
+    "gym_instance_id": "text",
+    "dispatch_id": "text",
+    "refusals": "int",
+    "receipt": "jsonb",
+    "reward": "float8",
+    "mask_sample": "boolean",
+    "staging_keys": "jsonb",
+    "gym_owned": "boolean",
+    "replaced_by_attempt_id": "bigint",
+}
+
+
+def _json(v: Any) -> str:
+    import json
+
+    return json.dumps(v, separators=(",", ":"), sort_keys=True)
+
+
+def _count_transitions(transitions: dict[str, int]) -> None:
+    try:
+        from ..observability.metrics import LEDGER_TRANSITIONS
+    except ImportError:
+        return
+    for to, n in transitions.items():
+        if n:
+            LEDGER_TRANSITIONS.labels(to=to).inc(n)
+
+
+async def enqueue_retires(conn: AsyncConnection, run_id: str, attempts: Sequence[AttemptRow], checkpoint_id: str = "retire") -> None:
+    """Queue a retire of each attempt on its instance, in the caller's transaction (section 7)."""
+    items = [a for a in attempts if a.gym_instance_id is not None]
+    if not items:
+        return
+    await conn.execute(
+        text(
+            "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
+            "SELECT :r, inst, 'retire', ro, ga, aid, :cp FROM unnest(CAST(:inst AS text[]), CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(inst, ro, ga, aid)"
+        ),
+        {
+            "r": run_id,
+            "cp": checkpoint_id,
+            "inst": [a.gym_instance_id for a in items],
+            "ro": [a.rollout_id for a in items],
+            "ga": [a.gym_attempt for a in items],
+            "aid": [a.attempt_id for a in items],
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Section 4 operations
+
+
+@dataclass(frozen=True)
+class AdmitGroup:
+    group_id: str
+    prompt_ref: dict[str, Any]
+    task_digest: str
+    task_source: str | None
+    agent_name: str | None
+    expected_generations: int
+    target_step: int | None
+    weight_version: str | None
+
+
+async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], token_hex: TokenHex = _hex) -> list[dict[str, Any]]:
+    """Create groups, siblings and one reserved attempt per sibling; answer the rows to send.
+
+    An identical repeat answers the group's current rows; a repeat with other fields is refused.
+    """
+    seen: set[str] = set()
+    dups = [g.group_id for g in groups if g.group_id in seen or seen.add(g.group_id)]  # type: ignore[func-returns-value]
+    if dups:
+        raise BatchRefused([{"group_id": d, "code": "duplicate_in_batch", "detail": "group named twice in one batch"} for d in dups])
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id)
+        existing = await _lock_groups(conn, run_id, (g.group_id for g in groups))
+        refused = []
+        for g in groups:
+            ex = existing.get(g.group_id)
+            if ex is None:
+                continue
+            want = {
+                "prompt_ref": g.prompt_ref, "task_digest": g.task_digest, "task_source": g.task_source,
+                "agent_name": g.agent_name, "target_step": g.target_step, "weight_version": g.weight_version,
+                "expected_generations": g.expected_generations,
+            }
+            diff = sorted(k for k, v in want.items() if ex.fields.get(k) != v)
+            if diff:
+                refused.append({"group_id": g.group_id, "code": "group_conflict", "detail": f"admitted before with other {', '.join(diff)}"})
+        if refused:
+            raise BatchRefused(refused)
+        new = [g for g in groups if g.group_id not in existing]
+        levels = {g.group_id: resolve_level(run.config, g.agent_name, g.task_source) for g in new}
+        if new:
+            await conn.execute(
+                text(
+                    "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                    "expected_generations, target_step, weight_version) "
+                    "SELECT :r, g, pr::jsonb, td, ts, an, lv, n, st, wv FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
+                    "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
+                    "CAST(:st AS bigint[]), CAST(:wv AS text[])) AS t(g, pr, td, ts, an, lv, n, st, wv)"
+                ),
+                {
+                    "r": run_id,
+                    "g": [g.group_id for g in new],
+                    "pr": [_json(g.prompt_ref) for g in new],
+                    "td": [g.task_digest for g in new],
+                    "ts": [g.task_source for g in new],
+                    "an": [g.agent_name for g in new],
+                    "lv": [levels[g.group_id] for g in new],
+                    "n": [g.expected_generations for g in new],
+                    "st": [g.target_step for g in new],
+                    "wv": [g.weight_version for g in new],
+                },
+            )
+            gids = [g.group_id for g in new for _ in range(g.expected_generations)]
+            idx = [i for g in new for i in range(g.expected_generations)]
+            await conn.execute(
+                text(
+                    "INSERT INTO siblings (run_id, group_id, generation_index) "
+                    "SELECT :r, g, i FROM unnest(CAST(:g AS text[]), CAST(:i AS int[])) AS t(g, i)"
+                ),
+                {"r": run_id, "g": gids, "i": idx},
+            )
+            plan = _Plan(run_id, token_hex)
+            for g, i in zip(gids, idx, strict=True):
+                plan.mint(g, i, 0)
+            await plan.apply(conn)
+        current = await _current_attempts(conn, run_id, [g.group_id for g in groups])
+        all_groups = {**existing, **{g.group_id: None for g in new}}
+        out = []
+        for g in groups:
+            level = existing[g.group_id].restore_level if g.group_id in existing else levels[g.group_id]
+            ex = existing.get(g.group_id)
+            rows = current.get(g.group_id, [])
+            out.append(
+                {
+                    "group_id": g.group_id,
+                    "restore_level": level,
+                    "granularity": granularity(level),
+                    "status": ex.status if ex else "generating",
+                    "group_attempt": ex.group_attempt if ex else 0,
+                    "admitted": g.group_id not in existing,
+                    "rows": [send_row(a, level) for a in rows],
+                }
+            )
+        del all_groups
+        return out
+
+
+async def dispatch(
+    engine: AsyncEngine,
+    run_id: str,
+    dispatch_id: str,
+    instance_id: str | None,
+    rollout_ids: Sequence[str],
+    *,
+    retry_after_s: float = 1.0,
+) -> dict[str, Any]:
+    """Mark reserved attempts as sent to Gym (to ``instance_id``) in dispatch ``dispatch_id``."""
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id)
+        if run.gate_snapshot_id is not None:
+            raise GateClosed(
+                f"dispatch gate closed by snapshot {run.gate_snapshot_id}; retry after it reopens",
+                snapshot_id=run.gate_snapshot_id,
+                retry_after_s=retry_after_s,
+            )
+        if instance_id is not None:
+            known = (await conn.execute(text("SELECT array_agg(instance_id) FROM gym_instances WHERE run_id = :r"), {"r": run_id})).scalar()
+            if known and instance_id not in known:
+                raise NotFound(f"instance {instance_id!r} is not registered for this run", code="unknown_instance", instance_id=instance_id)
+        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
+        # Re-read under the group locks: a concurrent batch may have replaced attempts meanwhile.
+        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        refused, todo, rows = [], [], []
+        for rid in rollout_ids:
+            a = atts.get(rid)
+            if a is None:
+                refused.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
+                continue
+            level = groups[a.group_id].restore_level
+            if a.status == "dispatched" and a.is_current:
+                if a.dispatch_id == dispatch_id and a.gym_instance_id == instance_id:
+                    rows.append(send_row(a, level, instance_id))  # identical repeat
+                else:
+                    refused.append({"rollout_id": rid, "code": "already_dispatched", "detail": f"dispatched in {a.dispatch_id} to {a.gym_instance_id}"})
+                continue
+            if not a.is_current or a.status != "reserved":
+                refused.append({"rollout_id": rid, "code": "attempt_not_current", "detail": f"attempt is {a.status}; send its replacement"})
+                continue
+            if groups[a.group_id].status != "generating":
+                refused.append({"rollout_id": rid, "code": "group_not_generating", "detail": f"group is {groups[a.group_id].status}"})
+                continue
+            if level == "turn" and instance_id is None:
+                refused.append({"rollout_id": rid, "code": "instance_required", "detail": "turn-level attempts need a Gym instance"})
+                continue
+            if a.gym_owned and a.gym_instance_id != instance_id:
+                refused.append({"rollout_id": rid, "code": "wrong_instance", "detail": f"restored continuation lives on {a.gym_instance_id}"})
+                continue
+            todo.append(a)
+            rows.append(send_row(a, level, instance_id))
+        if refused:
+            raise BatchRefused(refused)
+        plan = _Plan(run_id, _hex)
+        for a in todo:
+            plan.set_attempt(a, status="dispatched", gym_instance_id=instance_id, dispatch_id=dispatch_id)
+        await plan.apply(conn)
+        for r in rows:
+            r["status"] = "dispatched"
+        return {"dispatch_id": dispatch_id, "instance_id": instance_id, "rows": rows}
+
+
+async def refused(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) -> dict[str, Any]:
+    """Gym refused these rows at admission: back to reserved, same identity, no attempt spent."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
+        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        bad, plan, rows = [], _Plan(run_id, _hex), []
+        for rid in rollout_ids:
+            a = atts.get(rid)
+            if a is None:
+                bad.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
+            elif a.is_current and a.status == "reserved":
+                rows.append(send_row(a, groups[a.group_id].restore_level))  # repeat: already back
+            elif a.is_current and a.status == "dispatched":
+                changes: dict[str, Any] = {"status": "reserved", "refusals": a.refusals + 1, "dispatch_id": None}
+                if not a.gym_owned:
+                    changes["gym_instance_id"] = None  # it never ran: any instance may take it
+                plan.set_attempt(a, **changes)
+                a.status = "reserved"
+                rows.append(send_row(a, groups[a.group_id].restore_level))
+            else:
+                bad.append({"rollout_id": rid, "code": "attempt_not_current", "detail": f"attempt is {a.status}"})
+        if bad:
+            raise BatchRefused(bad)
+        await plan.apply(conn)
+        return {"rows": rows}
+
+
+@dataclass(frozen=True)
+class SealRow:
+    rollout_id: str
+    receipt: dict[str, Any]
+    staging_keys: list[str]
+    reward: float | None
+    mask_sample: bool | None
+
+
+async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> dict[str, Any]:
+    """Record finished rows. Sibling recovery seals each row; prompt_group recovery marks rows
+    returned and seals the cohort in this same transaction once all N have returned."""
+    by_id = {r.rollout_id: r for r in rows_in}
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        atts = await _attempts_by_rollout(conn, run_id, list(by_id))
+        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
+        atts = await _attempts_by_rollout(conn, run_id, list(by_id))
+        bad, results, plan = [], [], _Plan(run_id, _hex)
+        touched_groups: set[str] = set()
+        for rid, row in by_id.items():
+            a = atts.get(rid)
+            if a is None:
+                bad.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
+                continue
+            got_key = row.receipt.get("rollout_id")
+            if got_key != a.capture_key:
+                bad.append({"rollout_id": rid, "code": "receipt_mismatch", "detail": f"receipt names {got_key!r}, expected capture key {a.capture_key!r}"})
+                continue
+            record = {"receipt": row.receipt, "staging_keys": list(row.staging_keys), "reward": row.reward, "mask_sample": row.mask_sample}
+            if a.status in ("sealed", "returned"):
+                same = a.receipt == row.receipt and list(a.staging_keys or []) == list(row.staging_keys) and a.reward == row.reward and a.mask_sample == row.mask_sample
+                if same:
+                    results.append({"rollout_id": rid, "result": "unchanged", "status": a.status})
+                else:
+                    bad.append({"rollout_id": rid, "code": "seal_conflict", "detail": "sealed before with a different receipt or payload"})
+                continue
+            if not a.is_current:
+                bad.append({"rollout_id": rid, "code": "attempt_replaced", "detail": f"attempt was {a.status} and replaced; its result is discarded"})
+                continue
+            if a.status != "dispatched" or groups[a.group_id].status != "generating":
+                bad.append({"rollout_id": rid, "code": "attempt_not_current", "detail": f"attempt is {a.status}, group {groups[a.group_id].status}"})
+                continue
+            level = groups[a.group_id].restore_level
+            status = "returned" if granularity(level) == "prompt_group" else "sealed"
+            plan.set_attempt(a, status=status, **record)
+            a.status = status
+            touched_groups.add(a.group_id)
+            results.append({"rollout_id": rid, "result": status, "status": status})
+        if bad:
+            raise BatchRefused(bad)
+        ready_groups, cohort_sealed = [], []
+        if touched_groups:
+            current = await _current_attempts(conn, run_id, sorted(touched_groups))
+            for gid in sorted(touched_groups):
+                g = groups[gid]
+                cur = current[gid]
+                statuses = [plan.status_updates.get(x.attempt_id, {}).get("status", x.status) for x in cur]
+                if granularity(g.restore_level) == "prompt_group":
+                    if len(cur) == g.expected_generations and all(s == "returned" for s in statuses):
+                        for x in cur:
+                            plan.set_attempt(x, status="sealed")
+                        cohort_sealed.append(gid)
+                        plan.set_group(gid, status="ready")
+                        ready_groups.append(gid)
+                elif len(cur) == g.expected_generations and all(s == "sealed" for s in statuses):
+                    plan.set_group(gid, status="ready")
+                    ready_groups.append(gid)
+        for r in results:
+            if r["result"] == "returned" and atts[r["rollout_id"]].group_id in cohort_sealed:
+                r["status"] = "sealed"
+        await plan.apply(conn)
+        return {"rows": results, "ready_groups": ready_groups, "cohorts_sealed": cohort_sealed}
+
+
+class _GroupState:
+    """In-memory view of one locked group while a batch decides its fate."""
+
+    def __init__(self, g: GroupRow, current: list[AttemptRow]) -> None:
+        self.g = g
+        self.current = {a.generation_index: a for a in current}
+        self.minted: list[dict[str, Any]] = []
+
+    @property
+    def granularity(self) -> str:
+        return granularity(self.g.restore_level)
+
+
+def _replace_cohort(plan: _Plan, st: _GroupState, budgets: Budgets, *, data: bool) -> None:
+    """Fail the group's current cohort; mint a fresh one under group_attempt + 1, or abandon."""
+    for a in list(st.current.values()):
+        if a.status in ("dispatched", "reserved", "returned"):
+            plan.end_attempt(a, "abandoned")
+        else:
+            plan.set_attempt(a, is_current=False)
+    st.current.clear()
+    g = st.g
+    if data:
+        g.data_attempts_used += 1
+        plan.set_group(g.group_id, data_attempts_used=g.data_attempts_used)
+        exhausted = g.data_attempts_used >= budgets.max_data_attempts
+    else:
+        exhausted = g.group_attempt + 1 >= budgets.max_group_attempts
+    if exhausted:
+        g.status = "abandoned"
+        plan.set_group(g.group_id, status="abandoned")
+        return
+    g.group_attempt += 1
+    plan.set_group(g.group_id, group_attempt=g.group_attempt)
+    for i in range(g.expected_generations):
+        row = plan.mint(g.group_id, i, g.group_attempt)
+        plan.row_attempts[(g.group_id, i)] = 0
+        st.minted.append(row)
+        st.current[i] = _minted_view(row)
+
+
+def _minted_view(row: dict[str, Any]) -> AttemptRow:
+    return AttemptRow(
+        attempt_id=-1, group_id=row["group_id"], generation_index=row["generation_index"], rollout_id=row["rollout_id"],
+        gym_instance_id=None, gym_attempt=0, group_attempt=row["group_attempt"], status="reserved", is_current=True,
+        refusals=0, receipt=None, reward=None, mask_sample=None, staging_keys=None, gym_owned=False, dispatch_id=None,
+        retirement="none",
+    )
+
+
+def _transport_failure(plan: _Plan, st: _GroupState, a: AttemptRow, budgets: Budgets) -> None:
+    if st.granularity == "prompt_group":
+        plan.end_attempt(a, "abandoned", "transport")
+        st.current.pop(a.generation_index, None)
+        _replace_cohort(plan, st, budgets, data=False)
+        return
+    used = a.row_attempts_used + 1
+    plan.end_attempt(a, "abandoned", "transport")
+    del st.current[a.generation_index]
+    if used >= budgets.max_row_attempts:
+        _replace_cohort(plan, st, budgets, data=False)
+        return
+    plan.row_attempts[(a.group_id, a.generation_index)] = used
+    row = plan.mint(a.group_id, a.generation_index, st.g.group_attempt)
+    st.minted.append(row)
+    view = _minted_view(row)
+    view.row_attempts_used = used
+    st.current[a.generation_index] = view
+
+
+def _data_failure(plan: _Plan, st: _GroupState, a: AttemptRow, budgets: Budgets) -> None:
+    # The row got a reply, so it ended in Gym: failed, no retire. Its siblings may still run.
+    plan.set_attempt(a, status="failed", is_current=False, failure_class="data")
+    st.current.pop(a.generation_index, None)
+    _replace_cohort(plan, st, budgets, data=True)
+
+
+def _group_answer(st: _GroupState) -> dict[str, Any]:
+    level = st.g.restore_level
+    send = [send_row(a, level) for _, a in sorted(st.current.items()) if a.status == "reserved"] if st.g.status == "generating" else []
+    return {"group_id": st.g.group_id, "status": st.g.status, "group_attempt": st.g.group_attempt, "rows_to_send": send}
+
+
+async def _load_states(conn: AsyncConnection, run_id: str, group_ids: Iterable[str]) -> dict[str, _GroupState]:
+    groups = await _lock_groups(conn, run_id, group_ids)
+    current = await _current_attempts(conn, run_id, list(groups))
+    return {gid: _GroupState(g, current.get(gid, [])) for gid, g in groups.items()}
+
+
+@dataclass(frozen=True)
+class FailRow:
+    rollout_id: str
+    failure_class: str  # "data" | "transport"
+    detail: str | None = None
+
+
+async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> dict[str, Any]:
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id)
+        budgets = Budgets.of(run.config)
+        ids = [r.rollout_id for r in rows_in]
+        atts = await _attempts_by_rollout(conn, run_id, ids)
+        states = await _load_states(conn, run_id, (a.group_id for a in atts.values()))
+        atts = await _attempts_by_rollout(conn, run_id, ids)
+        plan, bad, results = _Plan(run_id, _hex), [], []
+        touched: list[str] = []
+        for r in rows_in:
+            a = atts.get(r.rollout_id)
+            if a is None:
+                bad.append({"rollout_id": r.rollout_id, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
+                continue
+            st = states[a.group_id]
+            cur = st.current.get(a.generation_index)
+            if a.status in ("failed", "abandoned") or (cur is not None and cur.rollout_id != a.rollout_id):
+                results.append({"rollout_id": r.rollout_id, "result": "unchanged"})  # already handled
+            elif a.status in ("sealed", "returned"):
+                bad.append({"rollout_id": r.rollout_id, "code": "attempt_sealed", "detail": "a sealed row cannot fail"})
+                continue
+            elif a.status == "reserved":
+                bad.append({"rollout_id": r.rollout_id, "code": "attempt_not_dispatched", "detail": "a reserved row never reached Gym; dispatch it"})
+                continue
+            elif st.g.status != "generating":
+                results.append({"rollout_id": r.rollout_id, "result": "unchanged"})
+            else:
+                a.row_attempts_used = cur.row_attempts_used if cur else 0
+                if r.failure_class == "data":
+                    _data_failure(plan, st, a, budgets)
+                else:
+                    _transport_failure(plan, st, a, budgets)
+                results.append({"rollout_id": r.rollout_id, "result": "failed" if r.failure_class == "data" else "abandoned"})
+            if a.group_id not in touched:
+                touched.append(a.group_id)
+        if bad:
+            raise BatchRefused(bad)
+        await plan.apply(conn)
+        return {"rows": results, "groups": [_group_answer(states[g]) for g in touched]}
+
+
+async def stream_ended(engine: AsyncEngine, run_id: str, dispatch_id: str, returned: Sequence[str]) -> dict[str, Any]:
+    """A dispatch's stream ended; rows that never came back are transport failures."""
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id)
+        budgets = Budgets.of(run.config)
+        gids = (
+            await conn.execute(
+                text("SELECT DISTINCT group_id FROM attempts WHERE run_id = :r AND dispatch_id = :d"), {"r": run_id, "d": dispatch_id}
+            )
+        ).scalars().all()
+        if not gids:
+            raise NotFound(f"no dispatch {dispatch_id!r} in this run", code="unknown_dispatch")
+        states = await _load_states(conn, run_id, gids)
+        back = set(returned)
+        plan, missing = _Plan(run_id, _hex), []
+        for gid in sorted(states):
+            st = states[gid]
+            if st.g.status != "generating":
+                continue
+            lost = [a for a in st.current.values() if a.dispatch_id == dispatch_id and a.status == "dispatched" and a.rollout_id not in back]
+            for a in sorted(lost, key=lambda x: x.generation_index):
+                if st.current.get(a.generation_index) is not a:
+                    continue  # replaced by an earlier row's cohort replacement in this batch
+                missing.append(a.rollout_id)
+                _transport_failure(plan, st, a, budgets)
+        await plan.apply(conn)
+        return {"dispatch_id": dispatch_id, "missing": missing, "groups": [_group_answer(states[g]) for g in sorted(states)]}
+
+
+async def finalize(engine: AsyncEngine, run_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+    """The trainer consumed these ready groups; they leave the live ledger."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        groups = await _lock_groups(conn, run_id, group_ids)
+        bad, done, plan = [], [], _Plan(run_id, _hex)
+        for gid in group_ids:
+            g = groups.get(gid)
+            if g is None:
+                bad.append({"group_id": gid, "code": "unknown_group", "detail": "no such group"})
+            elif g.status == "finalized":
+                done.append({"group_id": gid, "result": "unchanged"})
+            elif g.status != "ready":
+                bad.append({"group_id": gid, "code": "group_not_ready", "detail": f"group is {g.status}; every sibling must be sealed"})
+            else:
+                plan.set_group(gid, status="finalized")
+                plan.transitions["finalized"] += 1
+                done.append({"group_id": gid, "result": "finalized"})
+        if bad:
+            raise BatchRefused(bad)
+        await plan.apply(conn)
+        return {"groups": done}
+
+
+async def abandon(engine: AsyncEngine, run_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
+    """Give up on groups; every attempt that may still run in Gym is queued for retirement."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        states = await _load_states(conn, run_id, group_ids)
+        bad, done, plan = [], [], _Plan(run_id, _hex)
+        for gid in group_ids:
+            st = states.get(gid)
+            if st is None:
+                bad.append({"group_id": gid, "code": "unknown_group", "detail": "no such group"})
+            elif st.g.status == "abandoned":
+                done.append({"group_id": gid, "result": "unchanged"})
+            elif st.g.status == "finalized":
+                bad.append({"group_id": gid, "code": "group_finalized", "detail": "the trainer already consumed this group"})
+            else:
+                for a in st.current.values():
+                    if a.status in ("dispatched", "reserved", "returned"):
+                        plan.end_attempt(a, "abandoned")
+                plan.set_group(gid, status="abandoned")
+                plan.transitions["group_abandoned"] += 1
+                done.append({"group_id": gid, "result": "abandoned"})
+        if bad:
+            raise BatchRefused(bad)
+        await plan.apply(conn)
+        return {"groups": done}
+
+
+# --------------------------------------------------------------------------------------------
+# Reads for operators
+
+
+async def live_counts(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        groups = dict((await conn.execute(text("SELECT status, count(*) FROM prompt_groups WHERE run_id = :r GROUP BY status"), {"r": run_id})).all())
+        atts = dict(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT a.status, count(*) FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
+                        "WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready') GROUP BY a.status"
+                    ),
+                    {"r": run_id},
+                )
+            ).all()
+        )
+        outbox = dict(
+            (await conn.execute(text("SELECT op, count(*) FROM outbox_items WHERE run_id = :r AND state = 'pending' GROUP BY op"), {"r": run_id})).all()
+        )
+    return {"groups": groups, "live_attempts": atts, "outbox_pending": outbox}
+
+
+async def group_detail(engine: AsyncEngine, run_id: str, group_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        g = (await conn.execute(text("SELECT * FROM prompt_groups WHERE run_id = :r AND group_id = :g"), {"r": run_id, "g": group_id})).first()
+        if g is None:
+            raise NotFound(f"group {group_id!r} not found in run {run_id!r}", code="group_not_found")
+        sibs = (await conn.execute(text("SELECT generation_index, row_attempts_used FROM siblings WHERE run_id = :r AND group_id = :g ORDER BY generation_index"), {"r": run_id, "g": group_id})).all()
+        atts = (
+            await conn.execute(
+                text(
+                    "SELECT attempt_id, generation_index, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, is_current, refusals, "
+                    "reward, mask_sample, staging_keys, failure_class, retirement, gym_owned, dispatch_id, created_at, dispatched_at, ended_at "
+                    "FROM attempts WHERE run_id = :r AND group_id = :g ORDER BY generation_index, attempt_id"
+                ),
+                {"r": run_id, "g": group_id},
+            )
+        ).all()
+    m = dict(g._mapping)
+    by_sib: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for a in atts:
+        d = dict(a._mapping)
+        d["capture_key"] = capture_key(d["rollout_id"], d["gym_attempt"])
+        for k in ("created_at", "dispatched_at", "ended_at"):
+            d[k] = d[k].isoformat() if d[k] else None
+        by_sib[d.pop("generation_index")].append(d)
+    return {
+        "group_id": m["group_id"],
+        "status": m["status"],
+        "restore_level": m["restore_level"],
+        "granularity": granularity(m["restore_level"]),
+        "expected_generations": m["expected_generations"],
+        "group_attempt": m["group_attempt"],
+        "data_attempts_used": m["data_attempts_used"],
+        "prompt_ref": m["prompt_ref"],
+        "task_digest": m["task_digest"],
+        "task_source": m["task_source"],
+        "agent_name": m["agent_name"],
+        "target_step": m["target_step"],
+        "weight_version": m["weight_version"],
+        "siblings": [
+            {"generation_index": s.generation_index, "row_attempts_used": s.row_attempts_used, "attempts": by_sib.get(s.generation_index, [])}
+            for s in sibs
+        ],
+    }
+
+
+async def pending_outbox(engine: AsyncEngine, run_id: str, *, limit: int, after: int | None) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT item_id, instance_id, op, rollout_id, gym_attempt, checkpoint_id, tries, last_error, next_attempt_at, created_at "
+                    "FROM outbox_items WHERE run_id = :r AND state = 'pending' AND item_id > :after ORDER BY item_id LIMIT :lim"
+                ),
+                {"r": run_id, "after": after or 0, "lim": limit},
+            )
+        ).all()
+        oldest = (await conn.execute(text("SELECT min(created_at) FROM outbox_items WHERE run_id = :r AND state = 'pending'"), {"r": run_id})).scalar()
+    items = []
+    for r in rows:
+        d = dict(r._mapping)
+        d["next_attempt_at"] = d["next_attempt_at"].isoformat()
+        d["created_at"] = d["created_at"].isoformat()
+        items.append(d)
+    return {"items": items, "oldest_created_at": oldest.isoformat() if oldest else None, "next_after": items[-1]["item_id"] if len(items) == limit else None}
+
+
+async def pending_attempts(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) -> list[str]:
+    """Which of these attempts are still pending (dispatched, current)? Index lookups only:
+    the cost follows the number asked about, never the number of live rollouts."""
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text("SELECT rollout_id FROM attempts WHERE run_id = :r AND rollout_id = ANY(:ids) AND is_current AND status = 'dispatched'"),
+                {"r": run_id, "ids": list(rollout_ids)},
+            )
+        ).scalars().all()
+    return sorted(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch gate (closed by a snapshot; see snapshots/)
+
+
+async def close_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
+    await conn.execute(text("UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r"), {"r": run_id, "s": snapshot_id})
+
+
+async def open_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
+    """Reopen the gate if (and only if) this snapshot still holds it."""
+    await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r AND gate_snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
