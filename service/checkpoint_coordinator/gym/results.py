@@ -1,0 +1,151 @@
+"""What each control operation hands back to the choreographies. Plain, immutable data."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import GymControlError
+from .models import Episode, InstanceTopology
+
+__all__ = [
+    "BatchResult",
+    "CommitResult",
+    "ForgetSettlement",
+    "InstanceCommit",
+    "PrepareResult",
+    "RenewResult",
+    "RestoreResult",
+    "ResumeReport",
+    "SaveResult",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareResult:
+    checkpoint_id: str
+    # Per instance, the union of every reply's restarts: a rollout restarts if any part does.
+    restarts: Mapping[str, frozenset[Episode]]
+    # The deadline_ts each participant was sent, per instance and server. The lease a
+    # participant reports afterwards is at least this plus its grace (section 6).
+    deadlines: Mapping[str, Mapping[str, float]]
+    first_sent_at: float
+    finished_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class RenewResult:
+    checkpoint_id: str
+    deadline_ts: float
+    # lease_expires_at per instance and server, from the servers that answered.
+    leases: Mapping[str, Mapping[str, float]]
+    failure: GymControlError | None = None
+
+    @property
+    def earliest_expiry(self) -> float | None:
+        values = [t for servers in self.leases.values() for t in servers.values()]
+        return min(values) if values else None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceCommit:
+    instance_id: str
+    checkpoint_dir: str
+    scope: tuple[Episode, ...]
+    # E of spec 5.4: the union of the agents' run_episode_ids, sorted.
+    episodes: tuple[Episode, ...]
+    restarts: tuple[Episode, ...]
+    # Staging keys of E only, sorted and unique.
+    staging_keys: tuple[str, ...]
+    # Server names of the participants that committed, sorted.
+    participants: tuple[str, ...]
+    # scope - E: /run replies already on the wire, which the caller must drain.
+    pending: tuple[Episode, ...]
+    # The participant manifests as replied, per server (plain dicts).
+    manifests: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    checkpoint_id: str
+    instances: Mapping[str, InstanceCommit]
+
+    def pending(self) -> dict[str, set[Episode]]:
+        return {iid: set(ic.pending) for iid, ic in self.instances.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeReport:
+    checkpoint_id: str
+    failure: GymControlError | None
+    answered_at: float
+    # Per instance and server, the reply's idempotent flag (servers that answered).
+    idempotent: Mapping[str, Mapping[str, bool]] = field(default_factory=dict)
+    rounds: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def raise_for_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    restore_id: str
+    source_checkpoint_id: str
+    # Per instance, the N+1 attempts the caller dispatches on that same instance.
+    continued: Mapping[str, tuple[Episode, ...]]
+    # Per instance, the manifest's restarts, which start over from their tasks.
+    restarts: Mapping[str, tuple[Episode, ...]]
+    topology: Mapping[str, InstanceTopology]
+    resume: ResumeReport | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """One retire or forget batch on one instance, for a durable outbox to keep or drop."""
+
+    instance_id: str
+    op: str
+    checkpoint_id: str
+    episodes: tuple[Episode, ...] = ()
+    rollout_ids: tuple[str, ...] = ()
+    servers_ok: tuple[str, ...] = ()
+    failure: GymControlError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetSettlement:
+    """Outcome of forget with the section-7 refusal rule (re-retire, then forget again)."""
+
+    instance_id: str
+    forgotten: tuple[str, ...]
+    # What must stay queued because even the second round failed.
+    owed_retires: tuple[Episode, ...]
+    owed_forgets: tuple[str, ...]
+    batches: tuple[BatchResult, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    checkpoint_id: str
+    manifest: Mapping[str, Any]
+    commit: CommitResult
+    restarts: Mapping[str, frozenset[Episode]]
+    # None when stop=True: no resume is sent.
+    resume: ResumeReport | None
+    timings: Mapping[str, float]
+    gym_parked_seconds: float | None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def gym_restarted_episodes(self) -> int:
+        return sum(len(r) for r in self.restarts.values())
