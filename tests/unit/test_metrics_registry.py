@@ -137,9 +137,12 @@ def test_snapshot_outcome_pairs_are_validated() -> None:
     with pytest.raises(m.MetricLabelError):
         m.record_snapshot_outcome("published", "drain_timeout")
     with pytest.raises(m.MetricLabelError):
-        m.record_snapshot_outcome("failed", "none")
+        m.record_snapshot_outcome("failed", "ok")
     with pytest.raises(m.MetricLabelError):
-        m.record_snapshot_outcome("exploded", "none")
+        m.record_snapshot_outcome("aborted", "drain_timeout")  # drain timeouts fail, not abort
+    with pytest.raises(m.MetricLabelError):
+        m.record_snapshot_outcome("exploded", "ok")
+    assert set(m.REASON_OUTCOME) == {r.value for r in m.SnapshotReason}
 
 
 def test_failure_series_exist_at_zero_before_the_first_failure() -> None:

@@ -47,7 +47,7 @@ __all__ = [
 REDACTED: Final = "[REDACTED]"
 BOUND_KEYS: Final = ("run_id", "snapshot_id", "instance_id")
 
-_context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("ckptc_log_context", default={})
+_context: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar("checkpoint_coordinator.log_context", default={})
 
 
 # --------------------------------------------------------------------------- binding

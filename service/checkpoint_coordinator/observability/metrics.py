@@ -38,6 +38,7 @@ __all__ = [
     "SnapshotPhase",
     "SnapshotOutcome",
     "SnapshotReason",
+    "REASON_OUTCOME",
     "RestoreDisposition",
     "RestoreOutcome",
     "GymControlOp",
@@ -46,6 +47,7 @@ __all__ = [
     "OutboxOp",
     "LedgerState",
     "HttpMethod",
+    "HELPER_METRICS",
     "metrics_in_table",
     "spec_table_metrics",
     "render_latest",
@@ -76,27 +78,43 @@ class SnapshotOutcome(StrEnum):
 
 
 class SnapshotReason(StrEnum):
-    """The closed enum of snapshot end reasons.
+    """The closed enum of snapshot end reasons (``ok`` for a published snapshot).
 
-    ``none`` is the reason of a published snapshot. The Gym failure classes of the
-    control protocol (section 9) appear under their own names, so an operator can
-    tell "Gym was unreachable" from "Gym answered something malformed".
+    Mirrors ``domain.snapshot_state.SnapshotReason``; the contract test compares
+    the two whenever the domain module is importable.
     """
 
-    NONE = "none"
+    OK = "ok"
+    # failed
     GYM_NOT_READY = "gym_not_ready"
+    GYM_UNAVAILABLE = "gym_unavailable"
+    GYM_INVARIANT = "gym_invariant"
+    LEASE_LOST = "lease_lost"
     DRAIN_TIMEOUT = "drain_timeout"
     DATA_PLANE_TIMEOUT = "data_plane_timeout"
+    DATA_PLANE_FAILED = "data_plane_failed"
+    # aborted
     TRAIN_STEP_COMMITTED = "train_step_committed"
     COORDINATOR_RESTART = "coordinator_restart"
-    LEASE_LOST = "lease_lost"
-    UNAVAILABLE = "unavailable"
-    PROTOCOL_ERROR = "protocol_error"
-    CONFIG_ERROR = "config_error"
-    CONFLICT = "conflict"
-    CHECKPOINT_STATE = "checkpoint_state"
+    SUPERSEDED = "superseded"
     CANCELLED = "cancelled"
-    INTERNAL_ERROR = "internal_error"
+
+
+#: The outcome each reason belongs to; a snapshot is counted only under its own outcome.
+REASON_OUTCOME: Final[Mapping[str, str]] = {
+    SnapshotReason.OK: SnapshotOutcome.PUBLISHED,
+    SnapshotReason.GYM_NOT_READY: SnapshotOutcome.FAILED,
+    SnapshotReason.GYM_UNAVAILABLE: SnapshotOutcome.FAILED,
+    SnapshotReason.GYM_INVARIANT: SnapshotOutcome.FAILED,
+    SnapshotReason.LEASE_LOST: SnapshotOutcome.FAILED,
+    SnapshotReason.DRAIN_TIMEOUT: SnapshotOutcome.FAILED,
+    SnapshotReason.DATA_PLANE_TIMEOUT: SnapshotOutcome.FAILED,
+    SnapshotReason.DATA_PLANE_FAILED: SnapshotOutcome.FAILED,
+    SnapshotReason.TRAIN_STEP_COMMITTED: SnapshotOutcome.ABORTED,
+    SnapshotReason.COORDINATOR_RESTART: SnapshotOutcome.ABORTED,
+    SnapshotReason.SUPERSEDED: SnapshotOutcome.ABORTED,
+    SnapshotReason.CANCELLED: SnapshotOutcome.ABORTED,
+}
 
 
 class RestoreDisposition(StrEnum):
@@ -139,7 +157,9 @@ class GymCallOutcome(StrEnum):
     NOT_READY = "not_ready"
     UNAVAILABLE = "unavailable"
     LEASE_LOST = "lease_lost"
+    DRAIN_TIMEOUT = "drain_timeout"
     PROTOCOL_ERROR = "protocol_error"
+    TOPOLOGY_MISMATCH = "topology_mismatch"
     CONFIG_ERROR = "config_error"
     CONFLICT = "conflict"
     CHECKPOINT_STATE = "checkpoint_state"
@@ -151,7 +171,11 @@ class OutboxOp(StrEnum):
 
 
 class LedgerState(StrEnum):
-    """Target states of ledger transitions (attempt, group and retirement state)."""
+    """Target states of ledger transitions (attempt, group and retirement state).
+
+    Attempt and group statuses share the word ``abandoned``; a group's is counted
+    as ``group_abandoned`` so the two stay apart.
+    """
 
     # attempt
     RESERVED = "reserved"
@@ -159,11 +183,12 @@ class LedgerState(StrEnum):
     RETURNED = "returned"
     SEALED = "sealed"
     FAILED = "failed"
-    ABANDONED = "abandoned"  # attempts and groups
+    ABANDONED = "abandoned"
     # group
     GENERATING = "generating"
     READY = "ready"
     FINALIZED = "finalized"
+    GROUP_ABANDONED = "group_abandoned"
     # retirement
     RETIRE_PENDING = "retire_pending"
     RETIRED = "retired"
@@ -254,7 +279,7 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         name="ckptc_snapshots_total",
         type=MetricType.COUNTER,
         help="Snapshots that reached a terminal outcome, counted in snapshots, by outcome "
-        "(published, failed, aborted) and reason (none for published).",
+        "(published, failed, aborted) and reason (ok for published).",
         unit="snapshots",
         attr="SNAPSHOTS_TOTAL",
         labels={"outcome": _values(SnapshotOutcome), "reason": _values(SnapshotReason)},
@@ -465,11 +490,8 @@ def _initialize_series() -> None:
     """
     for phase in SnapshotPhase:
         SNAPSHOT_PHASE_SECONDS.labels(phase=phase.value)
-    SNAPSHOTS_TOTAL.labels(outcome=SnapshotOutcome.PUBLISHED.value, reason=SnapshotReason.NONE.value)
-    for outcome in (SnapshotOutcome.FAILED, SnapshotOutcome.ABORTED):
-        for reason in SnapshotReason:
-            if reason is not SnapshotReason.NONE:
-                SNAPSHOTS_TOTAL.labels(outcome=outcome.value, reason=reason.value)
+    for reason, outcome in REASON_OUTCOME.items():
+        SNAPSHOTS_TOTAL.labels(outcome=str(outcome), reason=str(reason))
     for disposition in RestoreDisposition:
         RESTORE_SIBLINGS_TOTAL.labels(disposition=disposition.value)
     for restore_outcome in RestoreOutcome:
@@ -543,15 +565,12 @@ def snapshot_phase_timer(phase: SnapshotPhase | str) -> Iterator[None]:
 def record_snapshot_outcome(outcome: SnapshotOutcome | str, reason: SnapshotReason | str) -> None:
     """Count a snapshot that reached a terminal outcome.
 
-    A published snapshot has reason ``none``; any other outcome must name a reason.
+    The pair must agree with ``REASON_OUTCOME`` (``published`` goes with ``ok``).
     """
     out = _closed(outcome, SnapshotOutcome, "outcome")
     why = _closed(reason, SnapshotReason, "reason")
-    if (out == SnapshotOutcome.PUBLISHED) != (why == SnapshotReason.NONE):
-        raise MetricLabelError(
-            f"outcome={out} with reason={why}: published snapshots have reason none, "
-            "failed or aborted ones a real reason"
-        )
+    if REASON_OUTCOME[why] != out:
+        raise MetricLabelError(f"reason={why} belongs to outcome={REASON_OUTCOME[why]}, not outcome={out}")
     SNAPSHOTS_TOTAL.labels(outcome=out, reason=why).inc()
 
 
@@ -701,6 +720,33 @@ def set_build_info(version: str | None = None) -> None:
     py = "{}.{}.{}".format(*sys.version_info[:3])
     BUILD_INFO.clear()
     BUILD_INFO.labels(version=version or _package_version(), python=py).set(1)
+
+
+# --------------------------------------------------------------------------- helper index
+
+#: Which metrics each recording helper writes. The contract test reads this to
+#: find, in the source tree, what code records each metric, and checks that every
+#: public recording helper of this module is listed.
+HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
+    "observe_snapshot_phase": ("ckptc_snapshot_phase_seconds",),
+    "snapshot_phase_timer": ("ckptc_snapshot_phase_seconds",),
+    "record_snapshot_outcome": ("ckptc_snapshots_total",),
+    "snapshot_in_progress": ("ckptc_snapshots_in_progress",),
+    "set_snapshots_in_progress": ("ckptc_snapshots_in_progress",),
+    "set_snapshot_losses": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning"),
+    "observe_gym_restarted_episodes": ("ckptc_gym_restarted_episodes",),
+    "record_snapshot_resume_failure": ("ckptc_snapshot_resume_failures_total",),
+    "record_restore_siblings": ("ckptc_restore_siblings_total",),
+    "record_restore_plan": ("ckptc_restore_siblings_total",),
+    "observe_restore_duration": ("ckptc_restore_duration_seconds",),
+    "observe_gym_control": ("ckptc_gym_control_seconds",),
+    "set_outbox_backlog": ("ckptc_outbox_pending", "ckptc_outbox_oldest_age_seconds"),
+    "record_ledger_transition": ("ckptc_ledger_transitions_total",),
+    "set_run_leases_held": ("ckptc_run_leases_held",),
+    "set_ready": ("ckptc_ready",),
+    "observe_http_request": ("ckptc_http_request_seconds",),
+    "set_build_info": ("ckptc_build_info",),
+}
 
 
 # --------------------------------------------------------------------------- exposition
