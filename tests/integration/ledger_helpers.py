@@ -1,0 +1,64 @@
+"""Small helpers to drive the trainer-report API in tests."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+_dispatch_ids = itertools.count(1)
+
+
+class RunApi:
+    def __init__(self, client: Any, run_id: str, token: str) -> None:
+        self.c = client
+        self.run_id = run_id
+        self.h = {"Authorization": f"Bearer {token}"}
+
+    async def post(self, path: str, body: dict[str, Any], expect: int = 200) -> dict[str, Any]:
+        r = await self.c.post(f"/v1/runs/{self.run_id}{path}", json=body, headers=self.h)
+        assert r.status_code == expect, (path, r.status_code, r.text)
+        return r.json()
+
+    async def get(self, path: str) -> dict[str, Any]:
+        r = await self.c.get(f"/v1/runs/{self.run_id}{path}", headers=self.h)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    async def admit(self, *groups: dict[str, Any], expect: int = 200) -> dict[str, Any]:
+        return await self.post("/groups/admit", {"groups": list(groups)}, expect)
+
+    async def dispatch(self, rollout_ids: list[str], instance_id: str | None = "math/replica-0", dispatch_id: str | None = None, expect: int = 200) -> dict[str, Any]:
+        body: dict[str, Any] = {"dispatch_id": dispatch_id or f"d{next(_dispatch_ids)}", "rollout_ids": rollout_ids}
+        if instance_id is not None:
+            body["instance_id"] = instance_id
+        return await self.post("/attempts/dispatch", body, expect)
+
+    async def seal(self, rows: list[dict[str, Any]], expect: int = 200, reward: float = 1.0) -> dict[str, Any]:
+        body = [
+            {"rollout_id": r["rollout_id"], "receipt": {"rollout_id": r["capture_key"]}, "staging_keys": [f"tq/{r['capture_key']}/0"], "reward": reward}
+            for r in rows
+        ]
+        return await self.post("/attempts/sealed", {"rows": body}, expect)
+
+    async def fail(self, rows: list[dict[str, Any]], cls: str, expect: int = 200) -> dict[str, Any]:
+        return await self.post("/attempts/failed", {"rows": [{"rollout_id": r["rollout_id"], "failure_class": cls} for r in rows]}, expect)
+
+    async def group(self, gid: str) -> dict[str, Any]:
+        return await self.get(f"/groups/{gid}")
+
+
+def group_body(gid: str, n: int = 4, **kw: Any) -> dict[str, Any]:
+    return {
+        "group_id": gid,
+        "prompt_ref": {"sample_id": gid, "task_name": "math"},
+        "task_digest": f"sha256:{gid}",
+        "expected_generations": n,
+        **kw,
+    }
+
+
+async def new_run(client: Any, admin: dict[str, str], run_id: str = "run-1", **recovery: Any) -> RunApi:
+    body = {"run_id": run_id, "checkpoint_root": "/tmp/ckptc-test", "recovery": {"target_level": "sibling", **recovery}}
+    r = await client.post("/v1/runs", json=body, headers=admin)
+    assert r.status_code == 201, r.text
+    return RunApi(client, run_id, r.json()["run_token"])

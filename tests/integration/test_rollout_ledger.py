@@ -1,0 +1,274 @@
+"""Section 4 over HTTP, for sibling and prompt_group recovery."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .ledger_helpers import group_body, new_run
+
+ROLLOUT_RE = re.compile(r"^(?P<g>.+)_g(?P<i>\d+)_a[0-9a-f]{32}$")
+
+
+async def test_admit_mints_identities_and_repeat_is_identical(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    first = (await run.admit(group_body("g1", 3)))["groups"][0]
+    assert first["admitted"] and first["granularity"] == "sibling" and first["group_attempt"] == 0
+    ids = [r["rollout_id"] for r in first["rows"]]
+    for i, r in enumerate(first["rows"]):
+        m = ROLLOUT_RE.match(r["rollout_id"])
+        assert m and m["g"] == "g1" and int(m["i"]) == i == r["generation_index"]
+        assert r["capture_key"] == r["rollout_id"] and r["status"] == "reserved"
+    again = (await run.admit(group_body("g1", 3)))["groups"][0]
+    assert not again["admitted"] and [r["rollout_id"] for r in again["rows"]] == ids
+    conflict = await run.admit(group_body("g1", 4), expect=409)
+    assert conflict["code"] == "group_conflict" and conflict["rows"][0]["group_id"] == "g1"
+
+
+async def test_levels_resolve_agent_then_source_then_target(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(
+        client, admin, target_level="turn", allow_restart_only_gym_servers=False,
+        agent_target_level_overrides={"genrm_agent": "prompt_group"}, task_source_target_level_overrides={"web": "sibling"},
+    )
+    res = (await run.admit(
+        group_body("a", 2, agent_name="genrm_agent", task_source="web"), group_body("b", 2, task_source="web"), group_body("c", 2)
+    ))["groups"]
+    assert [g["restore_level"] for g in res] == ["prompt_group", "sibling", "turn"]
+    assert [g["granularity"] for g in res] == ["prompt_group", "sibling", "sibling"]
+
+
+async def test_sibling_seal_each_row_then_group_ready_and_finalize(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    one = await run.seal(rows[:1])
+    assert one["rows"][0]["result"] == "sealed" and one["ready_groups"] == []
+    assert (await run.post("/groups/finalize", {"group_ids": ["g1"]}, 409))["code"] == "group_not_ready"
+    two = await run.seal(rows[1:])
+    assert two["ready_groups"] == ["g1"]
+    # identical repeat is a no-op; a different receipt is a typed conflict
+    dup = await run.seal(rows[:1])
+    assert dup["rows"][0]["result"] == "unchanged"
+    conflict = await run.seal(rows[:1], expect=409, reward=0.5)
+    assert conflict["code"] == "seal_conflict"
+    fin = await run.post("/groups/finalize", {"group_ids": ["g1"]})
+    assert fin["groups"] == [{"group_id": "g1", "result": "finalized"}]
+    assert (await run.post("/groups/finalize", {"group_ids": ["g1"]}))["groups"][0]["result"] == "unchanged"
+    counts = await run.get("/counts")
+    assert counts["groups"] == {"finalized": 1} and counts["live_attempts"] == {}
+
+
+async def test_seal_receipt_must_name_capture_key(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]
+    await run.dispatch([rows[0]["rollout_id"]])
+    bad = {"rows": [{"rollout_id": rows[0]["rollout_id"], "receipt": {"rollout_id": "someone-else"}}]}
+    assert (await run.post("/attempts/sealed", bad, 409))["code"] == "receipt_mismatch"
+    assert (await run.group("g1"))["siblings"][0]["attempts"][0]["status"] == "dispatched"
+
+
+async def test_refused_keeps_identity_and_spends_nothing(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    ids = [r["rollout_id"] for r in rows]
+    await run.dispatch(ids)
+    back = await run.post("/attempts/refused", {"rollout_ids": ids[:1]})
+    assert back["rows"][0]["rollout_id"] == ids[0] and back["rows"][0]["status"] == "reserved"
+    g = await run.group("g1")
+    s0 = g["siblings"][0]
+    assert s0["row_attempts_used"] == 0 and len(s0["attempts"]) == 1 and s0["attempts"][0]["refusals"] == 1
+    redo = await run.dispatch(ids[:1])
+    assert redo["rows"][0]["rollout_id"] == ids[0]
+    counts = await run.get("/counts")
+    assert counts["outbox_pending"] == {}
+
+
+async def test_transport_failure_sibling_replaces_row_and_queues_retire(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, max_row_attempts=3)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows], dispatch_id="d-x")
+    res = await run.fail(rows[:1], "transport")
+    grp = res["groups"][0]
+    assert grp["status"] == "generating" and grp["group_attempt"] == 0
+    (new,) = grp["rows_to_send"]
+    assert new["generation_index"] == 0 and new["rollout_id"] != rows[0]["rollout_id"]
+    g = await run.group("g1")
+    assert g["siblings"][0]["row_attempts_used"] == 1
+    assert g["siblings"][1]["attempts"][0]["status"] == "dispatched"  # the sibling keeps streaming
+    old = g["siblings"][0]["attempts"][0]
+    assert old["status"] == "abandoned" and old["retirement"] == "retire_pending"
+    outbox = (await run.get("/outbox"))["items"]
+    assert [(i["op"], i["rollout_id"]) for i in outbox] == [("retire", rows[0]["rollout_id"])]
+    # repeat of the same failure is idempotent: no second replacement, no second retire
+    again = await run.fail(rows[:1], "transport")
+    assert again["rows"][0]["result"] == "unchanged"
+    assert len((await run.get("/outbox"))["items"]) == 1
+    # a seal arriving after the attempt was replaced is refused, typed, and changes nothing
+    late = await run.seal(rows[:1], expect=409)
+    assert late["code"] == "attempt_replaced"
+
+
+async def test_row_budget_spent_retries_whole_group_then_abandons(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, max_row_attempts=2, max_group_attempts=2)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    r1 = (await run.fail(rows[:1], "transport"))["groups"][0]["rows_to_send"]
+    await run.dispatch([r1[0]["rollout_id"]])
+    whole = (await run.fail(r1, "transport"))["groups"][0]
+    assert whole["group_attempt"] == 1 and len(whole["rows_to_send"]) == 2
+    assert all(r["group_attempt"] == 1 for r in whole["rows_to_send"])
+    # the sibling that was still running is retired too
+    retired = {i["rollout_id"] for i in (await run.get("/outbox"))["items"]}
+    assert rows[1]["rollout_id"] in retired and rows[0]["rollout_id"] in retired and r1[0]["rollout_id"] in retired
+    cohort = whole["rows_to_send"]
+    await run.dispatch([r["rollout_id"] for r in cohort])
+    a = (await run.fail(cohort[:1], "transport"))["groups"][0]["rows_to_send"]
+    await run.dispatch([a[0]["rollout_id"]])
+    last = (await run.fail(a, "transport"))["groups"][0]
+    # failure on the last allowed attempt: the group is abandoned and its running rows retired
+    assert last["status"] == "abandoned" and last["rows_to_send"] == []
+    retired = {i["rollout_id"] for i in (await run.get("/outbox", ))["items"]}
+    assert cohort[1]["rollout_id"] in retired and a[0]["rollout_id"] in retired
+
+
+async def test_data_failure_fails_prompt_at_once(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, max_data_attempts=2)
+    rows = (await run.admit(group_body("g1", 3)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    await run.seal(rows[2:])
+    res = (await run.fail(rows[:1], "data"))["groups"][0]
+    assert res["group_attempt"] == 1 and len(res["rows_to_send"]) == 3
+    g = await run.group("g1")
+    assert g["data_attempts_used"] == 1
+    first = {s["generation_index"]: s["attempts"][0] for s in g["siblings"]}
+    assert first[0]["status"] == "failed" and first[0]["retirement"] == "none"  # it replied: no retire
+    assert first[1]["status"] == "abandoned" and first[1]["retirement"] == "retire_pending"
+    assert first[2]["status"] == "sealed" and not first[2]["is_current"]
+    new = res["rows_to_send"]
+    await run.dispatch([r["rollout_id"] for r in new])
+    final = (await run.fail(new[:1], "data"))["groups"][0]
+    assert final["status"] == "abandoned"
+
+
+async def test_stream_ended_short_spends_attempt_for_missing_rows_only(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 3)))["groups"][0]["rows"]
+    ids = [r["rollout_id"] for r in rows]
+    await run.dispatch(ids[:2], dispatch_id="stream-1")  # row 2 never reached Gym
+    await run.seal(rows[:1])
+    ended = await run.post("/dispatches/stream-1/ended", {"returned": [ids[0]]})
+    assert ended["missing"] == [ids[1]]
+    g = await run.group("g1")
+    s1 = g["siblings"][1]
+    assert [a["status"] for a in s1["attempts"]] == ["abandoned", "reserved"] and s1["row_attempts_used"] == 1
+    s2 = g["siblings"][2]
+    assert s2["attempts"][0]["rollout_id"] == ids[2] and s2["attempts"][0]["status"] == "reserved"  # identity kept
+    assert (await run.post("/dispatches/nope/ended", {"returned": []}, 404))["code"] == "unknown_dispatch"
+
+
+async def test_prompt_group_cohort_seals_atomically(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, target_level="prompt_group")
+    rows = (await run.admit(group_body("g1", 3)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    part = await run.seal(rows[:2])
+    assert {r["status"] for r in part["rows"]} == {"returned"} and part["cohorts_sealed"] == []
+    counts = await run.get("/counts")
+    assert counts["live_attempts"].get("sealed", 0) == 0 and counts["live_attempts"]["returned"] == 2
+    last = await run.seal(rows[2:])
+    assert last["cohorts_sealed"] == ["g1"] and last["ready_groups"] == ["g1"]
+    assert (await run.get("/counts"))["live_attempts"] == {"sealed": 3}
+
+
+async def test_prompt_group_genrm_cohort_replaced_as_whole(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, target_level="prompt_group", max_group_attempts=3)
+    rows = (await run.admit(group_body("genrm", 4)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows], dispatch_id="s1")
+    await run.seal(rows[:2])  # two rows returned, not sealed
+    res = (await run.fail(rows[2:3], "transport"))["groups"][0]
+    assert res["group_attempt"] == 1 and len(res["rows_to_send"]) == 4
+    assert {r["rollout_id"] for r in res["rows_to_send"]}.isdisjoint({r["rollout_id"] for r in rows})
+    g = await run.group("genrm")
+    old = [s["attempts"][0] for s in g["siblings"]]
+    assert [a["status"] for a in old] == ["abandoned", "abandoned", "abandoned", "abandoned"]
+    # returned rows replied already, only the two still on the wire are retired
+    assert [a["retirement"] for a in old] == ["none", "none", "retire_pending", "retire_pending"]
+    # a late seal of the failed cohort is refused
+    assert (await run.seal(rows[3:], expect=409))["code"] == "attempt_replaced"
+    # a stream where no row came back moves the whole cohort on
+    new = res["rows_to_send"]
+    await run.dispatch([r["rollout_id"] for r in new], dispatch_id="s2")
+    ended = await run.post("/dispatches/s2/ended", {"returned": []})
+    assert ended["groups"][0]["group_attempt"] == 2 and len(ended["missing"]) >= 1
+
+
+async def test_abandon_queues_retire_for_dispatched_only(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 3)))["groups"][0]["rows"]
+    await run.dispatch([rows[0]["rollout_id"], rows[1]["rollout_id"]], instance_id=None)
+    await run.seal(rows[:1])
+    res = await run.post("/groups/abandon", {"group_ids": ["g1"]})
+    assert res["groups"] == [{"group_id": "g1", "result": "abandoned"}]
+    items = (await run.get("/outbox"))["items"]
+    # Without an instance there is nobody to retire on; with one (below) there is.
+    assert items == []
+    rows2 = (await run.admit(group_body("g2", 2)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows2], instance_id="math/replica-0")
+    await run.post("/groups/abandon", {"group_ids": ["g2"]})
+    items = (await run.get("/outbox"))["items"]
+    assert sorted(i["rollout_id"] for i in items) == sorted(r["rollout_id"] for r in rows2)
+    assert all(i["instance_id"] == "math/replica-0" and i["checkpoint_id"] == "retire" for i in items)
+    assert (await run.post("/groups/abandon", {"group_ids": ["g2"]}))["groups"][0]["result"] == "unchanged"
+
+
+async def test_turn_level_needs_instance(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin, target_level="turn")
+    rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]
+    assert (await run.dispatch([rows[0]["rollout_id"]], instance_id=None, expect=409))["code"] == "instance_required"
+    ok = await run.dispatch([rows[0]["rollout_id"]], instance_id="math/replica-0", dispatch_id="dd")
+    assert ok["rows"][0]["instance_id"] == "math/replica-0"
+    same = await run.dispatch([rows[0]["rollout_id"]], instance_id="math/replica-0", dispatch_id="dd")
+    assert same == ok  # identical repeat answers the same
+    other = await run.dispatch([rows[0]["rollout_id"]], instance_id="math/replica-1", expect=409)
+    assert other["code"] == "already_dispatched"
+
+
+async def test_gate_closed_refuses_dispatch_with_snapshot_and_retry_after(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    from checkpoint_coordinator.ledger import rollouts
+
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]
+    async with app.state.engine.begin() as conn:
+        await rollouts.close_gate(conn, "run-1", "snap-7")
+    r = await client.post("/v1/runs/run-1/attempts/dispatch", json={"dispatch_id": "d", "rollout_ids": [rows[0]["rollout_id"]]}, headers=run.h)
+    assert r.status_code == 409 and r.json()["code"] == "gate_closed"
+    assert r.json()["snapshot_id"] == "snap-7" and int(r.headers["retry-after"]) >= 1
+    async with app.state.engine.begin() as conn:
+        await rollouts.open_gate(conn, "run-1", "snap-7")
+    await run.dispatch([rows[0]["rollout_id"]])
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/attempts/dispatch", {"dispatch_id": "d", "rollout_ids": ["bad id"]}),
+        ("/attempts/dispatch", {"dispatch_id": "d", "rollout_ids": []}),
+        ("/attempts/dispatch", {"dispatch_id": "d", "rollout_ids": ["a", "a"]}),
+        ("/attempts/sealed", {"rows": [{"rollout_id": "x", "receipt": {}, "reward": "high"}]}),
+        ("/attempts/failed", {"rows": [{"rollout_id": "x", "failure_class": "cosmic"}]}),
+        ("/groups/admit", {"groups": [{"group_id": "g-a1", "prompt_ref": {"sample_id": 1, "task_name": "t"}, "task_digest": "d", "expected_generations": 1}]}),
+        ("/groups/admit", {"groups": [{"group_id": "g", "prompt_ref": {"sample_id": 1, "task_name": "t"}, "task_digest": "d", "expected_generations": 0}]}),
+        ("/groups/admit", {"groups": [], "extra": 1}),
+    ],
+)
+async def test_bad_reports_are_422_problems(client, admin, path, body) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    r = await client.post(f"/v1/runs/run-1{path}", json=body, headers=run.h)
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "invalid_request" and r.json()["errors"]
+
+
+async def test_closed_run_refuses_writes(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    await client.post("/v1/runs/run-1/close", headers=admin)
+    assert (await run.admit(group_body("g1"), expect=409))["code"] == "run_closed"
