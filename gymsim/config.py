@@ -1,0 +1,140 @@
+"""Instance configuration: one JSON document describes one Gym deployment instance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+
+from .wire import INSTANCE_ID_RE, NAME_PATTERN
+
+BrokenBehaviour = Literal[
+    "replay_different_scope",
+    "commit_names_restart",
+    "retire_while_open",
+    "lease_never_expires",
+    "ignore_stale_attempt",
+]
+FaultType = Literal["delay", "error", "reset", "lost_reply", "refuse"]
+ServerName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=128)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FaultSpec(_Strict):
+    """One injected fault, matched by (server_name, op) in list order.
+
+    `op` is a control op (`status`, `prepare`, ...) or a data-plane op: `run` (agent /run),
+    `run_reply` (only `delay`: the finished episode's reply sits on the wire), `chat` (policy call),
+    `mutate` and `session` (resources requests).
+    """
+
+    server_name: ServerName
+    op: Annotated[str, StringConstraints(min_length=1, max_length=64)]
+    type: FaultType
+    seconds: Seconds | None = None
+    status: Annotated[int, Field(ge=100, le=599)] | None = None
+    code: str | None = None
+    detail: str | None = None
+    times: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _needs(self) -> "FaultSpec":
+        if self.type == "delay" and self.seconds is None:
+            raise ValueError("a delay fault needs seconds")
+        if self.type == "refuse" and not self.code:
+            raise ValueError("a refuse fault needs the protocol code to refuse with")
+        return self
+
+
+class ServerKnobs(_Strict):
+    """Scenario knobs of one server; all of them can also be changed at runtime (admin API)."""
+
+    # model: responses that become ready while a checkpoint is open wait for resume (5.2).
+    hold_responses: bool = True
+    # model: time to compute a completion before it is ready to deliver.
+    model_latency_seconds: Seconds = 0.0
+    # model: how long a delivered response streams; a streaming response blocks readiness.
+    stream_seconds: Seconds = 0.0
+    # every participant: slow exports (commit) and installs (restore).
+    export_seconds: Seconds = 0.0
+    install_seconds: Seconds = 0.0
+    # agent: cleanup time of a cancelled episode, so a retire can overrun its deadline.
+    stop_seconds: Seconds = 0.0
+    # multi-worker servers (NeMo Gym #3909): blockers <kind>-workers-unreported:<n>, <kind>-worker-lost.
+    workers: Annotated[int, Field(ge=1)] = 1
+    unreported_workers: Annotated[int, Field(ge=0)] = 0
+    worker_lost: bool = False
+    # behave as a process that already served data-plane work (restore refuses it).
+    non_fresh: bool = False
+
+
+class ServerConfig(ServerKnobs):
+    server_name: ServerName
+    # None: not a participant (judge, relay, checkpointing off): status answers 404.
+    kind: str | None = None
+    # None: an older Gym whose status has no `mode` (it behaves as exported).
+    mode: str | None = None
+    # The status field `instance`; free-form so tests can make it differ, collide or break NAME.
+    participant_name: str | None = None
+    # agent: the servers of this instance that its episodes call (default: the first of each kind).
+    model_server: ServerName | None = None
+    resources_server: ServerName | None = None
+
+    @property
+    def name(self) -> str:
+        return self.participant_name if self.participant_name is not None else self.server_name
+
+
+class InstanceConfig(_Strict):
+    instance_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    token: Annotated[str, StringConstraints(min_length=1)]
+    lease_grace_seconds: Seconds = 600.0
+    wire_spelling: Literal["current", "legacy"] = "current"
+    turn_seconds: Seconds = 0.05
+    default_turns: Annotated[int, Field(ge=0)] = 3
+    servers: Annotated[list[ServerConfig], Field(min_length=1)]
+    faults: list[FaultSpec] = []
+    broken: list[BrokenBehaviour] = []
+
+    @field_validator("instance_id")
+    @classmethod
+    def _instance_id(cls, value: str) -> str:
+        if not INSTANCE_ID_RE.match(value):
+            raise ValueError("instance_id is one or more NAME segments joined by '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _unique_and_wired(self) -> "InstanceConfig":
+        names = [s.server_name for s in self.servers]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate server_name: {duplicates}")
+        known = set(names)
+        for server in self.servers:
+            for peer in (server.model_server, server.resources_server):
+                if peer is not None and peer not in known:
+                    raise ValueError(f"{server.server_name} names unknown server {peer!r}")
+        for fault in self.faults:
+            if fault.server_name not in known:
+                raise ValueError(f"fault names unknown server {fault.server_name!r}")
+        return self
+
+    def server(self, name: str) -> ServerConfig:
+        for server in self.servers:
+            if server.server_name == name:
+                return server
+        raise KeyError(name)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "InstanceConfig":
+        return cls.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))
+
+    @classmethod
+    def coerce(cls, config: "dict[str, Any] | InstanceConfig") -> "InstanceConfig":
+        return config if isinstance(config, InstanceConfig) else cls.model_validate(config)

@@ -1,0 +1,199 @@
+"""An async harness for checking a Gym deployment against the participant (P) checklist.
+
+`Harness` drives one running `GymsimInstance` over real HTTP: control calls with the instance's
+token, deadlines on the participant's clock (it tracks the admin clock offset), the data plane of
+the default topology and the admin views. `tests/conformance/` uses it, and so can anyone who
+needs to script a participant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from typing import Any
+
+import httpx
+
+from .testing import GymsimInstance
+
+MODEL = "policy_model"
+AGENT = "workplace_agent"
+RESOURCES = "calendar_resources"
+JUDGE = "judge_model"
+PARTICIPANTS = (MODEL, AGENT, RESOURCES)
+STAGES = (MODEL, AGENT, RESOURCES)  # prepare order; resume goes the other way
+OPS = ("prepare", "renew", "commit", "resume", "restore", "retire", "forget")
+
+# Section 10, restated here so that checks do not take their expectations from the implementation:
+# legacy code -> (current spelling, HTTP status).
+SPEC_CODES = {
+    "unauthorized": ("checkpoint_unauthorized", 401),
+    "stale_checkpoint": ("checkpoint_stale_checkpoint", 409),
+    "checkpoint_conflict": ("checkpoint_conflict", 409),
+    "invalid_phase": ("checkpoint_invalid_phase", 409),
+    "deadline_exceeded": ("checkpoint_deadline_exceeded", 409),
+    "restart_in_scope": ("checkpoint_restart_in_scope", 409),
+    "invalid_checkpoint_state": ("checkpoint_invalid_checkpoint_state", 422),
+    "checkpoint_error": ("checkpoint_error", 409),
+    "checkpoint_coordinator_unavailable": ("checkpoint_coordinator_unavailable", 503),
+    "admission_closed": ("checkpoint_parked", 409),
+    "stale_attempt": ("checkpoint_stale_attempt", 409),
+    "rollout_id_required": ("checkpoint_rollout_id_required", 400),
+}
+
+
+def ep(rollout_id: str, attempt: int = 0) -> dict[str, Any]:
+    return {"rollout_id": rollout_id, "attempt": attempt}
+
+
+class Harness:
+    def __init__(self, gym: GymsimInstance, client: httpx.AsyncClient) -> None:
+        self.gym = gym
+        self.client = client
+        self.token = gym.token
+        self.servers = gym.servers
+        self.spelling = gym.config.wire_spelling
+        self.offset = 0.0
+
+    # ---------------------------------------------------------------- clock
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    def deadline(self, seconds: float = 30.0) -> float:
+        return self.now() + seconds
+
+    def advance(self, seconds: float) -> None:
+        self.offset = self.gym.admin("POST", "/clock", {"advance": seconds})["offset"]
+
+    # ---------------------------------------------------------------- codes
+
+    def code(self, legacy: str) -> str:
+        return legacy if self.spelling == "legacy" else SPEC_CODES[legacy][0]
+
+    def assert_error(self, response: httpx.Response, legacy: str, status: int | None = None) -> None:
+        expected_status = status if status is not None else SPEC_CODES[legacy][1]
+        assert response.status_code == expected_status, (response.status_code, response.text)
+        body = response.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"code", "detail"}, body
+        assert body["error"]["code"] == self.code(legacy), body
+        assert isinstance(body["error"]["detail"], str)
+
+    # ---------------------------------------------------------------- control calls
+
+    def headers(self, token: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token if token is None else token}"}
+
+    async def call(self, server: str, op: str, body: Any = None, *, token: str | None = None, **kw) -> httpx.Response:
+        url = f"{self.servers[server]}/ng-control/v1/checkpoint/{op}"
+        headers = kw.pop("headers", None) or self.headers(token)
+        if op == "status":
+            return await self.client.get(url, headers=headers)
+        return await self.client.post(url, json=body, headers=headers, **kw)
+
+    async def ok(self, server: str, op: str, body: Any = None) -> dict[str, Any]:
+        response = await self.call(server, op, body)
+        assert response.status_code == 200, (server, op, response.status_code, response.text)
+        return response.json()
+
+    async def status(self, server: str) -> dict[str, Any]:
+        return await self.ok(server, "status")
+
+    def body(self, cid: str, seconds: float = 30.0, **extra: Any) -> dict[str, Any]:
+        return {"checkpoint_id": cid, "deadline_ts": self.deadline(seconds), **extra}
+
+    async def prepare(self, server: str, cid: str, seconds: float = 10.0) -> httpx.Response:
+        return await self.call(server, "prepare", self.body(cid, seconds))
+
+    async def prepare_all(self, cid: str, seconds: float = 10.0) -> dict[str, dict]:
+        replies = {}
+        for server in STAGES:
+            replies[server] = await self.ok(server, "prepare", self.body(cid, seconds))
+            assert replies[server]["phase"] == "prepared", replies[server]
+        return replies
+
+    async def commit(self, server: str, cid: str, directory, episodes, seconds: float = 30.0, **extra) -> httpx.Response:
+        body = self.body(cid, seconds, checkpoint_dir=str(directory), episode_ids=list(episodes), **extra)
+        return await self.call(server, "commit", body)
+
+    async def commit_all(self, cid: str, directory, episodes) -> dict[str, dict]:
+        replies = {}
+        for server in STAGES:
+            response = await self.commit(server, cid, directory, episodes)
+            assert response.status_code == 200, (server, response.text)
+            replies[server] = response.json()
+        return replies
+
+    async def resume_all(self, cid: str) -> None:
+        for server in reversed(STAGES):
+            await self.ok(server, "resume", self.body(cid))
+
+    async def restore(self, server: str, cid: str, directory, episodes, seconds: float = 30.0) -> httpx.Response:
+        body = self.body(cid, seconds, checkpoint_dir=str(directory), episode_ids=list(episodes))
+        return await self.call(server, "restore", body)
+
+    async def retire(self, server: str, cid: str, episodes, seconds: float = 30.0) -> httpx.Response:
+        return await self.call(server, "retire", self.body(cid, seconds, episode_ids=list(episodes)))
+
+    async def forget(self, server: str, cid: str, rollout_ids, seconds: float = 30.0) -> httpx.Response:
+        return await self.call(server, "forget", self.body(cid, seconds, rollout_ids=list(rollout_ids)))
+
+    # ---------------------------------------------------------------- data plane
+
+    async def run(self, rollout_id: str, attempt: int = 0, *, task: Any = None, turns: int | None = None) -> httpx.Response:
+        body: dict[str, Any] = {"_ng_rollout_id": rollout_id, "_ng_attempt_index": attempt, "task": task}
+        if turns is not None:
+            body["turns"] = turns
+        return await self.client.post(f"{self.servers[AGENT]}/run", json=body, timeout=60)
+
+    def start_run(self, rollout_id: str, attempt: int = 0, **kw) -> asyncio.Task:
+        return asyncio.ensure_future(self.run(rollout_id, attempt, **kw))
+
+    async def chat(self, key: str, turn: int | None = None) -> httpx.Response:
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
+        if turn is not None:
+            body["turn"] = turn
+        return await self.client.post(f"{self.servers[MODEL]}/ng-rollout/{key}/v1/chat/completions", json=body, timeout=60)
+
+    async def mutate(self, sid: str, turn: int | None = None, work_seconds: float = 0.0) -> httpx.Response:
+        body = {"turn": turn, "entry": {"by": "test"}, "work_seconds": work_seconds}
+        return await self.client.post(f"{self.servers[RESOURCES]}/sessions/{sid}/mutate", json=body, timeout=60)
+
+    # ---------------------------------------------------------------- admin
+
+    def state(self, server: str) -> dict[str, Any]:
+        return self.gym.admin("GET", "/state")["servers"][server]
+
+    def sessions(self) -> dict[str, Any]:
+        return self.gym.admin("GET", f"/resources/{RESOURCES}/sessions")["sessions"]
+
+    def knobs(self, server: str, **changes: Any) -> None:
+        self.gym.admin("POST", f"/servers/{server}/knobs", changes)
+
+    def fingerprint(self, server: str) -> dict[str, Any]:
+        """Everything observable about a participant that a refused call must leave unchanged."""
+        state = copy.deepcopy(self.state(server))
+        for volatile in ("prepare_calls", "commit_calls", "restore_calls"):
+            state.pop(volatile, None)
+        return state
+
+    async def wait_until(self, predicate, timeout: float = 10.0, interval: float = 0.02) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return
+            assert time.monotonic() < deadline, "condition not reached in time"
+            await asyncio.sleep(interval)
+
+    async def wait_parked(self, count: int, timeout: float = 10.0) -> None:
+        """Wait until `count` agent episodes sit at a boundary."""
+
+        async def parked() -> bool:
+            counts = (await self.status(AGENT))["report"]["counts"]
+            return counts["at_boundary"] >= count and counts["working"] == 0
+
+        await self.wait_until(parked, timeout)

@@ -1,0 +1,681 @@
+"""The per-participant phase machine of spec section 4, shared by every kind.
+
+Kind-specific behaviour (what blocks readiness, what is in flight, what an export holds, how a
+record is installed, how work is stopped) lives in the subclasses in `kinds.py`. Sections under
+`self.lock` never await, so every transition is atomic on the event loop; waiting (for readiness,
+an export, an install, stopping work) always happens outside the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import storage
+from .config import ServerConfig
+from .wire import (
+    MAX_BLOCKERS,
+    RESUMED_MEMORY,
+    CommitBody,
+    ForgetBody,
+    PrepareBody,
+    ProtocolError,
+    RestoreBody,
+    RetireBody,
+    capture_key,
+)
+
+if TYPE_CHECKING:
+    from .instance import Instance
+
+log = logging.getLogger("gymsim")
+
+Pair = tuple[str, int]
+Predicate = Callable[[], bool]
+
+
+def behaviour_mode(reported: str | None) -> str:
+    """How a participant behaves: an older Gym without `mode`, the alias and unknown strings all export."""
+    if reported in ("stateless", "restart_only"):
+        return reported
+    return "exported"
+
+
+def sorted_pairs(pairs) -> list[Pair]:
+    return sorted(pairs, key=lambda p: (p[0], p[1]))
+
+
+@dataclass
+class Stored:
+    args: Any
+    reply: dict[str, Any]
+
+
+@dataclass
+class ExportJob:
+    """Export state of one checkpoint: one capture, shared by every commit of that checkpoint."""
+
+    checkpoint_id: str
+    capture: asyncio.Task
+    writes: dict[Any, asyncio.Task] = field(default_factory=dict)
+
+
+@dataclass
+class InstallJob:
+    key: Any
+    task: asyncio.Task
+    waiters: int = 0
+
+
+class Participant:
+    def __init__(self, instance: "Instance", config: ServerConfig) -> None:
+        self.instance = instance
+        self.config = config
+        self.server_name = config.server_name
+        self.kind: str = config.kind or ""
+        self.name = config.name
+        self.reported_mode = config.mode
+        self.mode = behaviour_mode(config.mode)
+        self.clock = instance.clock
+        self.notifier = instance.notifier
+        self.lock = asyncio.Lock()
+
+        self.phase = "idle"
+        self.active_id: str | None = None
+        self.resumed: deque[str] = deque(maxlen=RESUMED_MEMORY)
+        self.stored: dict[tuple[str, str], Stored] = {}
+        self.lease_expires_at: float | None = None
+        self.marks: dict[str, int] = {}
+        self.restarts_fixed: list[str] | None = None
+        self.unclaimed: dict[Pair, dict[str, Any]] = {}
+        self.export_job: ExportJob | None = None
+        self.install_job: InstallJob | None = None
+        self.served = False
+        self.tasks: set[asyncio.Task] = set()
+
+        self.counters: dict[str, int] = {
+            name: 0
+            for name in (
+                "prepare_calls",
+                "prepare_count",
+                "renew_count",
+                "commit_calls",
+                "commit_count",
+                "export_count",
+                "write_count",
+                "restore_calls",
+                "restore_count",
+                "install_count",
+                "resume_count",
+                "retire_count",
+                "forget_count",
+                "lease_expired",
+            )
+        }
+        self.retire_calls: list[list[str]] = []
+        self.forget_calls: list[list[str]] = []
+
+    # ------------------------------------------------------------------ helpers
+
+    @property
+    def knobs(self) -> ServerConfig:
+        return self.config
+
+    def broken(self, behaviour: str) -> bool:
+        return behaviour in self.instance.config.broken
+
+    def spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+
+        def _done(t: asyncio.Task) -> None:
+            self.tasks.discard(t)
+            if not t.cancelled():
+                t.exception()  # retrieved here: a handler that gave up on it must not leave a warning
+            self.notifier.notify()
+
+        task.add_done_callback(_done)
+        return task
+
+    def shutdown(self) -> None:
+        """Drop everything, as a killed process would."""
+        for task in list(self.tasks):
+            task.cancel()
+
+    @property
+    def installing(self) -> bool:
+        job = self.install_job
+        return job is not None and (not job.task.done() or job.waiters > 0)
+
+    @property
+    def admission_open(self) -> bool:
+        return self.phase == "idle" and not self.installing
+
+    def _extend_lease(self, deadline_ts: float) -> None:
+        candidate = deadline_ts + self.instance.config.lease_grace_seconds
+        if self.lease_expires_at is None or candidate > self.lease_expires_at:
+            self.lease_expires_at = candidate
+
+    def check_lease(self) -> None:
+        """Expire the lease if it is due: the participant resumes itself (spec 6)."""
+        if self.phase == "idle" or self.lease_expires_at is None or self.broken("lease_never_expires"):
+            return
+        if self.clock.now() >= self.lease_expires_at:
+            expired = self.active_id
+            self.counters["lease_expired"] += 1
+            log.warning(
+                "gymsim %s/%s: lease of checkpoint %s expired in phase %s; reopening admission",
+                self.instance.config.instance_id,
+                self.server_name,
+                expired,
+                self.phase,
+            )
+            self._end_checkpoint()
+
+    def _end_checkpoint(self) -> None:
+        """Resume and lease expiry: stop the writer, reopen, remember the id (spec 4, 5.5)."""
+        job = self.export_job
+        if job is not None:
+            job.capture.cancel()
+            for task in job.writes.values():
+                task.cancel()
+        self.export_job = None
+        if self.active_id is not None:
+            self.resumed.append(self.active_id)
+        self.active_id = None
+        self.stored.clear()
+        self.phase = "idle"
+        self.lease_expires_at = None
+        self.restarts_fixed = None
+        self.notifier.notify()
+
+    def _precheck(self, checkpoint_id: str, op: str, args: Any) -> dict[str, Any] | None:
+        """Checks 1-3 of section 4; returns a stored reply to replay, or None to go on."""
+        if checkpoint_id in self.resumed:
+            raise ProtocolError("stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed or its lease expired")
+        if self.active_id is not None and self.active_id != checkpoint_id:
+            raise ProtocolError("checkpoint_conflict", f"checkpoint {self.active_id} is active, not {checkpoint_id}")
+        entry = self.stored.get((checkpoint_id, op))
+        if entry is None:
+            return None
+        if entry.args == args or (op == "commit" and self.broken("replay_different_scope")):
+            return entry.reply
+        raise ProtocolError("checkpoint_conflict", f"{op} of {checkpoint_id} was already done with other arguments")
+
+    def _invalid_phase(self, op: str) -> ProtocolError:
+        return ProtocolError("invalid_phase", f"{op} is not allowed in phase {self.phase}")
+
+    # ------------------------------------------------------------------ readiness
+
+    def report(self) -> dict[str, Any]:
+        blockers = sorted(set(self.blockers()) | set(self.worker_blockers()))
+        if self.restarts_fixed is not None:
+            restarts = list(self.restarts_fixed)
+        else:
+            restarts = self.current_restarts()
+        return {
+            "ready": not blockers,
+            "blockers": blockers[:MAX_BLOCKERS],
+            "blocker_count": len(blockers),
+            "counts": self.counts(),
+            "restarts": restarts,
+        }
+
+    def worker_blockers(self) -> list[str]:
+        out = []
+        if self.knobs.workers > 1 or self.knobs.unreported_workers or self.knobs.worker_lost:
+            if self.knobs.unreported_workers:
+                out.append(f"{self.kind}-workers-unreported:{self.knobs.unreported_workers}")
+            if self.knobs.worker_lost:
+                out.append(f"{self.kind}-worker-lost")
+        return out
+
+    def current_restarts(self) -> list[str]:
+        """Restarts are what a restart_only participant cannot capture: everything it holds live."""
+        if self.mode != "restart_only":
+            return []
+        return sorted(set(self.live_keys()))
+
+    def is_fresh(self) -> bool:
+        return not (
+            self.knobs.non_fresh
+            or self.knobs.worker_lost
+            or self.unclaimed
+            or self.has_live_state()
+        )
+
+    # ------------------------------------------------------------------ kind hooks (overridden)
+
+    def blockers(self) -> list[str]:
+        return []
+
+    def counts(self) -> dict[str, int]:
+        return {"unclaimed": len(self.unclaimed)}
+
+    def live_keys(self) -> list[str]:
+        return [capture_key(*p) for p in self.unclaimed]
+
+    def has_live_state(self) -> bool:
+        return False
+
+    def capture_state(self) -> dict[Pair, dict[str, Any]]:
+        """Full exportable state, taken once per checkpoint; the scope is applied when writing."""
+        return {pair: dict(state) for pair, state in self.unclaimed.items()}
+
+    def commit_extras(self, exported: dict[Pair, dict[str, Any]]) -> dict[str, Any]:
+        return {}
+
+    def validate_record(self, record: dict[str, Any]) -> None:
+        """Raise ValueError if a record in scope cannot be installed."""
+
+    def install_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return dict(state)
+
+    def claim(self, pair: Pair) -> dict[str, Any] | None:
+        return self.unclaimed.pop(pair, None)
+
+    def stop_work(self, pairs: list[Pair]) -> Predicate:
+        """Begin stopping live work of attempts <= N; returns "everything has stopped"."""
+        return lambda: True
+
+    def free_state(self, pairs: list[Pair]) -> None:
+        for rollout_id, attempt in pairs:
+            for pair in [p for p in self.unclaimed if p[0] == rollout_id and p[1] <= attempt]:
+                del self.unclaimed[pair]
+
+    def tracked_attempts(self, rollout_id: str) -> list[int]:
+        """Attempts of a rollout with live work still tracked (forget refuses while one is retired)."""
+        return []
+
+    def on_forget(self, rollout_id: str) -> None:
+        pass
+
+    def status_extras(self) -> dict[str, Any]:
+        return {}
+
+    def admin_extras(self) -> dict[str, Any]:
+        return {}
+
+    # ------------------------------------------------------------------ data plane
+
+    def admit(self, rollout_id: str, attempt: int, *, check_mark: bool = True) -> None:
+        """Admission of new data-plane work (spec 7 and 9): marks first, then the checkpoint gate."""
+        self.check_lease()
+        if check_mark and attempt <= self.marks.get(rollout_id, -1):
+            raise ProtocolError(
+                "stale_attempt",
+                f"attempt {attempt} of {rollout_id} was retired (mark {self.marks[rollout_id]})",
+            )
+        if not self.admission_open:
+            raise ProtocolError("admission_closed", f"{self.server_name} is parked for a checkpoint; retry after resume")
+
+    def is_marked(self, rollout_id: str, attempt: int) -> bool:
+        return attempt <= self.marks.get(rollout_id, -1)
+
+    # ------------------------------------------------------------------ control operations
+
+    def status(self) -> dict[str, Any]:
+        self.check_lease()
+        body: dict[str, Any] = {
+            "kind": self.kind,
+            "instance": self.name,
+            "phase": self.phase,
+            "checkpoint_id": self.active_id,
+            "lease_expires_at": self.lease_expires_at,
+            "retired_rollouts": len(self.marks),
+            "report": self.report(),
+        }
+        if self.reported_mode is not None:
+            body["mode"] = self.reported_mode
+        unclaimed_name = "restored_pending" if self.instance.config.wire_spelling == "legacy" else "unclaimed"
+        body[unclaimed_name] = sorted(capture_key(*p) for p in self.unclaimed)
+        if self.knobs.workers > 1:
+            body["expected_workers"] = self.knobs.workers
+            body["workers"] = self.knobs.workers - self.knobs.unreported_workers - (1 if self.knobs.worker_lost else 0)
+        body["lease_expired"] = self.counters["lease_expired"]
+        body.update(self.status_extras())
+        return body
+
+    async def prepare(self, body: PrepareBody) -> dict[str, Any]:
+        cid = body.checkpoint_id
+        async with self.lock:
+            self.check_lease()
+            self.counters["prepare_calls"] += 1
+            replay = self._precheck(cid, "prepare", None)
+            if replay is not None:
+                self._extend_lease(body.deadline_ts)
+                return replay
+            if self.phase == "idle":
+                self.active_id = cid
+                self.phase = "preparing"
+                self._extend_lease(body.deadline_ts)
+                # Restarts are decided now, while the checkpoint opens, and stay fixed for it.
+                self.restarts_fixed = self.current_restarts()
+                self.counters["prepare_count"] += 1
+                self.notifier.notify()  # admission is now closed: parked work must notice
+            elif self.phase == "preparing":
+                self._extend_lease(body.deadline_ts)
+            else:
+                raise self._invalid_phase("prepare")
+        return await self._await_ready(cid, body.deadline_ts)
+
+    async def _await_ready(self, cid: str, deadline_ts: float) -> dict[str, Any]:
+        while True:
+            self.check_lease()
+            if self.active_id != cid:
+                # A resume (or lease expiry) ended the checkpoint while this prepare waited.
+                return {"phase": "idle", "report": self.report()}
+            if self.phase != "preparing":
+                stored = self.stored.get((cid, "prepare"))
+                return stored.reply if stored else {"phase": self.phase, "report": self.report()}
+            report = self.report()
+            if report["ready"]:
+                async with self.lock:
+                    if self.active_id == cid and self.phase == "preparing":
+                        report = self.report()
+                        if report["ready"]:
+                            self.phase = "prepared"
+                            reply = {"phase": "prepared", "report": report}
+                            self.stored[(cid, "prepare")] = Stored(None, reply)
+                            self.notifier.notify()
+                            return reply
+                continue
+            remaining = deadline_ts - self.clock.now()
+            if remaining <= 0:
+                # Not ready by the deadline: a 200 reply, and admission stays closed.
+                return {"phase": "preparing", "report": report}
+            await self.notifier.wait(min(remaining, self.clock.MAX_WAIT))
+
+    async def renew(self, body: PrepareBody) -> dict[str, Any]:
+        async with self.lock:
+            self.check_lease()
+            self._precheck(body.checkpoint_id, "renew", None)
+            if self.phase == "idle":
+                raise self._invalid_phase("renew")
+            self._extend_lease(body.deadline_ts)
+            self.counters["renew_count"] += 1
+            return {"lease_expires_at": self.lease_expires_at}
+
+    async def commit(self, body: CommitBody) -> dict[str, Any]:
+        cid = body.checkpoint_id
+        scope = None if body.episode_ids is None else frozenset(e.pair for e in body.episode_ids)
+        args = (body.checkpoint_dir, scope, bool(body.stop))
+        async with self.lock:
+            self.check_lease()
+            self.counters["commit_calls"] += 1
+            replay = self._precheck(cid, "commit", args)
+            if replay is not None:
+                self._extend_lease(body.deadline_ts)
+                return replay
+            if self.phase != "prepared":
+                raise self._invalid_phase("commit")
+            if scope is None and self.kind == "model":
+                raise ProtocolError("checkpoint_error", "a model commit must name its scope in episode_ids")
+            if not self.report()["ready"]:
+                raise ProtocolError("invalid_phase", "readiness regressed since prepare; resume and prepare again")
+            if scope is not None and not self.broken("commit_names_restart"):
+                named = sorted(set(self.restarts_fixed or []) & {capture_key(*p) for p in scope})
+                if named:
+                    raise ProtocolError("restart_in_scope", f"the scope names reported restarts: {named[:10]}")
+            directory = storage.participant_dir(storage.check_checkpoint_dir(body.checkpoint_dir), self.kind, self.name)
+            storage.ensure_no_foreign_manifest(directory, cid)
+            self._extend_lease(body.deadline_ts)
+            task = self._write_task(cid, args)
+        finished = await self.clock.wait_for(task.done, body.deadline_ts)
+        if not finished:
+            raise ProtocolError("deadline_exceeded", "the export is still running; a repeated commit awaits it")
+        async with self.lock:
+            self.check_lease()
+            replay = self._precheck(cid, "commit", args)
+            if replay is not None:
+                return replay
+            if task.cancelled() or self.phase != "prepared":
+                raise self._invalid_phase("commit")
+            job = self.export_job
+            error = task.exception()
+            if error is not None:
+                # A failed write is retried with the same captured records on the next commit.
+                if job is not None:
+                    job.writes.pop(args, None)
+                if isinstance(error, ProtocolError):
+                    raise error
+                raise ProtocolError("checkpoint_error", f"export failed: {error!r}", status=500)
+            reply = task.result()
+            if scope is not None:
+                # Restored state nobody claimed and the scope left out is deleted, without a mark.
+                for pair in [p for p in self.unclaimed if p not in scope]:
+                    del self.unclaimed[pair]
+            self.phase = "committed"
+            self.stored[(cid, "commit")] = Stored(args, reply)
+            self.counters["commit_count"] += 1
+            self.notifier.notify()
+            return reply
+
+    def _write_task(self, cid: str, args: Any) -> asyncio.Task:
+        job = self.export_job
+        if job is None or job.checkpoint_id != cid:
+            self.counters["export_count"] += 1
+            job = self.export_job = ExportJob(cid, self.spawn(self._capture()))
+        task = job.writes.get(args)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = job.writes[args] = self.spawn(self._write(job, *args))
+        return task
+
+    async def _capture(self) -> dict[Pair, dict[str, Any]]:
+        if self.knobs.export_seconds:
+            await self.clock.sleep(self.knobs.export_seconds)
+        return self.capture_state()
+
+    async def _write(self, job: ExportJob, checkpoint_dir: str, scope, stop: bool) -> dict[str, Any]:
+        captured = await asyncio.shield(job.capture)
+        if self.mode == "restart_only":
+            exported: dict[Pair, dict[str, Any]] = {}
+        else:
+            exported = {p: s for p, s in captured.items() if scope is None or p in scope}
+            if self.mode == "stateless":
+                exported = {p: {} for p in exported}
+        # The writer stops with the checkpoint: nothing is published after resume or expiry.
+        if self.active_id != job.checkpoint_id or self.phase != "prepared":
+            raise ProtocolError("stale_checkpoint", f"checkpoint {job.checkpoint_id} ended before its export was written")
+        records = [
+            {"episode_id": {"rollout_id": r, "attempt": a}, "kind": self.kind, "state": exported[(r, a)]}
+            for r, a in sorted_pairs(exported)
+        ]
+        written = storage.write_participant_state(
+            checkpoint_dir,
+            kind=self.kind,
+            name=self.name,
+            checkpoint_id=job.checkpoint_id,
+            records=records,
+            extras={"mode": self.mode, "server_name": self.server_name},
+        )
+        self.counters["write_count"] += 1
+        return {
+            "phase": "committed",
+            "manifest": written.manifest,
+            "episode_ids": sorted(capture_key(*p) for p in exported),
+            **self.commit_extras(exported),
+        }
+
+    async def resume(self, body: PrepareBody) -> dict[str, Any]:
+        cid = body.checkpoint_id
+        async with self.lock:
+            self.check_lease()
+            if cid in self.resumed:
+                return {"phase": "idle", "idempotent": True}
+            if self.active_id == cid:
+                self._end_checkpoint()
+                self.counters["resume_count"] += 1
+                return {"phase": "idle", "idempotent": False}
+            if self.active_id is None:
+                # Remembered so that a late prepare of an aborted checkpoint can never close admission.
+                self.resumed.append(cid)
+                return {"phase": "idle", "idempotent": True}
+            raise ProtocolError("checkpoint_conflict", f"checkpoint {self.active_id} is active, not {cid}")
+
+    async def restore(self, body: RestoreBody) -> dict[str, Any]:
+        cid = body.checkpoint_id
+        scope = frozenset(e.pair for e in body.episode_ids)
+        args = (body.checkpoint_dir, scope)
+        key = (cid, args)
+        self.counters["restore_calls"] += 1
+        while True:
+            async with self.lock:
+                self.check_lease()
+                replay = self._precheck(cid, "restore", args)
+                if replay is not None:
+                    self._extend_lease(body.deadline_ts)
+                    return replay
+                if self.phase != "idle":
+                    raise self._invalid_phase("restore")
+                job = self.install_job
+                earlier = job.task if job is not None and job.key != key and not job.task.done() else None
+                if earlier is None:
+                    if not self.is_fresh():
+                        raise ProtocolError("checkpoint_error", f"{self.server_name} is not fresh: it has served work")
+                    reusable = (
+                        job is not None
+                        and job.key == key
+                        and not (job.task.done() and (job.task.cancelled() or job.task.exception() is not None))
+                    )
+                    if not reusable:
+                        self.counters["install_count"] += 1
+                        job = self.install_job = InstallJob(key, self.spawn(self._read(body.checkpoint_dir, scope)))
+                    job.waiters += 1  # admission stays closed while anyone installs
+                    break
+            # An earlier install that overran its deadline finishes before this one starts.
+            if not await self.clock.wait_for(earlier.done, body.deadline_ts):
+                raise ProtocolError("deadline_exceeded", "an earlier install is still running")
+        try:
+            if not await self.clock.wait_for(job.task.done, body.deadline_ts):
+                raise ProtocolError("deadline_exceeded", "the install is still running; a repeated restore awaits it")
+            async with self.lock:
+                self.check_lease()
+                replay = self._precheck(cid, "restore", args)
+                if replay is not None:
+                    return replay
+                if self.phase != "idle":
+                    raise self._invalid_phase("restore")
+                if job.task.cancelled():
+                    raise ProtocolError("checkpoint_error", "the install was cancelled", status=500)
+                error = job.task.exception()
+                if error is not None:
+                    if self.install_job is job:
+                        self.install_job = None
+                    if isinstance(error, ProtocolError):
+                        raise error
+                    raise ProtocolError("checkpoint_error", f"install failed: {error!r}", status=500)
+                loaded: storage.Loaded = job.task.result()
+                installed = self._install(loaded.records)
+                if self.install_job is job:
+                    self.install_job = None
+                for rollout_id, attempt in scope:
+                    # A straggler of the saved attempt N must now get stale_attempt.
+                    self.marks[rollout_id] = max(self.marks.get(rollout_id, -1), attempt)
+                self.phase = "restored"
+                self.active_id = cid
+                self._extend_lease(body.deadline_ts)
+                reply = {
+                    "phase": "restored",
+                    "source_checkpoint_id": loaded.manifest["checkpoint_id"],
+                    "restored": sorted(capture_key(*p) for p in installed),
+                }
+                self.stored[(cid, "restore")] = Stored(args, reply)
+                self.counters["restore_count"] += 1
+                return reply
+        finally:
+            job.waiters -= 1
+            self.notifier.notify()
+
+    async def _read(self, checkpoint_dir: str, scope: frozenset) -> storage.Loaded:
+        if self.knobs.install_seconds:
+            await self.clock.sleep(self.knobs.install_seconds)
+        return storage.read_participant_state(checkpoint_dir, kind=self.kind, name=self.name, scope=set(scope))
+
+    def _install(self, records: list[dict[str, Any]]) -> list[Pair]:
+        """Validate every record first, then install each as attempt N+1 (nothing half-installed)."""
+        states: dict[Pair, dict[str, Any]] = {}
+        for record in records:
+            episode = record["episode_id"]
+            try:
+                self.validate_record(record)
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ProtocolError("invalid_checkpoint_state", f"record of {episode} cannot be installed: {exc}") from exc
+            states[(episode["rollout_id"], episode["attempt"] + 1)] = self.install_state(record["state"])
+        self.unclaimed.update(states)
+        return list(states)
+
+    def _idle_or_restored(self, checkpoint_id: str, op: str) -> None:
+        """Retire and forget: phase first, then the id (section 4)."""
+        if self.phase in ("preparing", "prepared", "committed"):
+            if not self.broken("retire_while_open"):
+                raise ProtocolError("invalid_phase", f"{op} while checkpoint {self.active_id} is open: resume first")
+        elif self.phase == "restored":
+            if checkpoint_id != self.active_id:
+                raise ProtocolError("checkpoint_conflict", f"restore {self.active_id} is active, not {checkpoint_id}")
+
+    async def retire(self, body: RetireBody) -> dict[str, Any]:
+        pairs = [e.pair for e in body.episode_ids]
+        keys = [e.key for e in body.episode_ids]
+        async with self.lock:
+            self.check_lease()
+            self._idle_or_restored(body.checkpoint_id, "retire")
+            if self.phase == "restored":
+                self._extend_lease(body.deadline_ts)
+            self.counters["retire_count"] += 1
+            self.retire_calls.append(keys)
+            # Marks go up before anything is stopped, and never come down.
+            for rollout_id, attempt in pairs:
+                self.marks[rollout_id] = max(self.marks.get(rollout_id, -1), attempt)
+            stopped = self.stop_work(pairs)
+            self.notifier.notify()
+        if not await self.clock.wait_for(stopped, body.deadline_ts):
+            raise ProtocolError("deadline_exceeded", "retired work is still stopping; retire again to finish")
+        async with self.lock:
+            self.free_state(pairs)
+            self.notifier.notify()
+        return {"retired": keys}
+
+    async def forget(self, body: ForgetBody) -> dict[str, Any]:
+        rollout_ids = sorted(set(body.rollout_ids))
+        async with self.lock:
+            self.check_lease()
+            self._idle_or_restored(body.checkpoint_id, "forget")
+            if self.phase == "restored":
+                self._extend_lease(body.deadline_ts)
+            busy = [r for r in rollout_ids if any(a <= self.marks.get(r, -1) for a in self.tracked_attempts(r))]
+            if busy:
+                raise ProtocolError("checkpoint_error", f"retired work is still tracked for {busy[:10]}; retire again first")
+            for rollout_id in rollout_ids:
+                self.marks.pop(rollout_id, None)
+                self.on_forget(rollout_id)
+            self.counters["forget_count"] += 1
+            self.forget_calls.append(rollout_ids)
+            return {"forgotten": rollout_ids}
+
+    # ------------------------------------------------------------------ admin view
+
+    def admin_state(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "participant_name": self.name,
+            "mode": self.reported_mode,
+            "behaviour_mode": self.mode,
+            "phase": self.phase,
+            "checkpoint_id": self.active_id,
+            "lease_expires_at": self.lease_expires_at,
+            "admission_open": self.admission_open,
+            "fresh": self.is_fresh(),
+            "marks": dict(sorted(self.marks.items())),
+            "resumed": list(self.resumed),
+            "unclaimed": sorted(capture_key(*p) for p in self.unclaimed),
+            "report": self.report(),
+            **self.counters,
+            "retire_calls": [list(c) for c in self.retire_calls],
+            "forget_calls": [list(c) for c in self.forget_calls],
+            **self.admin_extras(),
+        }
+

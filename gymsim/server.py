@@ -1,0 +1,45 @@
+"""Running one instance under uvicorn: one process (or one thread, in tests) per instance."""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable
+
+import uvicorn
+
+from .app import create_app
+from .config import InstanceConfig
+from .instance import Instance
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind before serving so that the port (even an ephemeral one) is known up front."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def build_server(
+    config: InstanceConfig, sock: socket.socket, *, on_ready: Callable[[Instance], None] | None = None
+) -> tuple[uvicorn.Server, Instance]:
+    host, port = sock.getsockname()[:2]
+    instance = Instance(config, host=host, port=port)
+    app = create_app(instance, on_ready=on_ready)
+    uv_config = uvicorn.Config(
+        app,
+        http="h11",  # the fault layer drops connections through h11's transport
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=30,
+    )
+    return uvicorn.Server(uv_config), instance
+
+
+def ready_line(instance: Instance) -> dict:
+    return {"instance_id": instance.config.instance_id, "port": instance.port, "servers": instance.server_urls()}

@@ -1,0 +1,46 @@
+"""Fixtures of the participant (P) conformance checks: gymsim instances over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from gymsim.conformance import Harness
+from gymsim.testing import GymsimInstance, default_instance_config
+
+
+@pytest.fixture
+async def start(tmp_path):
+    """Factory: `await start(**config_overrides)` or `await start(config=dict)` gives a Harness."""
+    gyms: list[GymsimInstance] = []
+    clients: list[httpx.AsyncClient] = []
+
+    async def _start(config: dict[str, Any] | None = None, **overrides: Any) -> Harness:
+        cfg = config if config is not None else default_instance_config(**overrides)
+        gym = await asyncio.to_thread(GymsimInstance.start, cfg)
+        gyms.append(gym)
+        client = httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=500))
+        clients.append(client)
+        return Harness(gym, client)
+
+    yield _start
+    for client in clients:
+        await client.aclose()
+    for gym in gyms:
+        await asyncio.to_thread(gym.stop)
+
+
+@pytest.fixture
+def ckdir(tmp_path):
+    """A fresh checkpoint directory, as the coordinator creates it before commit."""
+    counter = iter(range(10_000))
+
+    def _make(name: str | None = None):
+        path = tmp_path / "snap" / (name or f"d{next(counter)}") / "gym-instances" / "math" / "replica-0"
+        path.mkdir(parents=True)
+        return path
+
+    return _make
