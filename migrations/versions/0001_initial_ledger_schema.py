@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 13:57:20.851505
+Create Date: 2026-11-30 14:03:25.384083
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    
+
     op.create_table('runs',
     sa.Column('run_id', sa.Text(), nullable=False),
     sa.Column('config', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
@@ -129,6 +129,7 @@ def upgrade() -> None:
     sa.Column('gym_parked_seconds', sa.Float(), nullable=True),
     sa.Column('gym_restarted_episodes', sa.Integer(), nullable=True),
     sa.Column('resume_failure', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
+    sa.Column('abort_requested', sa.Text(), nullable=True),
     sa.Column('cut_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
     sa.Column('published_at', sa.DateTime(timezone=True), nullable=True),
@@ -247,7 +248,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    
+
     op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_index('ix_attempts_live_instance', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_index('ix_attempts_dispatch', table_name='attempts', postgresql_where=sa.text('dispatch_id IS NOT NULL'))

@@ -1,4 +1,4 @@
-"""Background work of one coordinator process: the outbox worker and snapshot recovery."""
+"""Background work of one coordinator process: snapshot recovery, the outbox worker, run leases."""
 
 from __future__ import annotations
 
@@ -8,17 +8,53 @@ import logging
 
 from fastapi import FastAPI
 
+from .gym_runtime import GymClients
+from .ledger import leases
+from .outbox.worker import OutboxDeliverer, outbox_loop
+from .snapshots.runner import SnapshotRunner, recover_unfinished
+
 log = logging.getLogger(__name__)
 
 
 async def start_background(app: FastAPI) -> None:
+    settings = app.state.settings
+    engine = app.state.engine
+    app.state.gym = GymClients()
+    app.state.outbox = OutboxDeliverer(engine, app.state.gym, max_backoff_s=settings.outbox_max_backoff_s)
+    app.state.snapshots = SnapshotRunner(engine, app.state.gym, app.state.outbox, settings.coordinator_id)
     app.state.background = []
+    if not settings.background_workers:
+        return
+
+    async def owns_run(run_id: str) -> bool:
+        return await leases.acquire(engine, run_id, settings.coordinator_id, settings.ownership_lease_s) is not None
+
+    async def recovery_loop() -> None:
+        while True:
+            try:
+                await recover_unfinished(app.state.snapshots, settings.ownership_lease_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("snapshot recovery pass failed; retrying")
+            await asyncio.sleep(max(1.0, settings.ownership_lease_s / 3))
+
+    app.state.background = [
+        asyncio.create_task(recovery_loop(), name="snapshot-recovery"),
+        asyncio.create_task(outbox_loop(engine, app.state.outbox, poll_s=settings.outbox_poll_s, owns_run=owns_run), name="outbox"),
+    ]
 
 
 async def stop_background(app: FastAPI) -> None:
+    runner = getattr(app.state, "snapshots", None)
+    if runner is not None:
+        await runner.shutdown()
     tasks: list[asyncio.Task[None]] = getattr(app.state, "background", [])
     for t in tasks:
         t.cancel()
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+    gym = getattr(app.state, "gym", None)
+    if gym is not None:
+        await gym.aclose()

@@ -44,7 +44,9 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_batch_rows: int = Field(default=10_000, ge=1)
-    coordinator_id: str = Field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}")
+    # Stable across restarts of the process (the pod name in Kubernetes): a restarted coordinator
+    # recognises the snapshots it owned and ends them (ledger section 5, last paragraph).
+    coordinator_id: str = Field(default_factory=lambda: os.uname().nodename, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     ownership_lease_s: float = Field(default=30.0, gt=0)
     outbox_poll_s: float = Field(default=1.0, gt=0)
     outbox_max_backoff_s: float = Field(default=60.0, gt=0)

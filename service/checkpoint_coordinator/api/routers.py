@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import rollouts
+from . import rollouts, snapshots
 
-ROUTERS: list[Any] = [rollouts.router]
+ROUTERS: list[Any] = [rollouts.router, snapshots.router]

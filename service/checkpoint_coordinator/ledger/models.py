@@ -261,6 +261,8 @@ class Snapshot(Base):
     gym_parked_seconds: Mapped[float | None] = mapped_column(Float)
     gym_restarted_episodes: Mapped[int | None] = mapped_column(Integer)
     resume_failure: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
+    # Set by a train-step announce (or a cancel) that must abort the snapshot before its cut.
+    abort_requested: Mapped[str | None] = mapped_column(Text)
     cut_at: Mapped[datetime | None] = mapped_column(TS)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     published_at: Mapped[datetime | None] = mapped_column(TS)

@@ -345,13 +345,11 @@ def _json(v: Any) -> str:
 
 
 def _count_transitions(transitions: dict[str, int]) -> None:
-    try:
-        from ..observability.metrics import LEDGER_TRANSITIONS
-    except ImportError:
-        return
+    from ..observability.metrics import record_ledger_transition
+
     for to, n in transitions.items():
         if n:
-            LEDGER_TRANSITIONS.labels(to=to).inc(n)
+            record_ledger_transition(to, n)
 
 
 async def enqueue_retires(conn: AsyncConnection, run_id: str, attempts: Sequence[AttemptRow], checkpoint_id: str = "retire") -> None:

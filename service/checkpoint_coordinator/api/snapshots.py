@@ -1,0 +1,106 @@
+"""Snapshots (section 5) and train-step announcements."""
+
+from __future__ import annotations
+
+from pathlib import Path as FsPath
+from typing import Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from pydantic import Field
+
+from ..ledger import leases
+from ..ledger import snapshots as repo
+from ..ledger.runs import get_run
+from .auth import Caller, require_run_access
+from .common import SNAPSHOT_ID_PATTERN, Strict
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"])
+
+SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
+
+
+class SnapshotRequest(Strict):
+    snapshot_id: str = Field(pattern=SNAPSHOT_ID_PATTERN, min_length=1, max_length=100)
+    anchor_step: int = Field(ge=0, description="The trainer checkpoint (train step) this snapshot is anchored on.")
+
+
+class DataPlaneRef(Strict):
+    path: str = Field(min_length=1, max_length=4096)
+    digest: str = Field(min_length=1, max_length=256)
+
+
+class CapturedIn(Strict):
+    reference: DataPlaneRef
+
+
+class TrainStepIn(Strict):
+    step: int = Field(ge=0)
+    checkpoint_ref: str | None = Field(default=None, max_length=4096)
+
+
+@router.post("/snapshots", operation_id="request_snapshot", status_code=202)
+async def request_snapshot(body: SnapshotRequest, request: Request, response: Response, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Request a snapshot anchored on train step S. Idempotent by snapshot id; runs in the background."""
+    app = request.app
+    settings = app.state.settings
+    engine = app.state.engine
+    async with engine.connect() as conn:
+        run = await get_run(conn, caller.run_id)
+    snapshot_dir = str(FsPath(run.checkpoint_root) / "snapshots" / body.snapshot_id)
+    # The replica holding the run's lease drives it; any replica may take the request.
+    epoch = await leases.acquire(engine, caller.run_id, settings.coordinator_id, settings.ownership_lease_s)
+    async with engine.connect() as conn:
+        owner = settings.coordinator_id if epoch is not None else (await repo.lease_owner(conn, caller.run_id) or settings.coordinator_id)
+    row, created = await repo.request(engine, caller.run_id, body.snapshot_id, body.anchor_step, owner, snapshot_dir)
+    if created and owner == settings.coordinator_id:
+        app.state.snapshots.start(caller.run_id, body.snapshot_id)
+    if not created:
+        response.status_code = 200
+    return row.public()
+
+
+@router.get("/snapshots", operation_id="list_snapshots")
+async def list_snapshots(
+    request: Request,
+    limit: int = Query(50, ge=1, le=500),
+    before: str | None = Query(None, pattern=SNAPSHOT_ID_PATTERN, max_length=100),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """The run's snapshot history, newest first: phase timings, outcome, reason, counts."""
+    rows = await repo.list_snapshots(request.app.state.engine, caller.run_id, limit=limit, before=before)
+    return {"snapshots": [r.public() for r in rows], "next_before": rows[-1].snapshot_id if len(rows) == limit else None}
+
+
+@router.get("/snapshots/{snapshot_id}", operation_id="get_snapshot")
+async def get_snapshot(
+    request: Request, snapshot_id: str = SnapshotIdPath, manifest: bool = Query(False, description="include the Gym manifest"), caller: Caller = Depends(require_run_access)
+) -> dict[str, Any]:
+    async with request.app.state.engine.connect() as conn:
+        return (await repo.get(conn, caller.run_id, snapshot_id)).public(with_manifest=manifest)
+
+
+@router.post("/snapshots/{snapshot_id}/barrier", operation_id="snapshot_barrier_held")
+async def barrier_held(request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """The trainer holds its data-plane barrier: the coordinator takes the ledger cut and answers
+    the staging keys that must exist in the capture. 409 `snapshot_not_awaiting` when too early or aborted."""
+    row = await repo.take_cut(request.app.state.engine, caller.run_id, snapshot_id)
+    out = row.public()
+    out["staging_keys"] = row.cut_staging_keys or []
+    return out
+
+
+@router.post("/snapshots/{snapshot_id}/captured", operation_id="snapshot_data_plane_captured")
+async def data_plane_captured(body: CapturedIn, request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """The trainer saved its data plane; the snapshot resumes Gym, reopens the gate and publishes."""
+    return (await repo.captured(request.app.state.engine, caller.run_id, snapshot_id, body.reference.model_dump())).public()
+
+
+@router.post("/train-steps", operation_id="announce_train_step")
+async def announce_train_step(body: TrainStepIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Announce a committed trainer checkpoint (create-or-return). A snapshot anchored on an older
+    step that has not taken its ledger cut yet is aborted (train step wins)."""
+    step, aborted = await repo.announce_train_step(request.app.state.engine, caller.run_id, body.step, body.checkpoint_ref)
+    request.app.state.snapshots.abort_local(caller.run_id, aborted, "train_step_committed")
+    return {**step, "aborted_snapshots": aborted}
+
+

@@ -1,0 +1,449 @@
+"""Snapshot records, the ledger cut, train steps (recovery-ledger.md section 5).
+
+Every phase is written before its side effects, so a restarted coordinator knows where each
+snapshot stood. The ledger cut copies the run's live groups and current attempts into the
+snapshot tables in one ``INSERT ... SELECT`` per table.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ..errors import Conflict, CoordinatorError, NotFound
+from .runs import lock_run
+
+TERMINAL = ("published", "failed", "aborted")
+
+
+class SnapshotNotAwaiting(Conflict):
+    code = "snapshot_not_awaiting"
+
+
+_COLS = (
+    "snapshot_id, anchor_step, phase, outcome, reason, detail, owner, gym_checkpoint_id, snapshot_dir, phase_timings, "
+    "gym_manifest, cut_staging_keys, data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
+    "abort_requested, cut_at, created_at, published_at, ended_at"
+)
+
+
+@dataclass
+class SnapshotRow:
+    snapshot_id: str
+    anchor_step: int
+    phase: str
+    outcome: str | None
+    reason: str | None
+    detail: dict[str, Any] | None
+    owner: str
+    gym_checkpoint_id: str | None
+    snapshot_dir: str | None
+    phase_timings: dict[str, Any]
+    gym_manifest: dict[str, Any] | None
+    cut_staging_keys: list[str] | None
+    data_plane_ref: dict[str, Any] | None
+    counts: dict[str, Any]
+    gym_parked_seconds: float | None
+    gym_restarted_episodes: int | None
+    resume_failure: dict[str, Any] | None
+    abort_requested: str | None
+    cut_at: datetime | None
+    created_at: datetime
+    published_at: datetime | None
+    ended_at: datetime | None
+
+    @property
+    def terminal(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def awaiting(self) -> str | None:
+        if self.outcome is not None or self.phase != "data_plane":
+            return None
+        if self.cut_at is None:
+            return "barrier"
+        return "capture" if self.data_plane_ref is None else None
+
+    def public(self, *, with_manifest: bool = False) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "snapshot_id": self.snapshot_id,
+            "anchor_step": self.anchor_step,
+            "phase": self.phase,
+            "outcome": self.outcome,
+            "reason": self.reason,
+            "detail": self.detail,
+            "awaiting": self.awaiting,
+            "gym_checkpoint_id": self.gym_checkpoint_id,
+            "snapshot_dir": self.snapshot_dir,
+            "phase_timings": self.phase_timings,
+            "counts": self.counts,
+            "gym_parked_seconds": self.gym_parked_seconds,
+            "gym_restarted_episodes": self.gym_restarted_episodes,
+            "resume_failure": self.resume_failure,
+            "data_plane_ref": self.data_plane_ref,
+            "cut_at": _iso(self.cut_at),
+            "created_at": _iso(self.created_at),
+            "published_at": _iso(self.published_at),
+            "ended_at": _iso(self.ended_at),
+        }
+        if self.awaiting == "capture" or with_manifest:
+            d["staging_keys"] = self.cut_staging_keys or []
+        if with_manifest:
+            d["gym_manifest"] = self.gym_manifest
+        return d
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t else None
+
+
+def _j(v: Any) -> str | None:
+    return None if v is None else json.dumps(v, separators=(",", ":"), sort_keys=True)
+
+
+async def get(conn: AsyncConnection, run_id: str, snapshot_id: str, *, for_update: bool = False) -> SnapshotRow:
+    lock = " FOR UPDATE" if for_update else ""
+    r = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
+    if r is None:
+        raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
+    return SnapshotRow(**dict(r._mapping))
+
+
+async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
+    return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r"), {"r": run_id})).scalar()
+
+
+async def request(engine: AsyncEngine, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str) -> tuple[SnapshotRow, bool]:
+    """Create the snapshot record (phase ``requested``); (row, created). Idempotent by id."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, for_update=True)
+        existing = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})).first()
+        if existing is not None:
+            row = SnapshotRow(**dict(existing._mapping))
+            if row.anchor_step != anchor_step:
+                raise Conflict(f"snapshot {snapshot_id!r} was requested at step {row.anchor_step}", code="snapshot_conflict")
+            return row, False
+        newest = await newest_train_step(conn, run_id)
+        if newest is not None and anchor_step < newest:
+            raise Conflict(
+                f"anchor step {anchor_step} is older than the newest announced train step {newest}",
+                code="snapshot_anchor_stale", newest_train_step=newest,
+            )
+        other = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
+        if other is not None:
+            raise Conflict(f"snapshot {other!r} of this run is still in progress", code="snapshot_in_progress", snapshot_id=other)
+        try:
+            r = (
+                await conn.execute(
+                    text(
+                        "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) "
+                        f"VALUES (:r, :s, :a, 'requested', :o, :d) RETURNING {_COLS}"
+                    ),
+                    {"r": run_id, "s": snapshot_id, "a": anchor_step, "o": owner, "d": snapshot_dir},
+                )
+            ).one()
+        except IntegrityError as e:  # the one-open-snapshot index, under a race
+            raise Conflict("another snapshot of this run is in progress", code="snapshot_in_progress") from e
+        return SnapshotRow(**dict(r._mapping)), True
+
+
+async def set_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, phase: str, **fields: Any) -> None:
+    sets = ["phase = :phase"]
+    params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "phase": phase}
+    for k, v in fields.items():
+        if k in ("gym_manifest", "counts", "phase_timings", "detail", "data_plane_ref", "resume_failure"):
+            sets.append(f"{k} = CAST(:{k} AS jsonb)")
+            params[k] = _j(v)
+        else:
+            sets.append(f"{k} = :{k}")
+            params[k] = v
+    async with engine.begin() as conn:
+        await conn.execute(text(f"UPDATE snapshots SET {', '.join(sets)} WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL"), params)
+
+
+async def set_owner(engine: AsyncEngine, run_id: str, snapshot_id: str, owner: str) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE snapshots SET owner = :o WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL"), {"r": run_id, "s": snapshot_id, "o": owner})
+
+
+async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
+    return (await conn.execute(text("SELECT owner FROM ownership_leases WHERE run_id = :r AND expires_at > now()"), {"r": run_id})).scalar()
+
+
+async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str) -> None:
+    """Phase ``gate``: persisted together with the gate itself. FOR UPDATE on the run waits for
+    in-flight dispatch transactions (they hold it FOR SHARE), so none lands after the close."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, for_update=True)
+        await conn.execute(text("UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r"), {"r": run_id, "s": snapshot_id})
+        await conn.execute(text("UPDATE snapshots SET phase = 'gate' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+
+
+async def open_gate(engine: AsyncEngine, run_id: str, snapshot_id: str) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r AND gate_snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+
+
+async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[str, int]]]:
+    """Per instance, the live turn-level attempts Gym may hold state for (section 5 step 5)."""
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g "
+                    "ON g.run_id = a.run_id AND g.group_id = a.group_id "
+                    "WHERE a.run_id = :r AND a.is_current AND g.restore_level = 'turn' AND g.status = 'generating' "
+                    "AND a.gym_instance_id IS NOT NULL "
+                    "AND (a.status = 'dispatched' OR (a.status = 'reserved' AND (a.gym_owned OR a.gym_attempt > 0)))"
+                ),
+                {"r": run_id},
+            )
+        ).all()
+    out: dict[str, list[tuple[str, int]]] = {}
+    for r in rows:
+        out.setdefault(r.gym_instance_id, []).append((r.rollout_id, r.gym_attempt))
+    return out
+
+
+async def still_pending(engine: AsyncEngine, run_id: str, keys: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    """Which of these (rollout_id, gym_attempt) are still on the wire: unique-index lookups only,
+    so a drain pass costs time in the number pending, never in the number of live rollouts."""
+    if not keys:
+        return set()
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT a.rollout_id, a.gym_attempt FROM unnest(CAST(:ro AS text[])) AS t(ro) "
+                    "JOIN attempts a ON a.run_id = :r AND a.rollout_id = t.ro "
+                    "WHERE a.is_current AND a.status = 'dispatched'"
+                ),
+                {"r": run_id, "ro": [k[0] for k in keys]},
+            )
+        ).all()
+    wanted = set(keys)
+    return {(r.rollout_id, r.gym_attempt) for r in rows} & wanted
+
+
+async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotRow:
+    async with engine.connect() as conn:
+        return await get(conn, run_id, snapshot_id)
+
+
+async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotRow:
+    """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
+    transaction, and answer the staging keys that must exist. Idempotent."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        if snap.cut_at is not None and snap.outcome is None:
+            return snap
+        if snap.outcome is not None or snap.phase != "data_plane":
+            raise SnapshotNotAwaiting(
+                f"snapshot {snapshot_id!r} is in phase {snap.phase}" + (f" ({snap.outcome}: {snap.reason})" if snap.outcome else "") + "; not awaiting the barrier",
+                phase=snap.phase, outcome=snap.outcome, reason=snap.reason,
+            )
+        if snap.abort_requested is not None:
+            raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} is being aborted ({snap.abort_requested})", phase=snap.phase, reason=snap.abort_requested)
+        newest = await newest_train_step(conn, run_id)
+        if newest is not None and newest > snap.anchor_step:
+            # Train step wins: it was announced before this cut.
+            await conn.execute(
+                text("UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+            )
+            raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
+        p = {"r": run_id, "s": snapshot_id}
+        ng = (
+            await conn.execute(
+                text(
+                    "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                    "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
+                    "SELECT run_id, :s, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
+                    "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
+                    "WHERE run_id = :r AND status IN ('generating', 'ready')"
+                ),
+                p,
+            )
+        ).rowcount
+        na = (
+            await conn.execute(
+                text(
+                    "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
+                    "gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
+                    "SELECT a.run_id, :s, a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
+                    "a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
+                    "FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
+                    "JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+                    "WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready')"
+                ),
+                p,
+            )
+        ).rowcount
+        sealed_keys = (
+            await conn.execute(
+                text(
+                    "SELECT DISTINCT k FROM snapshot_attempts, unnest(staging_keys) AS k "
+                    "WHERE run_id = :r AND snapshot_id = :s AND status IN ('sealed', 'returned')"
+                ),
+                p,
+            )
+        ).scalars().all()
+        gym_keys = [k for inst in (snap.gym_manifest or {}).get("instances", {}).values() for k in inst.get("staging_keys", [])]
+        keys = sorted(set(sealed_keys) | set(gym_keys))
+        counts = dict(snap.counts or {})
+        counts.update({"cut_groups": ng, "cut_siblings": na})
+        r = (
+            await conn.execute(
+                text(
+                    f"UPDATE snapshots SET cut_at = now(), cut_staging_keys = :k, counts = CAST(:c AS jsonb) WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS}"
+                ),
+                {**p, "k": keys, "c": _j(counts)},
+            )
+        ).one()
+        return SnapshotRow(**dict(r._mapping))
+
+
+async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference: dict[str, Any]) -> SnapshotRow:
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        if snap.data_plane_ref is not None:
+            if snap.data_plane_ref != reference:
+                raise Conflict("a different data-plane reference was already reported", code="capture_conflict")
+            return snap
+        if snap.outcome is not None or snap.cut_at is None:
+            raise SnapshotNotAwaiting(
+                f"snapshot {snapshot_id!r} is not awaiting a capture (phase {snap.phase}, outcome {snap.outcome})",
+                phase=snap.phase, outcome=snap.outcome, reason=snap.reason,
+            )
+        r = (
+            await conn.execute(
+                text(f"UPDATE snapshots SET data_plane_ref = CAST(:ref AS jsonb) WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS}"),
+                {"r": run_id, "s": snapshot_id, "ref": _j(reference)},
+            )
+        ).one()
+        return SnapshotRow(**dict(r._mapping))
+
+
+async def end(
+    engine: AsyncEngine,
+    run_id: str,
+    snapshot_id: str,
+    outcome: str,
+    reason: str,
+    *,
+    detail: dict[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+    gym_parked_seconds: float | None = None,
+    gym_restarted_episodes: int | None = None,
+    resume_failure: dict[str, Any] | None = None,
+    keep_latest_k: int = 2,
+) -> tuple[SnapshotRow, int]:
+    """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
+    reopen the gate if still held, count consecutive losses, apply retention on publish.
+    Returns (row, consecutive losses after this)."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, for_update=True, allow_closed=True)
+        phase = outcome
+        r = (
+            await conn.execute(
+                text(
+                    "UPDATE snapshots SET phase = :ph, outcome = :o, reason = :rs, detail = COALESCE(CAST(:d AS jsonb), detail), "
+                    "phase_timings = COALESCE(CAST(:t AS jsonb), phase_timings), gym_parked_seconds = COALESCE(:gp, gym_parked_seconds), "
+                    "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
+                    "ended_at = now(), published_at = CASE WHEN :o = 'published' THEN now() ELSE NULL END "
+                    f"WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL RETURNING {_COLS}"
+                ),
+                {
+                    "r": run_id, "s": snapshot_id, "ph": phase, "o": outcome, "rs": reason, "d": _j(detail), "t": _j(timings),
+                    "gp": gym_parked_seconds, "gr": gym_restarted_episodes, "rf": _j(resume_failure),
+                },
+            )
+        ).first()
+        if r is None:
+            snap = await get(conn, run_id, snapshot_id)
+            losses = (await conn.execute(text("SELECT consecutive_snapshot_losses FROM runs WHERE run_id = :r"), {"r": run_id})).scalar()
+            return snap, int(losses or 0)
+        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r AND gate_snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+        if outcome == "published":
+            losses_sql = "0"
+        elif reason == "train_step_committed":
+            losses_sql = "consecutive_snapshot_losses + 1"
+        else:
+            losses_sql = "consecutive_snapshot_losses"
+        losses = (
+            await conn.execute(text(f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql} WHERE run_id = :r RETURNING consecutive_snapshot_losses"), {"r": run_id})
+        ).scalar()
+        if outcome == "published":
+            await conn.execute(
+                text(
+                    "DELETE FROM snapshots WHERE run_id = :r AND outcome = 'published' AND snapshot_id NOT IN ("
+                    " SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome = 'published' ORDER BY published_at DESC, snapshot_id DESC LIMIT :k)"
+                ),
+                {"r": run_id, "k": keep_latest_k},
+            )
+        return SnapshotRow(**dict(r._mapping)), int(losses or 0)
+
+
+async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, checkpoint_ref: str | None) -> tuple[dict[str, Any], list[str]]:
+    """Create-or-return the train step; abort every snapshot of the run that is older and not cut
+    yet (train step wins). Returns the step and the snapshot ids asked to abort."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        r = (
+            await conn.execute(
+                text(
+                    "INSERT INTO train_steps (run_id, step, checkpoint_ref) VALUES (:r, :s, :c) ON CONFLICT (run_id, step) DO NOTHING "
+                    "RETURNING step, checkpoint_ref, announced_at"
+                ),
+                {"r": run_id, "s": step, "c": checkpoint_ref},
+            )
+        ).first()
+        created = r is not None
+        if r is None:
+            r = (await conn.execute(text("SELECT step, checkpoint_ref, announced_at FROM train_steps WHERE run_id = :r AND step = :s"), {"r": run_id, "s": step})).one()
+            if r.checkpoint_ref != checkpoint_ref and checkpoint_ref is not None:
+                raise Conflict(f"train step {step} was announced with another checkpoint reference", code="train_step_conflict")
+        aborted = (
+            await conn.execute(
+                text(
+                    "UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND outcome IS NULL AND cut_at IS NULL "
+                    "AND anchor_step < :s AND abort_requested IS NULL RETURNING snapshot_id"
+                ),
+                {"r": run_id, "s": step},
+            )
+        ).scalars().all()
+        return {"step": r.step, "checkpoint_ref": r.checkpoint_ref, "announced_at": r.announced_at.isoformat(), "created": created}, list(aborted)
+
+
+async def list_snapshots(engine: AsyncEngine, run_id: str, *, limit: int, before: str | None) -> list[SnapshotRow]:
+    async with engine.connect() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        rows = (
+            await conn.execute(
+                text(
+                    f"SELECT {_COLS} FROM snapshots WHERE run_id = :r "
+                    + ("AND created_at < (SELECT created_at FROM snapshots WHERE run_id = :r AND snapshot_id = :b) " if before else "")
+                    + "ORDER BY created_at DESC, snapshot_id DESC LIMIT :l"
+                ),
+                {"r": run_id, "b": before, "l": limit},
+            )
+        ).all()
+    return [SnapshotRow(**dict(r._mapping)) for r in rows]
+
+
+async def unfinished(engine: AsyncEngine) -> list[tuple[str, str, str, str | None, str]]:
+    """(run_id, snapshot_id, owner, gym_checkpoint_id, phase) of every non-terminal snapshot."""
+    async with engine.connect() as conn:
+        rows = (await conn.execute(text("SELECT run_id, snapshot_id, owner, gym_checkpoint_id, phase FROM snapshots WHERE outcome IS NULL"))).all()
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+class DataPlaneTimeout(CoordinatorError):
+    code, status, title = "data_plane_timeout", 504, "Data-plane capture timed out"
