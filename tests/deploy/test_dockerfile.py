@@ -1,0 +1,163 @@
+"""The Dockerfile, read as instructions (no Docker engine is needed).
+
+Checks the properties the deployment relies on: a slim final stage without
+compilers, a non-root user matching the pods' runAsUser, the entrypoint and
+default command, a stdlib HEALTHCHECK on /healthz, and a build context that
+holds everything the builder copies.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from _deploy_helpers import DEPLOY, ROOT
+
+DOCKERFILE = ROOT / "Dockerfile"
+BUILD_TOOLS = re.compile(r"\b(gcc|g\+\+|cc|clang|make|build-essential|libpq-dev|python3-dev|cmake|curl|wget)\b")
+
+
+@dataclass
+class Instruction:
+    keyword: str
+    args: str
+    line: int
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[Instruction]
+
+    def all(self, keyword: str) -> list[Instruction]:
+        return [i for i in self.instructions if i.keyword == keyword]
+
+
+def parse(text: str) -> list[Stage]:
+    instructions: list[Instruction] = []
+    buffer, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not buffer and (not line or line.startswith("#")):
+            continue
+        if buffer and line.startswith("#"):
+            continue  # comment lines inside a continuation are dropped by Docker
+        if not buffer:
+            start = number
+        if line.endswith("\\"):
+            buffer += line[:-1] + " "
+            continue
+        buffer += line
+        keyword, _, args = buffer.partition(" ")
+        instructions.append(Instruction(keyword.upper(), args.strip(), start))
+        buffer = ""
+    assert not buffer, "dangling line continuation"
+    stages: list[Stage] = []
+    for instruction in instructions:
+        if instruction.keyword == "FROM":
+            parts = instruction.args.split()
+            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
+            stages.append(Stage(parts[0], name, []))
+        else:
+            assert stages or instruction.keyword == "ARG", f"{instruction.keyword} before FROM"
+            if stages:
+                stages[-1].instructions.append(instruction)
+    return stages
+
+
+def exec_form(instruction: Instruction) -> list[str]:
+    args = instruction.args
+    if instruction.keyword == "HEALTHCHECK":
+        args = args[args.index("CMD") + 3 :].strip()
+    value = json.loads(args)
+    assert isinstance(value, list) and all(isinstance(v, str) for v in value), f"{instruction.keyword} must be exec form"
+    return value
+
+
+@pytest.fixture(scope="module")
+def stages() -> list[Stage]:
+    return parse(DOCKERFILE.read_text())
+
+
+def test_multi_stage_with_slim_final(stages: list[Stage]) -> None:
+    assert len(stages) >= 2
+    builder, final = stages[0], stages[-1]
+    assert final.base == "python:3.11-slim"
+    assert any("pip wheel" in r.args for r in builder.all("RUN")), "the builder builds wheels"
+    copies = [c.args for c in final.all("COPY")]
+    assert any(c.startswith(f"--from={builder.name}") for c in copies), "the final stage takes the builder's wheels"
+
+
+def test_final_stage_installs_no_build_tools(stages: list[Stage]) -> None:
+    final = stages[-1]
+    for run in final.all("RUN"):
+        assert not BUILD_TOOLS.search(run.args), f"line {run.line}: build tool in the final stage: {run.args}"
+        assert "--no-index" in run.args or "pip" not in run.args, "the final stage installs only the built wheels"
+
+
+def test_runs_as_non_root_matching_the_pods(stages: list[Stage]) -> None:
+    final = stages[-1]
+    users = final.all("USER")
+    assert users, "USER missing"
+    user = users[-1].args.split(":")[0]
+    assert user not in {"root", "0"}
+    deployment = yaml.safe_load((DEPLOY / "k8s" / "base" / "deployment.yaml").read_text())
+    run_as = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
+    assert user == str(run_as), "image user and pod runAsUser should agree"
+    assert any(f"--uid {run_as}" in r.args for r in final.all("RUN")), "the user is created with that uid"
+
+
+def test_entrypoint_cmd_port_env(stages: list[Stage]) -> None:
+    final = stages[-1]
+    assert exec_form(final.all("ENTRYPOINT")[-1]) == ["ckpt-coordinator"]
+    assert exec_form(final.all("CMD")[-1]) == ["serve"]
+    assert "8080" in final.all("EXPOSE")[-1].args.split()
+    env = " ".join(e.args for e in final.all("ENV"))
+    assert re.search(r"\bCKPTC_HOST=0\.0\.0\.0\b", env)
+
+
+def test_healthcheck_uses_stdlib_on_healthz(stages: list[Stage]) -> None:
+    final = stages[-1]
+    (check,) = final.all("HEALTHCHECK")
+    command = exec_form(check)
+    assert command[:2] == ["python", "-c"]
+    assert "/healthz" in command[2] and "urllib.request" in command[2]
+    assert "/readyz" not in command[2], "a container health check must not depend on the database"
+    compile(command[2], "<healthcheck>", "exec")  # the one-liner is valid Python
+    assert "--timeout=" in check.args and "--interval=" in check.args
+
+
+def test_build_context_has_what_the_builder_copies(stages: list[Stage]) -> None:
+    ignored = [
+        p.strip().rstrip("/")
+        for p in (ROOT / ".dockerignore").read_text().splitlines()
+        if p.strip() and not p.startswith("#")
+    ]
+    for copy in stages[0].all("COPY"):
+        sources = shlex.split(copy.args)[:-1]
+        for source in sources:
+            if source.startswith("--"):
+                continue
+            path = source.rstrip("/")
+            assert (ROOT / path).exists(), f"COPY {source}: missing from the repository"
+            assert not any(fnmatch.fnmatch(path, pattern) for pattern in ignored), f"COPY {source} is dockerignored"
+    # What pyproject.toml packages must be copied into the builder.
+    copied = {shlex.split(c.args)[0].rstrip("/") for c in stages[0].all("COPY")}
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    package_dirs = re.findall(r'"(?:[a-z_]*)"\s*=\s*"([a-z_]+)(?:/[^"]*)?"', pyproject)
+    assert "service" in package_dirs
+    for top in package_dirs:
+        assert top in copied, f"{top}/ is a package directory in pyproject.toml but not copied"
+
+
+def test_parser_sees_through_continuations() -> None:
+    stages = parse("FROM a AS b\nRUN x \\\n  # note\n  && y\nFROM c\nUSER 1\n")
+    assert [s.base for s in stages] == ["a", "c"]
+    assert stages[0].all("RUN")[0].args.split() == ["x", "&&", "y"]
