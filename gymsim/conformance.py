@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -47,6 +48,16 @@ def ep(rollout_id: str, attempt: int = 0) -> dict[str, Any]:
     return {"rollout_id": rollout_id, "attempt": attempt}
 
 
+@dataclass
+class Saved:
+    checkpoint_id: str
+    directory: Any
+    runs: dict[str, asyncio.Task]
+    saved_turns: dict[str, int]  # completed turns of each rollout at the cut
+    turns: int
+    replies: dict[str, dict[str, Any]]
+
+
 class Harness:
     def __init__(self, gym: GymsimInstance, client: httpx.AsyncClient) -> None:
         self.gym = gym
@@ -55,6 +66,7 @@ class Harness:
         self.servers = gym.servers
         self.spelling = gym.config.wire_spelling
         self.offset = 0.0
+        self._runs: list[asyncio.Task] = []
 
     # ---------------------------------------------------------------- clock
 
@@ -85,12 +97,24 @@ class Harness:
     def headers(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token if token is None else token}"}
 
-    async def call(self, server: str, op: str, body: Any = None, *, token: str | None = None, **kw) -> httpx.Response:
+    async def call(
+        self,
+        server: str,
+        op: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        headers: dict[str, str] | None = None,
+        content: bytes | None = None,
+    ) -> httpx.Response:
+        """One control call; `headers` replaces the auth header, `content` sends raw bytes."""
         url = f"{self.servers[server]}/ng-control/v1/checkpoint/{op}"
-        headers = kw.pop("headers", None) or self.headers(token)
+        headers = self.headers(token) if headers is None else headers
         if op == "status":
             return await self.client.get(url, headers=headers)
-        return await self.client.post(url, json=body, headers=headers, **kw)
+        if content is not None:
+            return await self.client.post(url, content=content, headers={**headers, "content-type": "application/json"})
+        return await self.client.post(url, json=body, headers=headers)
 
     async def ok(self, server: str, op: str, body: Any = None) -> dict[str, Any]:
         response = await self.call(server, op, body)
@@ -148,7 +172,15 @@ class Harness:
         return await self.client.post(f"{self.servers[AGENT]}/run", json=body, timeout=60)
 
     def start_run(self, rollout_id: str, attempt: int = 0, **kw) -> asyncio.Task:
-        return asyncio.ensure_future(self.run(rollout_id, attempt, **kw))
+        task = asyncio.ensure_future(self.run(rollout_id, attempt, **kw))
+        self._runs.append(task)
+        return task
+
+    async def aclose(self) -> None:
+        """Cancel /run calls a check left behind (for example on a killed instance)."""
+        for task in self._runs:
+            task.cancel()
+        await asyncio.gather(*self._runs, return_exceptions=True)
 
     async def chat(self, key: str, turn: int | None = None) -> httpx.Response:
         body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}]}
@@ -159,6 +191,26 @@ class Harness:
     async def mutate(self, sid: str, turn: int | None = None, work_seconds: float = 0.0) -> httpx.Response:
         body = {"turn": turn, "entry": {"by": "test"}, "work_seconds": work_seconds}
         return await self.client.post(f"{self.servers[RESOURCES]}/sessions/{sid}/mutate", json=body, timeout=60)
+
+    async def park_runs(self, rollouts, *, turns: int = 20, min_turns: int = 1) -> dict[str, asyncio.Task]:
+        """Start one /run (attempt 0) per rollout and wait until each has finished `min_turns` turns."""
+        runs = {r: self.start_run(r, 0, task={"rollout": r}, turns=turns) for r in rollouts}
+
+        def progressed() -> bool:
+            sessions = self.sessions()
+            return all(sessions.get(r, {}).get("counter", 0) >= min_turns for r in rollouts)
+
+        await self.wait_until(progressed)
+        return runs
+
+    async def save(self, cid: str, directory, rollouts, *, turns: int = 20) -> "Saved":
+        """Run episodes, park them with a full prepare and commit them: a snapshot to restore from."""
+        runs = await self.park_runs(rollouts, turns=turns)
+        await self.prepare_all(cid)
+        episodes = self.state(AGENT)["episodes"]
+        saved_turns = {r: episodes[r]["turn"] for r in rollouts}
+        replies = await self.commit_all(cid, directory, [ep(r) for r in sorted(rollouts)])
+        return Saved(cid, directory, runs, saved_turns, turns, replies)
 
     # ---------------------------------------------------------------- admin
 

@@ -15,7 +15,9 @@ from .instance import Instance
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind before serving so that the port (even an ephemeral one) is known up front."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto must be IPPROTO_TCP: asyncio only sets TCP_NODELAY on such sockets, and without it every
+    # small reply waits out a delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

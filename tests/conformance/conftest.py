@@ -17,6 +17,7 @@ async def start(tmp_path):
     """Factory: `await start(**config_overrides)` or `await start(config=dict)` gives a Harness."""
     gyms: list[GymsimInstance] = []
     clients: list[httpx.AsyncClient] = []
+    harnesses: list[Harness] = []
 
     async def _start(config: dict[str, Any] | None = None, **overrides: Any) -> Harness:
         cfg = config if config is not None else default_instance_config(**overrides)
@@ -24,9 +25,13 @@ async def start(tmp_path):
         gyms.append(gym)
         client = httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=500))
         clients.append(client)
-        return Harness(gym, client)
+        harness = Harness(gym, client)
+        harnesses.append(harness)
+        return harness
 
     yield _start
+    for harness in harnesses:
+        await harness.aclose()
     for client in clients:
         await client.aclose()
     for gym in gyms:

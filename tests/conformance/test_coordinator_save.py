@@ -1,0 +1,821 @@
+"""Coordinator conformance, the save side (spec 5.0-5.5 and 6; checklist items 39-53).
+
+The Gym control client runs against in-process gymsim instances over real HTTP. A
+RecordingTransport around the real one observes what was sent and when; where a reply no valid
+participant produces is needed (item 45), it rewrites gymsim's real reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pickle
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from checkpoint_coordinator.gym import (
+    Episode,
+    FailureClass,
+    GymControlClient,
+    GymControlError,
+    GymSave,
+    GymSaveAborted,
+    InstanceSpec,
+    InstanceTopology,
+    LeaseRenewer,
+    ManualClock,
+    instance_checkpoint_dir,
+)
+from checkpoint_coordinator.gym.testing import RecordedCall, RecordingTransport
+from gymsim.testing import GymsimInstance, default_instance_config, server_config
+
+StartGym = Callable[..., GymsimInstance]
+PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
+
+
+# --- fixtures and helpers ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def start_gym() -> Iterator[StartGym]:
+    started: list[GymsimInstance] = []
+
+    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
+        # Long turns: an episode is almost always working (not mid model call) when prepare
+        # starts, so readiness cannot regress between prepare and commit by a reply in flight.
+        kwargs.setdefault("turn_seconds", 0.3)
+        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
+        started.append(inst)
+        return inst
+
+    yield start
+    for inst in started:
+        inst.kill()
+
+
+class Rows:
+    """Data-plane /run rows, sent the way a caller would (its own connection pool)."""
+
+    def __init__(self) -> None:
+        self.http = httpx.AsyncClient(timeout=None)
+        self.tasks: dict[str, asyncio.Task[httpx.Response]] = {}
+
+    def start(self, inst: GymsimInstance, rollout_id: str, attempt: int = 0, turns: int = 100) -> asyncio.Task[httpx.Response]:
+        body = {"_ng_rollout_id": rollout_id, "_ng_attempt_index": attempt, "task": {"q": rollout_id}, "turns": turns}
+        task = asyncio.ensure_future(self.http.post(inst.servers["workplace_agent"] + "/run", json=body))
+        self.tasks[f"{inst.instance_id}:{rollout_id}:{attempt}"] = task
+        return task
+
+    async def aclose(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.http.aclose()
+
+
+@pytest.fixture
+async def rows() -> AsyncIterator[Rows]:
+    r = Rows()
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture
+def recorder() -> RecordingTransport:
+    return RecordingTransport()
+
+
+@pytest.fixture
+async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
+    async with GymControlClient(
+        control_timeout_s=1.0, prepare_timeout_s=3.0, discovery_timeout_s=2.0, transport=recorder
+    ) as c:
+        yield c
+
+
+async def topology(client: GymControlClient, *insts: GymsimInstance) -> dict[str, InstanceTopology]:
+    return await client.discover_all(InstanceSpec(i.instance_id, i.token, i.servers) for i in insts)
+
+
+def server_of(call: RecordedCall) -> str:
+    return call.url.split("/s/", 1)[1].split("/", 1)[0]
+
+
+def port_of(call: RecordedCall) -> str:
+    return call.url.split("://", 1)[1].split("/", 1)[0]
+
+
+def calls_to(recorder: RecordingTransport, inst: GymsimInstance, op: str) -> list[RecordedCall]:
+    return [c for c in recorder.ops(op) if c.url.startswith(inst.base_url)]
+
+
+async def state(inst: GymsimInstance, server: str | None = None) -> dict[str, Any]:
+    return await asyncio.to_thread(inst.state, server)
+
+
+async def wait_running(inst: GymsimInstance, keys: list[str], timeout: float = 5.0) -> None:
+    """Until the agent runs every episode (past its first turn, so it has model and resources state)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        episodes = (await state(inst, "workplace_agent"))["episodes"]
+        if all(k in episodes and episodes[k]["turn"] >= 1 for k in keys):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"episodes {keys} did not start")
+
+
+async def nothing_hook(_: Any) -> None:
+    return None
+
+
+def assert_all_idle(*insts: GymsimInstance) -> None:
+    for inst in insts:
+        servers = inst.state()["servers"]
+        for name in PARTICIPANTS:
+            if name in servers and servers[name]["participant"]:
+                assert servers[name]["phase"] == "idle", (inst.instance_id, name, servers[name]["phase"])
+                assert servers[name]["admission_open"], (inst.instance_id, name)
+
+
+# --- 39 ------------------------------------------------------------------------------------------
+
+
+async def test_c39_prepare_stage_order(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport) -> None:
+    inst = start_gym(
+        faults=[{"server_name": "policy_model", "op": "prepare", "type": "delay", "seconds": 0.3}]
+    )
+    topo = await topology(client, inst)
+    result = await client.prepare(client.new_checkpoint_id("39"), topo)
+    prepares = {server_of(c): c for c in recorder.ops("prepare")}
+    assert set(prepares) == set(PARTICIPANTS)
+    # Each stage is sent only once the previous one has answered prepared.
+    assert prepares["policy_model"].answered_at <= prepares["workplace_agent"].sent_at
+    assert prepares["workplace_agent"].answered_at <= prepares["calendar_resources"].sent_at
+    assert result.restarts == {inst.instance_id: frozenset()}
+    await client.resume(result.checkpoint_id, topo)
+
+
+async def test_c39_model_not_ready_agents_and_resources_never_receive_prepare(
+    start_gym: StartGym, recorder: RecordingTransport
+) -> None:
+    # A multi-worker model with one worker that never reports stays unready.
+    inst = start_gym(server_config(default_instance_config(), "policy_model", workers=2, unreported_workers=1))
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=0.3, transport=recorder) as client:
+        topo = await topology(client, inst)
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("39b"), topo)
+    assert info.value.failure_class is FailureClass.NOT_READY
+    assert {server_of(c) for c in recorder.ops("prepare")} == {"policy_model"}
+    # Resume still reaches everyone, including the servers that never got prepare.
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    assert_all_idle(inst)
+
+
+# --- 40 ------------------------------------------------------------------------------------------
+
+
+async def test_c40_not_ready_resumes_every_instance_and_reports_counts_and_samples(
+    start_gym: StartGym, rows: Rows, recorder: RecordingTransport
+) -> None:
+    ready = start_gym(instance_id="math/replica-0")
+    # Model responses that stream for a long time block the model's readiness: 12 blockers.
+    blocked = start_gym(server_config(default_instance_config("math/replica-1", turn_seconds=0.3), "policy_model", stream_seconds=30))
+    keys = [f"r{i:02d}" for i in range(12)]
+    for key in keys:
+        rows.start(blocked, key)
+    deadline = time.monotonic() + 5
+    while len((await state(blocked, "policy_model"))["calls"]) < 12 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=0.5, transport=recorder) as client:
+        topo = await topology(client, ready, blocked)
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("40"), topo)
+    err = info.value
+    assert err.failure_class is FailureClass.NOT_READY and err.transient
+    part = err.instances["math/replica-1"]["policy_model"]
+    assert part["blocker_count"] == 12
+    assert len(part["blockers"]) == 10 and set(part["blockers"]) <= set(keys)
+    assert "math/replica-0" not in err.instances
+    # Every participant of every instance was resumed.
+    for inst in (ready, blocked):
+        assert {server_of(c) for c in calls_to(recorder, inst, "resume")} == set(PARTICIPANTS)
+    assert err.to_dict()["instances"]["math/replica-1"]["policy_model"]["blocker_count"] == 12
+
+
+# --- 41 ------------------------------------------------------------------------------------------
+
+
+async def test_c41_every_call_carries_send_time_plus_its_timeout(start_gym: StartGym, recorder: RecordingTransport, tmp_path: Any) -> None:
+    inst = start_gym()
+    clock = ManualClock()
+    t0 = clock.time()
+    async with GymControlClient(control_timeout_s=7, prepare_timeout_s=11, clock=clock, transport=recorder) as client:
+        topo = await topology(client, inst)
+        cid = client.new_checkpoint_id("41")
+        await client.prepare(cid, topo)
+        clock.advance(1.0)
+        await client.renew(cid, topo)
+        clock.advance(1.0)
+        await client.commit(cid, topo, {inst.instance_id: instance_checkpoint_dir(str(tmp_path), inst.instance_id)}, {})
+        clock.advance(1.0)
+        await client.resume(cid, topo)
+    assert {c.body["deadline_ts"] for c in recorder.ops("prepare")} == {t0 + 11}
+    assert {c.body["deadline_ts"] for c in recorder.ops("renew")} == {t0 + 1 + 7}
+    assert {c.body["deadline_ts"] for c in recorder.ops("commit")} == {t0 + 2 + 7}
+    assert {c.body["deadline_ts"] for c in recorder.ops("resume")} == {t0 + 3 + 7}
+
+
+async def test_c41_client_gives_up_at_deadline_plus_reply_grace(start_gym: StartGym, recorder: RecordingTransport) -> None:
+    inst = start_gym(faults=[{"server_name": "policy_model", "op": "prepare", "type": "delay", "seconds": 5, "times": 1}])
+    # Grace = min(control_timeout_s, 5) = 0.3; prepare deadline 0.4 s: give up at about 0.7 s.
+    async with GymControlClient(control_timeout_s=0.3, prepare_timeout_s=0.4, transport=recorder) as client:
+        topo = await topology(client, inst)
+        started = time.monotonic()
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("41b"), topo)
+        elapsed = time.monotonic() - started
+    assert info.value.failure_class is FailureClass.UNAVAILABLE
+    assert info.value.server_names() == {inst.instance_id: ["policy_model"]}
+    # Waited out the deadline and the grace, not the 5 s the participant took, and never
+    # re-sent after the timeout.
+    assert 0.6 < elapsed < 2.5
+    assert len([c for c in recorder.ops("prepare") if server_of(c) == "policy_model"]) == 1
+
+
+async def test_c41_lost_reply_is_resent_and_replayed(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport) -> None:
+    inst = start_gym(faults=[{"server_name": "workplace_agent", "op": "prepare", "type": "lost_reply", "times": 1}])
+    topo = await topology(client, inst)
+    result = await client.prepare(client.new_checkpoint_id("41c"), topo)
+    agent = [c for c in recorder.ops("prepare") if server_of(c) == "workplace_agent"]
+    assert [c.status for c in agent] == [None, 200]
+    assert (await state(inst, "workplace_agent"))["phase"] == "prepared"
+    await client.resume(result.checkpoint_id, topo)
+
+
+# --- 42 ------------------------------------------------------------------------------------------
+
+
+def test_c42_renew_interval_formula() -> None:
+    for timeout, expected in ((60, 10.0), (30, 10.0), (15, 5.0), (0.3, 0.1), (0.01, 0.01), (0.001, 0.01)):
+        assert GymControlClient(control_timeout_s=timeout).lease_renew_interval_s == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("grace,warned", [(20.0, "below"), (60.0, None), (300.0, "above")])
+async def test_c42_renews_after_prepare_then_on_cadence_and_checks_grace(
+    start_gym: StartGym, recorder: RecordingTransport, grace: float, warned: str | None
+) -> None:
+    inst = start_gym(lease_grace_seconds=grace)
+    clock = ManualClock()
+    async with GymControlClient(control_timeout_s=60, prepare_timeout_s=300, clock=clock, transport=recorder) as client:
+        topo = await topology(client, inst)
+        prepared = await client.prepare(client.new_checkpoint_id("42"), topo)
+        renewer = LeaseRenewer(client, prepared.checkpoint_id, topo, prepare=prepared)
+        await renewer.start()
+        # The first renew goes out right after prepare, before any wait.
+        assert renewer.renewals == 1 and clock.sleeps == []
+        while renewer.renewals < 4:
+            await asyncio.sleep(0.01)
+        await renewer.stop()
+        await client.resume(prepared.checkpoint_id, topo)
+    assert renewer.failure is None
+    assert clock.sleeps[:3] == [10.0, 10.0, 10.0]
+    renews = recorder.ops("renew")
+    assert len(renews) >= 4 * 3
+    resume_sent = min(c.sent_at for c in recorder.ops("resume"))
+    # Renewing stops before resume: no renew answered after it (one in flight may be cancelled).
+    assert all(c.answered_at <= resume_sent for c in renews if c.answered_at is not None)
+    if warned is None:
+        assert renewer.warnings == []
+    else:
+        assert len(renewer.warnings) == 3 and all(warned in w for w in renewer.warnings)
+
+
+# --- 43 ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["current", "legacy"])
+async def test_c43_stale_checkpoint_on_renew_aborts_as_lease_lost_and_resumes(
+    start_gym: StartGym, recorder: RecordingTransport, tmp_path: Any, spelling: str
+) -> None:
+    inst = start_gym(wire_spelling=spelling, lease_grace_seconds=1)
+    pending = Episode("ghost", 0)  # dispatched, never reached Gym: the drain waits on it
+
+    async def drain(_: dict[str, set[Episode]]) -> None:
+        # While the save drains, the participant's lease runs out (its clock jumps ahead).
+        await asyncio.to_thread(inst.admin, "POST", "/admin/clock", {"advance": 3600})
+        await asyncio.sleep(30)
+
+    async with GymControlClient(control_timeout_s=0.3, prepare_timeout_s=1, transport=recorder) as client:
+        topo = await topology(client, inst)
+        save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [pending]},
+                       drain_hook=drain, capture_hook=nothing_hook, drain_timeout_s=20)
+        with pytest.raises(GymControlError) as info:
+            await asyncio.wait_for(save.run(), 10)
+    assert info.value.failure_class is FailureClass.LEASE_LOST and info.value.transient
+    stale = [c for c in recorder.ops("renew") if c.status == 409]
+    assert stale, "a renew got stale_checkpoint"
+    # Resume was still sent to every participant, after the loss.
+    resumes = recorder.ops("resume")
+    assert {server_of(c) for c in resumes} == set(PARTICIPANTS)
+    assert min(c.sent_at for c in resumes) >= min(c.sent_at for c in stale)
+
+
+@pytest.mark.parametrize("code", ["stale_checkpoint", "checkpoint_stale_checkpoint", "checkpoint_stale"])
+async def test_c43_stale_checkpoint_on_commit_is_lease_lost(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, code: str) -> None:
+    inst = start_gym(faults=[{"server_name": "calendar_resources", "op": "commit", "type": "error", "status": 409, "code": code}])
+    topo = await topology(client, inst)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                   capture_hook=nothing_hook, drain_timeout_s=5)
+    with pytest.raises(GymControlError) as info:
+        await save.run()
+    assert info.value.failure_class is FailureClass.LEASE_LOST
+    assert info.value.server_names() == {inst.instance_id: ["calendar_resources"]}
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    assert_all_idle(inst)
+
+
+async def test_c43_clock_past_known_lease_expiry_is_lease_lost(start_gym: StartGym) -> None:
+    inst = start_gym(lease_grace_seconds=5)
+    clock = ManualClock()
+    async with GymControlClient(control_timeout_s=60, prepare_timeout_s=60, clock=clock) as client:
+        topo = await topology(client, inst)
+        prepared = await client.prepare(client.new_checkpoint_id("43c"), topo)
+        renewer = LeaseRenewer(client, prepared.checkpoint_id, topo, prepare=prepared)
+        await renewer.renew_once()
+        assert renewer.earliest_expiry is not None
+        clock.advance(renewer.earliest_expiry - clock.time() + 1)
+        with pytest.raises(GymControlError) as info:
+            renewer.check()
+        assert info.value.failure_class is FailureClass.LEASE_LOST
+        assert renewer.lost.is_set()
+        await client.resume(prepared.checkpoint_id, topo)
+
+
+# --- 44 ------------------------------------------------------------------------------------------
+
+
+async def test_c44_scope_excludes_restarts_sorted_objects_and_dir_created_first(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    # A restart-only resources server reports every in-flight episode with a session as a restart.
+    inst = start_gym(resources_mode="restart_only")
+    for key in ("r-b", "r-a"):
+        rows.start(inst, key)
+    await wait_running(inst, ["r-a", "r-b"])
+    topo = await topology(client, inst)
+    ghosts = [Episode("ghost-2", 1), Episode("ghost-1", 0)]
+    candidates = {inst.instance_id: [Episode("r-b", 0), Episode("r-a", 0), *ghosts]}
+    drained: list[dict[str, set[Episode]]] = []
+
+    async def drain(pending: dict[str, set[Episode]]) -> None:
+        drained.append({k: set(v) for k, v in pending.items()})
+
+    snapshot = tmp_path / "snap"
+    save = GymSave(client, topo, snapshot_dir=str(snapshot), candidates=candidates, drain_hook=drain,
+                   capture_hook=nothing_hook, drain_timeout_s=5)
+    result = await save.run()
+    directory = instance_checkpoint_dir(str(snapshot), inst.instance_id)
+    commits = recorder.ops("commit")
+    assert {server_of(c) for c in commits} == set(PARTICIPANTS)
+    for call in commits:
+        assert call.body["episode_ids"] == [{"rollout_id": "ghost-1", "attempt": 0}, {"rollout_id": "ghost-2", "attempt": 1}]
+        assert call.body["checkpoint_dir"] == directory
+        assert "stop" not in call.body
+    assert os.path.isdir(directory)
+    assert result.manifest["instances"][inst.instance_id]["restarts"] == [
+        {"rollout_id": "r-a", "attempt": 0}, {"rollout_id": "r-b", "attempt": 0}
+    ]
+    # The drain never waits on restarts.
+    assert drained == [{inst.instance_id: set(ghosts)}]
+    assert result.gym_restarted_episodes == 2
+
+
+async def test_c44_empty_scope_is_sent_as_empty_list(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                   capture_hook=nothing_hook, drain_timeout_s=5)
+    result = await save.run()
+    assert [c.body["episode_ids"] for c in recorder.ops("commit")] == [[], [], []]
+    assert result.manifest["instances"][inst.instance_id] == {
+        "episodes": [], "participants": sorted(PARTICIPANTS), "restarts": [], "staging_keys": []
+    }
+
+
+# --- 45 ------------------------------------------------------------------------------------------
+
+
+def _tamper(kind: str) -> tuple[str, Callable[[int, Any], tuple[int, Any]]]:
+    def manifest_field(field: str, value: Any) -> Callable[[int, Any], tuple[int, Any]]:
+        def fn(status: int, body: Any) -> tuple[int, Any]:
+            body["manifest"][field] = value
+            return status, body
+        return fn
+
+    def outside(status: int, body: Any) -> tuple[int, Any]:
+        body["episode_ids"] = [*body["episode_ids"], "not-in-scope"]
+        return status, body
+
+    def staging(status: int, body: Any) -> tuple[int, Any]:
+        body["staging_keys"] = [*body["staging_keys"], "tq/orphan/0"]
+        return status, body
+
+    def run_outside(status: int, body: Any) -> tuple[int, Any]:
+        body["run_episode_ids"] = []
+        return status, body
+
+    return {
+        "kind": ("policy_model", manifest_field("kind", "agent")),
+        "participant": ("workplace_agent", manifest_field("instance", "someone_else")),
+        "checkpoint": ("calendar_resources", manifest_field("checkpoint_id", "snap-other-00000000")),
+        "outside-scope": ("calendar_resources", outside),
+        "staging-mismatch": ("policy_model", staging),
+        "stranded": ("workplace_agent", run_outside),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["kind", "participant", "checkpoint", "outside-scope", "staging-mismatch", "stranded"])
+async def test_c45_invalid_commit_replies_fail_as_protocol_error(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, kind: str
+) -> None:
+    inst = start_gym()
+    rows.start(inst, "r1")
+    await wait_running(inst, ["r1"])
+    server, fn = _tamper(kind)
+    recorder.rewrite(f"/s/{server}/", "commit", fn)
+    topo = await topology(client, inst)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    with pytest.raises(GymControlError) as info:
+        await save.run()
+    err = info.value
+    assert err.failure_class is FailureClass.PROTOCOL_ERROR and not err.transient
+    assert server in err.server_names()[inst.instance_id]
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    if kind == "stranded":
+        assert "stranded sessions: 1" in str(err)
+
+
+async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym, client: GymControlClient, tmp_path: Any) -> None:
+    inst = start_gym()
+    await asyncio.to_thread(inst.admin, "POST", "/admin/agent/workplace_agent/native_sessions", {"rollout_id": "native-1", "attempt": 0})
+    topo = await topology(client, inst)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("native-1", 0)]},
+                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    with pytest.raises(GymControlError) as info:
+        await save.run()
+    assert info.value.failure_class is FailureClass.PROTOCOL_ERROR
+    part = info.value.instances[inst.instance_id]["workplace_agent"]
+    assert "stranded" in part["detail"] and part["samples"] == ["native-1"]
+
+
+async def test_c45_episode_claimed_by_two_agents(start_gym: StartGym, rows: Rows, recorder: RecordingTransport, tmp_path: Any) -> None:
+    config = default_instance_config(turn_seconds=0.3)
+    config["servers"].append({"server_name": "second_agent", "kind": "agent", "mode": "exported"})
+    inst = start_gym(config)
+    rows.start(inst, "r1")
+    await wait_running(inst, ["r1"])
+
+    def claim(status: int, body: Any) -> tuple[int, Any]:
+        body["episode_ids"] = ["r1"]
+        body["run_episode_ids"] = ["r1"]
+        return status, body
+
+    recorder.rewrite("/s/second_agent/", "commit", claim)
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=3, transport=recorder) as client:
+        topo = await topology(client, inst)
+        with pytest.raises(GymControlError) as info:
+            await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+                          drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5).run()
+    err = info.value
+    assert err.failure_class is FailureClass.PROTOCOL_ERROR
+    named = err.server_names()[inst.instance_id]
+    assert "second_agent" in named and "workplace_agent" in named
+    assert "claimed by more than one agent" in str(err)
+
+
+# --- 46 and 47 -----------------------------------------------------------------------------------
+
+
+async def test_c46_c47_saved_episodes_are_run_episode_ids_and_drain_waits_for_the_rest(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    # The reply of a finished episode sits on the wire for 2 s: Gym exports no agent state for
+    # it, but the model still holds its staging keys.
+    inst = start_gym(faults=[{"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 2.0, "times": 1}])
+    running = rows.start(inst, "r-live", turns=100)
+    wired = rows.start(inst, "r-wire", turns=1)
+    await wait_running(inst, ["r-live"])
+    deadline = time.monotonic() + 5
+    while (await state(inst, "workplace_agent"))["episodes"].get("r-wire", {}).get("state") != "wire":
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    topo = await topology(client, inst)
+    drained: list[set[Episode]] = []
+    renews_during_drain: list[int] = []
+
+    async def drain(pending: dict[str, set[Episode]]) -> None:
+        drained.append(set(pending[inst.instance_id]))
+        before = len(recorder.ops("renew"))
+        reply = await wired  # the caller resolves the pending /run: it has its reply now
+        assert reply.status_code == 200
+        renews_during_drain.append(len(recorder.ops("renew")) - before)
+
+    cands = {inst.instance_id: [Episode("r-live", 0), Episode("r-wire", 0)]}
+    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates=cands, drain_hook=drain,
+                           capture_hook=nothing_hook, drain_timeout_s=10).run()
+    ic = result.commit.instances[inst.instance_id]
+    assert ic.episodes == (Episode("r-live", 0),)
+    assert drained == [{Episode("r-wire", 0)}]
+    # Staging keys only of the saved episode, though the model exported r-wire's too.
+    model_keys = (await state(inst, "policy_model"))["staging_keys_by_episode"]
+    assert ic.staging_keys and all(k.startswith("tq/r-live/") for k in ic.staging_keys)
+    assert any(k.startswith("tq/r-wire/") for keys in model_keys.values() for k in keys)
+    assert result.manifest["instances"][inst.instance_id]["episodes"] == [{"rollout_id": "r-live", "attempt": 0}]
+    assert result.manifest["instances"][inst.instance_id]["staging_keys"] == list(ic.staging_keys)
+    # Leases were renewed while the drain waited (interval T/3 = 0.33 s, drain about 1 s).
+    assert renews_during_drain[0] >= 3 * 2
+    assert not running.done()
+
+
+async def test_c47_drain_timeout_reports_count_and_samples(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    ghosts = [Episode(f"ghost-{i:02d}", 0) for i in range(12)]
+
+    async def never(pending: dict[str, set[Episode]]) -> None:
+        # Two replies arrive; the other ten never do.
+        pending[inst.instance_id].discard(ghosts[0])
+        pending[inst.instance_id].discard(ghosts[1])
+        await asyncio.sleep(60)
+
+    with pytest.raises(GymControlError) as info:
+        await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: ghosts},
+                      drain_hook=never, capture_hook=nothing_hook, drain_timeout_s=0.3).run()
+    err = info.value
+    assert err.failure_class is FailureClass.DRAIN_TIMEOUT and err.transient
+    assert err.extra["pending_count"] == 10
+    assert err.extra["pending_samples"] == [e.capture_key for e in ghosts[2:12]]
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    assert_all_idle(inst)
+
+
+# --- 48 ------------------------------------------------------------------------------------------
+
+
+async def test_c48_manifest_complete_before_capture_and_resume_between_capture_and_publish(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym()
+    rows.start(inst, "r1")
+    await wait_running(inst, ["r1"])
+    topo = await topology(client, inst)
+    seen: dict[str, Any] = {}
+
+    async def capture(manifest: dict[str, Any]) -> None:
+        seen["manifest"] = json.loads(json.dumps(manifest))
+        seen["resumes_before_capture"] = len(recorder.ops("resume"))
+        seen["file"] = json.loads((tmp_path / "gym_checkpoint.json").read_text())
+        seen["at"] = time.time()
+
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+                   drain_hook=nothing_hook, capture_hook=capture, drain_timeout_s=5, write_manifest_file=True)
+    result = await save.run()
+    published_at = time.time()  # what the caller does next
+    manifest = seen["manifest"]
+    assert manifest == result.manifest == seen["file"]
+    assert manifest["schema_version"] == 2 and manifest["checkpoint_id"] == result.checkpoint_id
+    assert manifest["instances"][inst.instance_id]["episodes"] == [{"rollout_id": "r1", "attempt": 0}]
+    assert manifest["instances"][inst.instance_id]["participants"] == sorted(PARTICIPANTS)
+    assert manifest["instances"][inst.instance_id]["staging_keys"]
+    assert seen["resumes_before_capture"] == 0
+    resumes = {server_of(c): c for c in recorder.ops("resume")}
+    assert all(seen["at"] <= c.sent_at and c.answered_at <= published_at for c in resumes.values())
+    # Reverse stage order: resources, then agent, then model.
+    assert resumes["calendar_resources"].answered_at <= resumes["workplace_agent"].sent_at
+    assert resumes["workplace_agent"].answered_at <= resumes["policy_model"].sent_at
+    assert result.resume is not None and result.resume.ok
+    assert result.gym_parked_seconds is not None and result.gym_parked_seconds > 0
+    assert {"prepare", "renew", "commit", "drain", "manifest", "capture", "resume", "total"} <= set(result.timings)
+    assert_all_idle(inst)
+
+
+# --- 49 ------------------------------------------------------------------------------------------
+
+
+async def test_c49_transient_resume_failure_retried_on_the_failed_instance_only(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    flaky = start_gym(instance_id="math/replica-0",
+                      faults=[{"server_name": "workplace_agent", "op": "resume", "type": "error", "status": 503, "code": "checkpoint_coordinator_unavailable", "times": 1}])
+    fine = start_gym(instance_id="math/replica-1")
+    topo = await topology(client, flaky, fine)
+    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                           capture_hook=nothing_hook, drain_timeout_s=5).run()
+    assert result.resume is not None and result.resume.ok and result.resume.rounds == 2
+    assert len(calls_to(recorder, fine, "resume")) == 3
+    flaky_resumes = calls_to(recorder, flaky, "resume")
+    assert len(flaky_resumes) == 6
+    # The failing agent did not stop the model's resume in the first round.
+    assert [server_of(c) for c in flaky_resumes[:3]] == ["calendar_resources", "workplace_agent", "policy_model"]
+    assert_all_idle(flaky, fine)
+
+
+async def test_c49_resume_failure_after_the_cut_is_reported_and_snapshot_kept(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    broken = start_gym(instance_id="math/replica-0",
+                       faults=[{"server_name": "workplace_agent", "op": "resume", "type": "error", "status": 503, "code": "checkpoint_coordinator_unavailable"}])
+    fine = start_gym(instance_id="math/replica-1")
+    topo = await topology(client, broken, fine)
+    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                           capture_hook=nothing_hook, drain_timeout_s=5).run()
+    assert result.manifest["instances"].keys() == {"math/replica-0", "math/replica-1"}
+    assert result.resume is not None and not result.resume.ok
+    failure = result.resume.failure
+    assert failure is not None and failure.server_names() == {"math/replica-0": ["workplace_agent"]}
+    assert result.resume.rounds == 3
+    assert_all_idle(fine)
+    # Everything but the failing agent of the broken instance was resumed.
+    state0 = (await state(broken))["servers"]
+    assert state0["policy_model"]["phase"] == "idle" and state0["calendar_resources"]["phase"] == "idle"
+
+
+# --- 50 ------------------------------------------------------------------------------------------
+
+
+async def test_c50_failure_before_cut_resumes_everyone_and_attaches_resume_failure(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym(faults=[
+        {"server_name": "policy_model", "op": "commit", "type": "refuse", "code": "checkpoint_error", "status": 409},
+        {"server_name": "calendar_resources", "op": "resume", "type": "error", "status": 500, "code": "checkpoint_error"},
+    ])
+    topo = await topology(client, inst)
+    with pytest.raises(GymControlError) as info:
+        await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                      capture_hook=nothing_hook, drain_timeout_s=5).run()
+    err = info.value
+    assert err.failure_class is FailureClass.PROTOCOL_ERROR and err.server_names() == {inst.instance_id: ["policy_model"]}
+    assert err.resume_failure is not None
+    assert err.resume_failure.server_names() == {inst.instance_id: ["calendar_resources"]}
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    data = pickle.loads(pickle.dumps(err)).to_dict()
+    assert data["resume_failure"]["instances"][inst.instance_id]["calendar_resources"]["http_status"] == 500
+
+
+async def test_c50_capture_failure_resumes_and_reraises(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+
+    class CaptureFailed(Exception):
+        pass
+
+    async def capture(_: dict[str, Any]) -> None:
+        raise CaptureFailed("data plane barrier timed out")
+
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                   capture_hook=capture, drain_timeout_s=5)
+    with pytest.raises(CaptureFailed):
+        await save.run()
+    assert not save.cut_done
+    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+    assert_all_idle(inst)
+
+
+async def test_c50_abort_by_caller_resumes_at_once(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    drain_started = asyncio.Event()
+
+    async def drain(_: dict[str, set[Episode]]) -> None:
+        drain_started.set()
+        await asyncio.sleep(60)
+
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("ghost", 0)]},
+                   drain_hook=drain, capture_hook=nothing_hook, drain_timeout_s=30)
+    running = asyncio.ensure_future(save.run())
+    await asyncio.wait_for(drain_started.wait(), 5)
+    aborted_at = time.time()
+    assert save.abort("train_step_committed")
+    with pytest.raises(GymSaveAborted) as info:
+        await asyncio.wait_for(running, 5)
+    assert info.value.reason == "train_step_committed" and info.value.resume_failure is None
+    resumes = recorder.ops("resume")
+    assert {server_of(c) for c in resumes} == set(PARTICIPANTS)
+    assert max(c.answered_at for c in resumes) - aborted_at < 2
+    assert save.gym_parked_seconds is not None
+    assert_all_idle(inst)
+    # After the cut an abort is refused.
+    done = GymSave(client, topo, snapshot_dir=str(tmp_path / "b"), candidates={}, drain_hook=nothing_hook,
+                   capture_hook=nothing_hook, drain_timeout_s=5)
+    await done.run()
+    assert not done.abort()
+
+
+# --- 51 ------------------------------------------------------------------------------------------
+
+
+async def test_c51_stop_commit_carries_stop_and_sends_no_resume(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                           capture_hook=nothing_hook, drain_timeout_s=5, stop=True).run()
+    assert [c.body["stop"] for c in recorder.ops("commit")] == [True, True, True]
+    assert recorder.ops("resume") == []
+    assert result.resume is None
+    assert {s["phase"] for n, s in (await state(inst))["servers"].items() if n in PARTICIPANTS} == {"committed"}
+
+
+# --- 52 ------------------------------------------------------------------------------------------
+
+
+async def test_c52_checkpoint_ids_are_never_reused(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    ids = set()
+    for i in range(3):
+        result = await GymSave(client, topo, snapshot_dir=str(tmp_path / str(i)), candidates={}, drain_hook=nothing_hook,
+                               capture_hook=nothing_hook, drain_timeout_s=5, snapshot_id=7).run()
+        ids.add(result.checkpoint_id)
+        assert result.checkpoint_id.startswith("snap-7-")
+    assert len(ids) == 3
+    assert len({c.body["checkpoint_id"] for c in recorder.ops("prepare")}) == 3
+    used = next(iter(ids))
+    with pytest.raises(ValueError):
+        await client.prepare(used, topo)
+    assert len(recorder.ops("prepare")) == 9
+
+
+# --- 53 ------------------------------------------------------------------------------------------
+
+
+async def test_c53_orphan_of_our_own_is_resumed_and_reported_unavailable(start_gym: StartGym, recorder: RecordingTransport) -> None:
+    inst = start_gym()
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=2) as crashed:
+        topo = await topology(crashed, inst)
+        orphan = crashed.new_checkpoint_id("53")
+        await crashed.prepare(orphan, topo)
+    # A restarted coordinator recognises the id (its ledger knows it) but has no operation open.
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=2, transport=recorder,
+                                owns_checkpoint_id=lambda cid: cid == orphan) as client:
+        topo = await topology(client, inst)
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("53b"), topo)
+        err = info.value
+        assert err.failure_class is FailureClass.UNAVAILABLE and err.transient
+        assert err.instances[inst.instance_id]["policy_model"]["held_checkpoint_id"] == orphan
+        assert {server_of(c) for c in recorder.ops("resume") if c.body["checkpoint_id"] == orphan} == set(PARTICIPANTS)
+        assert_all_idle(inst)
+        # The next attempt goes through.
+        again = await client.prepare(client.new_checkpoint_id("53c"), topo)
+        await client.resume(again.checkpoint_id, topo)
+
+
+async def test_c53_foreign_checkpoint_is_a_conflict_and_left_alone(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport) -> None:
+    inst = start_gym()
+    async with GymControlClient(control_timeout_s=5, prepare_timeout_s=5) as other:
+        other_topo = await topology(other, inst)
+        foreign = other.new_checkpoint_id("other")
+        await other.prepare(foreign, other_topo)
+        topo = await topology(client, inst)
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("53d"), topo)
+        err = info.value
+        assert err.failure_class is FailureClass.CONFLICT and not err.transient
+        assert [c.body["checkpoint_id"] for c in recorder.ops("resume")] and all(
+            c.body["checkpoint_id"] != foreign for c in recorder.ops("resume")
+        )
+        # The other controller's checkpoint is untouched.
+        assert (await state(inst, "policy_model"))["checkpoint_id"] == foreign
+        await other.resume(foreign, other_topo)
+
+
+async def test_c53_recover_orphans_at_discovery(start_gym: StartGym) -> None:
+    inst = start_gym()
+    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=2) as crashed:
+        orphan = crashed.new_checkpoint_id("53e")
+        await crashed.prepare(orphan, await topology(crashed, inst))
+    async with GymControlClient(control_timeout_s=1, owns_checkpoint_id=lambda cid: cid == orphan) as client:
+        topo = await topology(client, inst)
+        assert set(topo[inst.instance_id].active_ids.values()) == {orphan}
+        assert await client.recover_orphans(topo) == [orphan]
+    assert_all_idle(inst)
+    async with GymControlClient(control_timeout_s=1) as stranger:
+        held = stranger.new_checkpoint_id("53f")
+        await stranger.prepare(held, await topology(stranger, inst))
+    async with GymControlClient(control_timeout_s=1) as client:
+        with pytest.raises(GymControlError) as info:
+            await client.recover_orphans(await topology(client, inst))
+        assert info.value.failure_class is FailureClass.CONFLICT
