@@ -58,7 +58,11 @@ def group_body(gid: str, n: int = 4, **kw: Any) -> dict[str, Any]:
 
 
 async def new_run(client: Any, admin: dict[str, str], run_id: str = "run-1", **recovery: Any) -> RunApi:
-    body = {"run_id": run_id, "checkpoint_root": "/tmp/ckptc-test", "recovery": {"target_level": "sibling", **recovery}}
+    import tempfile
+
+    # A fresh checkpoint root per run: snapshot directories never change once written (protocol 8.1).
+    root = tempfile.mkdtemp(prefix="ckptc-root-")
+    body = {"run_id": run_id, "checkpoint_root": root, "recovery": {"target_level": "sibling", **recovery}}
     r = await client.post("/v1/runs", json=body, headers=admin)
     assert r.status_code == 201, r.text
     return RunApi(client, run_id, r.json()["run_token"])

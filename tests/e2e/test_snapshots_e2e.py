@@ -1,0 +1,174 @@
+"""Snapshots end to end: the coordinator app, real gymsim instances over HTTP, live multi-turn traffic."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gymsim.testing import GymsimInstance, default_instance_config, server_config
+
+from ..integration.ledger_helpers import group_body, new_run
+from .harness import Trainer, drive_snapshot, register_by_discovery
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def gyms():
+    a = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05))
+    cfg_b = server_config(default_instance_config("math/replica-1", token="tok-b", turn_seconds=0.05), "calendar_resources", mode="restart_only")
+    b = GymsimInstance.start(cfg_b)
+    try:
+        yield {"math/replica-0": a, "math/replica-1": b}
+    finally:
+        a.stop()
+        b.stop()
+
+
+async def _setup(client, admin, app, gyms, **recovery):  # type: ignore[no-untyped-def]
+    cfg = dict(target_level="turn", allow_restart_only_gym_servers=True, drain_timeout_s=20, data_plane_timeout_s=20)
+    cfg.update(recovery)
+    api = await new_run(client, admin, **cfg)
+    await register_by_discovery(app.state.engine, "run-1", list(gyms.values()))
+    return api
+
+
+async def test_publish_under_live_traffic(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    trainer = Trainer(api, gyms, turns=8)
+    for iid in gyms:
+        tag = iid[-1]
+        await trainer.admit_and_dispatch([group_body(f"g{tag}{k}", 2) for k in range(4)], iid)
+    await asyncio.sleep(0.12)  # episodes are mid-way through their turns
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    await trainer.wait_idle()
+    assert snap["outcome"] == "published", snap
+    full = await api.get("/snapshots/s1?manifest=true")
+    manifest = full["gym_manifest"]
+    inst_a, inst_b = manifest["instances"]["math/replica-0"], manifest["instances"]["math/replica-1"]
+    # replica-0 exports every parked episode; replica-1's restart-only resources make them restarts
+    assert inst_a["episodes"], manifest
+    assert inst_b["episodes"] == [] and inst_b["restarts"], manifest
+    assert sorted(inst_a["participants"]) == ["calendar_resources", "policy_model", "workplace_agent"]
+    # restart-only episodes never reached a commit scope
+    b_state = gyms["math/replica-1"].state()
+    for server in ("policy_model", "workplace_agent", "calendar_resources"):
+        assert b_state["servers"][server]["commit_count"] == 1
+    # the gym_checkpoint.json on disk agrees with the stored manifest
+    import json
+
+    on_disk = json.loads((Path(full["snapshot_dir"]) / "gym_checkpoint.json").read_text())
+    assert on_disk == manifest
+    # every episode in the manifest was still in flight (dispatched) at the ledger cut; others drained
+    from sqlalchemy import text
+
+    async with app.state.engine.connect() as conn:
+        cut = {r.rollout_id: r.status for r in (await conn.execute(text("SELECT rollout_id, status FROM snapshot_attempts WHERE snapshot_id = 's1'"))).all()}
+    for ep in inst_a["episodes"]:
+        assert cut[ep["rollout_id"]] == "dispatched"
+    # Gym resumed and the gate reopened before publish; every row sealed in the end
+    for g in gyms.values():
+        assert all(s["phase"] == "idle" for s in g.state()["servers"].values() if s.get("participant"))
+    run = await api.get("")
+    assert run["dispatch_gate"]["open"]
+    counts = await api.get("/counts")
+    assert counts["live_attempts"] == {"sealed": 16}
+    assert full["phase_timings"]["gym_parked"] > 0 and full["gym_restarted_episodes"] == len(inst_b["restarts"])
+    assert full["resume_failure"] is None
+
+
+async def test_drained_rows_are_sealed_not_exported(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 0.6, "times": 2})
+    trainer = Trainer(api, gyms, turns=1)
+    rows = await trainer.admit_and_dispatch([group_body("g1", 2)], "math/replica-0")
+    await asyncio.sleep(0.2)  # both episodes finished; their replies are on the wire
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    await trainer.wait_idle()
+    assert snap["outcome"] == "published", (snap["reason"], snap["detail"])
+    full = await api.get("/snapshots/s1?manifest=true")
+    exported = {e["rollout_id"] for e in full["gym_manifest"]["instances"]["math/replica-0"]["episodes"]}
+    assert exported.isdisjoint({r["rollout_id"] for r in rows})
+    assert full["detail"]["drained"] == 2
+    assert full["counts"]["cut_siblings"] == 2
+
+
+async def test_train_step_during_prepare_aborts_and_reopens(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "prepare", "type": "delay", "seconds": 1.0, "times": 1})
+    r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 3}, headers=api.h)
+    assert r.status_code == 202
+    for _ in range(100):
+        if (await api.get("/snapshots/s1"))["phase"] in ("prepare", "commit"):
+            break
+        await asyncio.sleep(0.02)
+    ann = await api.post("/train-steps", {"step": 4})
+    assert ann["aborted_snapshots"] == ["s1"]
+    for _ in range(200):
+        s = await api.get("/snapshots/s1")
+        if s["outcome"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (s["outcome"], s["reason"]) == ("aborted", "train_step_committed")
+    assert (await api.get(""))["dispatch_gate"]["open"]
+    assert (await api.get(""))["consecutive_snapshot_losses"] == 1
+    for g in gyms.values():
+        st = g.state()["servers"]
+        assert all(x["phase"] == "idle" and x["admission_open"] for x in st.values() if x.get("participant"))
+    # an anchor older than the newest train step is refused
+    old = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s2", "anchor_step": 3}, headers=api.h)
+    assert old.status_code == 409 and old.json()["code"] == "snapshot_anchor_stale"
+    again = await drive_snapshot(api, "s3", 4, tmp_path / "dp")
+    assert again["outcome"] == "published"
+    assert (await api.get(""))["consecutive_snapshot_losses"] == 0
+
+
+async def test_train_step_during_commit_aborts(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    gyms["math/replica-1"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "commit", "type": "delay", "seconds": 1.0, "times": 1})
+    await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    for _ in range(200):
+        if (await api.get("/snapshots/s1"))["phase"] == "commit":
+            break
+        await asyncio.sleep(0.02)
+    assert (await api.get("/snapshots/s1"))["phase"] == "commit"
+    await api.post("/train-steps", {"step": 1})
+    for _ in range(200):
+        s = await api.get("/snapshots/s1")
+        if s["outcome"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (s["outcome"], s["reason"]) == ("aborted", "train_step_committed")
+    assert (await api.get(""))["dispatch_gate"]["open"]
+
+
+async def test_not_ready_fails_with_blockers_and_resumes(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms, prepare_timeout_s=0.3, stall_timeout_s=2000)
+    # a multi-worker policy model with a worker that never reports: never ready
+    gyms["math/replica-0"].admin("POST", "/admin/servers/policy_model/knobs", {"workers": 2, "unreported_workers": 1})
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    assert (snap["outcome"], snap["reason"]) == ("failed", "gym_not_ready"), snap
+    assert "model-workers-unreported:1" in str(snap["detail"])
+    # agents and resources of that instance never received prepare
+    st = gyms["math/replica-0"].state()["servers"]
+    assert st["workplace_agent"]["prepare_calls"] == 0 and st["calendar_resources"]["prepare_calls"] == 0
+    assert (await api.get(""))["dispatch_gate"]["open"]
+    for g in gyms.values():
+        assert all(x["phase"] == "idle" for x in g.state()["servers"].values() if x.get("participant"))
+
+
+async def test_snapshot_request_is_idempotent_and_one_at_a_time(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    r1 = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    r2 = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    assert r1.status_code == 202 and r2.status_code == 200 and r2.json()["snapshot_id"] == "s1"
+    other = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s2", "anchor_step": 0}, headers=api.h)
+    assert other.status_code == 409 and other.json()["code"] == "snapshot_in_progress"
+    conflict = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 9}, headers=api.h)
+    assert conflict.status_code == 409 and conflict.json()["code"] == "snapshot_conflict"
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    assert snap["outcome"] == "published"
+    hist = await api.get("/snapshots")
+    assert [s["snapshot_id"] for s in hist["snapshots"]] == ["s1"]
