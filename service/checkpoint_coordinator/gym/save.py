@@ -95,6 +95,7 @@ class GymSave:
         self._aborted = asyncio.Event()
         self._abort_reason = ""
         self._started = False
+        self._run_started = 0.0
 
     @property
     def cut_done(self) -> bool:
@@ -113,7 +114,7 @@ class GymSave:
         if self._started:
             raise RuntimeError("a GymSave runs once; make a new one (with a new checkpoint id)")
         self._started = True
-        started = self.client.clock.time()
+        self._run_started = started = self.client.clock.time()
         work = asyncio.create_task(self._choreography(), name=f"gym-save-{self.checkpoint_id}")
         aborted = asyncio.create_task(self._aborted.wait())
         try:
@@ -138,7 +139,7 @@ class GymSave:
             raise
         finally:
             aborted.cancel()
-            self.timings["total"] = self.client.clock.time() - started
+            self.timings.setdefault("total", self.client.clock.time() - started)
 
     async def _choreography(self) -> SaveResult:
         clock = self.client.clock
@@ -225,6 +226,7 @@ class GymSave:
             resume = await self.client.resume(cid, self.topology, raise_on_failure=False)
             self._note_parked(resume.answered_at)
             lap("resume")
+        self.timings["total"] = clock.time() - self._run_started
         return SaveResult(
             checkpoint_id=cid,
             manifest=manifest,
