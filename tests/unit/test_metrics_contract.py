@@ -34,20 +34,11 @@ METRICS_FILE = SERVICE / "checkpoint_coordinator" / "observability" / "metrics.p
 # when the snapshot, restore, outbox, gym and ledger code records them.
 NOT_YET_RECORDED: frozenset[str] = frozenset(
     {
-        "ckptc_snapshot_phase_seconds",
-        "ckptc_snapshots_total",
-        "ckptc_snapshots_in_progress",
-        "ckptc_snapshot_losses_consecutive",
-        "ckptc_gym_restarted_episodes",
-        "ckptc_restore_siblings_total",
-        "ckptc_gym_control_seconds",
-        "ckptc_outbox_pending",
-        "ckptc_outbox_oldest_age_seconds",
-        "ckptc_ledger_transitions_total",
-        "ckptc_restore_duration_seconds",
-        "ckptc_snapshot_resume_failures_total",
-        "ckptc_snapshot_losses_warning",
-        "ckptc_run_leases_held",
+        "ckptc_snapshots_in_progress",  # snapshots/runner.py: being written
+        "ckptc_gym_control_seconds",  # gym/ client: observe_gym_control per participant call
+        "ckptc_restore_siblings_total",  # restore/: record_restore_plan when a plan is applied
+        "ckptc_restore_duration_seconds",  # restore/: observe_restore_duration
+        "ckptc_run_leases_held",  # the lease worker: set_run_leases_held
     }
 )
 
