@@ -1,0 +1,357 @@
+"""Every client operation as a sans-IO flow (see :mod:`._core`).
+
+One :class:`Api` builds the requests of one run, splits large reports into batches, and runs the
+multi-step helpers (waiting on a closed gate, the trainer side of a snapshot). The sync and
+async clients drive these flows; they hold no logic of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+from ._core import Enter, Exit, Flow, Invoke, Now, RequestSpec, RetryPolicy, Sleep, call
+from .errors import CoordinatorError, GateClosed, NotAwaitingBarrier, SnapshotFailed, SnapshotTimeout
+from .helpers import batched, new_id
+from .models import (
+    AdmitResult,
+    BarrierResult,
+    DataPlaneRef,
+    DispatchResult,
+    FailResult,
+    GroupDetail,
+    GroupsResult,
+    GymRegistration,
+    LiveCounts,
+    OutboxPage,
+    RefusedResult,
+    RestorePlan,
+    RestoreResult,
+    Run,
+    SealResult,
+    Snapshot,
+    StreamEndedResult,
+    TrainStep,
+    row_json,
+)
+
+R = TypeVar("R")
+
+#: Rows per request of the batching helpers. The server accepts up to 20 000 rows (5 000 groups
+#: for admit) and 8 MiB per body; 1 000 keeps each transaction short, so a trainer's report
+#: never holds group locks long enough to stall a concurrent snapshot drain.
+DEFAULT_BATCH_SIZE = 1000
+#: Server caps, checked client-side only where splitting is impossible (stream ended).
+MAX_STREAM_RETURNED = 20_000
+#: A restore fans out to every Gym participant; give it longer than an ordinary call.
+RESTORE_TIMEOUT_S = 600.0
+
+
+def _seg(value: str) -> str:
+    return quote(str(value), safe="")
+
+
+class Api:
+    """Requests and flows of one client. ``run_id`` may be None for admin-only use."""
+
+    def __init__(self, run_id: str | None, policy: RetryPolicy, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        self.run_id = run_id
+        self.policy = policy
+        self.batch_size = batch_size
+
+    # ---------------------------------------------------------------------------- plumbing
+
+    def _run_path(self, suffix: str = "") -> str:
+        if not self.run_id:
+            raise ValueError("this call needs a run: construct the client with run_id=...")
+        return f"/v1/runs/{_seg(self.run_id)}{suffix}"
+
+    def _call(self, req: RequestSpec) -> Flow[Any]:
+        return call(req, self.policy)
+
+    def _batched(
+        self,
+        path: str,
+        key: str,
+        items: Iterable[Any],
+        parse: Callable[[Any], R],
+        *,
+        extra: Mapping[str, Any] | None = None,
+        batch_size: int | None = None,
+    ) -> Flow[list[R]]:
+        """POST ``items`` in batches; each batch is atomic on the server, the sequence is not.
+
+        On a refusal the error carries ``batch_index``; every earlier batch was written, and
+        since identical repeats answer ``unchanged`` the caller may fix and re-send everything.
+        """
+        parts: list[R] = []
+        for i, chunk in enumerate(batched(items, batch_size or self.batch_size)):
+            try:
+                doc = yield from self._call(RequestSpec("POST", path, {**(extra or {}), key: chunk}))
+            except CoordinatorError as e:
+                e.batch_index = i
+                raise
+            parts.append(parse(doc))
+        return parts
+
+    # ---------------------------------------------------------------------------- runs
+
+    def create_run(self, run_id: str, checkpoint_root: str, recovery: Mapping[str, Any] | None) -> Flow[Run]:
+        body = {"run_id": run_id, "checkpoint_root": checkpoint_root, "recovery": dict(recovery or {})}
+        doc = yield from self._call(RequestSpec("POST", "/v1/runs", body, retry="unsent"))
+        return Run.parse(doc)
+
+    def get_run(self) -> Flow[Run]:
+        return Run.parse((yield from self._call(RequestSpec("GET", self._run_path()))))
+
+    def close_run(self) -> Flow[Run]:
+        return Run.parse((yield from self._call(RequestSpec("POST", self._run_path("/close")))))
+
+    # ---------------------------------------------------------------------------- section 4
+
+    def admit_groups(self, groups: Iterable[Any], batch_size: int | None) -> Flow[AdmitResult]:
+        rows = [row_json(g, "GroupSpec") for g in groups]
+        parts = yield from self._batched(self._run_path("/groups/admit"), "groups", rows, AdmitResult.parse, batch_size=batch_size)
+        return AdmitResult.merge(parts)
+
+    def _dispatch_spec(self, dispatch_id: str, instance_id: str | None, ids: Sequence[str]) -> RequestSpec:
+        body: dict[str, Any] = {"dispatch_id": dispatch_id, "rollout_ids": list(ids)}
+        if instance_id is not None:
+            body["instance_id"] = instance_id
+        return RequestSpec("POST", self._run_path("/attempts/dispatch"), body)
+
+    def dispatch(self, rollout_ids: Iterable[str], dispatch_id: str | None, instance_id: str | None, batch_size: int | None) -> Flow[DispatchResult]:
+        # The id is fixed here, once, so retries and later batches belong to the same dispatch.
+        did = dispatch_id or new_id("dispatch")
+        parts: list[DispatchResult] = []
+        for i, chunk in enumerate(batched(list(rollout_ids), batch_size or self.batch_size)):
+            try:
+                doc = yield from self._call(self._dispatch_spec(did, instance_id, chunk))
+            except CoordinatorError as e:
+                e.batch_index = i
+                raise
+            parts.append(DispatchResult.parse(doc))
+        return DispatchResult.merge(parts) if parts else DispatchResult(did, instance_id, [])
+
+    def dispatch_when_open(
+        self,
+        rollout_ids: Iterable[str],
+        dispatch_id: str | None,
+        instance_id: str | None,
+        timeout: float,
+        max_wait: float,
+        batch_size: int | None,
+    ) -> Flow[DispatchResult]:
+        """Dispatch, waiting while a snapshot holds the gate, up to ``timeout`` seconds in all.
+
+        Raises the last :class:`GateClosed` when the gate is still closed at the deadline.
+        """
+        did = dispatch_id or new_id("dispatch")
+        deadline = (yield Now()) + timeout
+        parts: list[DispatchResult] = []
+        for i, chunk in enumerate(batched(list(rollout_ids), batch_size or self.batch_size)):
+            waits = 0
+            while True:
+                try:
+                    doc = yield from self._call(self._dispatch_spec(did, instance_id, chunk))
+                    break
+                except GateClosed as e:
+                    remaining = deadline - (yield Now())
+                    if remaining <= 0:
+                        e.batch_index = i
+                        raise
+                    wait = self.policy.gate_delay(waits, e.retry_after_s, max_wait)
+                    waits += 1
+                    yield Sleep(min(wait, remaining))
+                except CoordinatorError as e:
+                    e.batch_index = i
+                    raise
+            parts.append(DispatchResult.parse(doc))
+        return DispatchResult.merge(parts) if parts else DispatchResult(did, instance_id, [])
+
+    def report_refused(self, rollout_ids: Iterable[str], batch_size: int | None) -> Flow[RefusedResult]:
+        parts = yield from self._batched(self._run_path("/attempts/refused"), "rollout_ids", list(rollout_ids), RefusedResult.parse, batch_size=batch_size)
+        return RefusedResult.merge(parts)
+
+    def report_sealed(self, rows: Iterable[Any], batch_size: int | None) -> Flow[SealResult]:
+        body = [row_json(r, "SealedRow") for r in rows]
+        parts = yield from self._batched(self._run_path("/attempts/sealed"), "rows", body, SealResult.parse, batch_size=batch_size)
+        return SealResult.merge(parts)
+
+    def report_failed(self, rows: Iterable[Any], batch_size: int | None) -> Flow[FailResult]:
+        body = [row_json(r, "FailedRow") for r in rows]
+        parts = yield from self._batched(self._run_path("/attempts/failed"), "rows", body, FailResult.parse, batch_size=batch_size)
+        return FailResult.merge(parts)
+
+    def report_stream_ended(self, dispatch_id: str, returned: Iterable[str]) -> Flow[StreamEndedResult]:
+        back = list(dict.fromkeys(returned))  # the server refuses duplicates; order kept
+        if len(back) > MAX_STREAM_RETURNED:
+            # Not splittable: every call treats rows absent from *its* list as lost.
+            raise ValueError(f"a stream-ended report names at most {MAX_STREAM_RETURNED} returned rows; use smaller dispatches")
+        path = self._run_path(f"/dispatches/{_seg(dispatch_id)}/ended")
+        return StreamEndedResult.parse((yield from self._call(RequestSpec("POST", path, {"returned": back}))))
+
+    def finalize_groups(self, group_ids: Iterable[str], batch_size: int | None) -> Flow[GroupsResult]:
+        parts = yield from self._batched(self._run_path("/groups/finalize"), "group_ids", list(group_ids), GroupsResult.parse, batch_size=batch_size)
+        return GroupsResult.merge(parts)
+
+    def abandon_groups(self, group_ids: Iterable[str], batch_size: int | None) -> Flow[GroupsResult]:
+        parts = yield from self._batched(self._run_path("/groups/abandon"), "group_ids", list(group_ids), GroupsResult.parse, batch_size=batch_size)
+        return GroupsResult.merge(parts)
+
+    def counts(self) -> Flow[LiveCounts]:
+        return LiveCounts.parse((yield from self._call(RequestSpec("GET", self._run_path("/counts")))))
+
+    def group(self, group_id: str) -> Flow[GroupDetail]:
+        return GroupDetail.parse((yield from self._call(RequestSpec("GET", self._run_path(f"/groups/{_seg(group_id)}")))))
+
+    def pending(self, rollout_ids: Iterable[str], batch_size: int | None) -> Flow[list[str]]:
+        def parse(doc: Any) -> list[str]:
+            return [str(x) for x in (doc or {}).get("pending", [])]
+
+        parts = yield from self._batched(self._run_path("/attempts/pending"), "rollout_ids", list(rollout_ids), parse, batch_size=batch_size)
+        return sorted(x for p in parts for x in p)
+
+    def outbox(self, limit: int, after: int | None) -> Flow[OutboxPage]:
+        params: dict[str, Any] = {"limit": limit}
+        if after is not None:
+            params["after"] = after
+        return OutboxPage.parse((yield from self._call(RequestSpec("GET", self._run_path("/outbox"), params=params))))
+
+    # ---------------------------------------------------------------------------- section 5
+
+    def announce_train_step(self, step: int, checkpoint_ref: Any) -> Flow[TrainStep]:
+        body: dict[str, Any] = {"step": step}
+        if checkpoint_ref is not None:
+            body["checkpoint_ref"] = checkpoint_ref
+        return TrainStep.parse((yield from self._call(RequestSpec("POST", self._run_path("/train-steps"), body))), step)
+
+    def request_snapshot(self, anchor_step: int, snapshot_id: str) -> Flow[Snapshot]:
+        body = {"snapshot_id": snapshot_id, "anchor_step": anchor_step}
+        return Snapshot.parse((yield from self._call(RequestSpec("POST", self._run_path("/snapshots"), body))))
+
+    def get_snapshot(self, snapshot_id: str) -> Flow[Snapshot]:
+        return Snapshot.parse((yield from self._call(RequestSpec("GET", self._run_path(f"/snapshots/{_seg(snapshot_id)}")))))
+
+    def list_snapshots(self) -> Flow[list[Snapshot]]:
+        doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots")))
+        items = doc.get("snapshots", doc.get("items", [])) if isinstance(doc, Mapping) else doc
+        return [Snapshot.parse(s) for s in (items if isinstance(items, list) else [])]
+
+    def snapshot_barrier(self, snapshot_id: str) -> Flow[BarrierResult]:
+        path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/barrier")
+        return BarrierResult.parse((yield from self._call(RequestSpec("POST", path, {}))))
+
+    def snapshot_captured(self, snapshot_id: str, reference: Any) -> Flow[Snapshot | None]:
+        ref = DataPlaneRef.coerce(reference)
+        path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/captured")
+        doc = yield from self._call(RequestSpec("POST", path, {"reference": ref.to_json()}))
+        # The answer's shape is not pinned down by the contract; a snapshot document if it is one.
+        return Snapshot.parse(doc) if isinstance(doc, Mapping) and doc.get("snapshot_id") else None
+
+    def snapshot(
+        self,
+        step: int,
+        capture: Callable[[list[str]], Any],
+        snapshot_id: str | None,
+        barrier: Callable[[], Any] | None,
+        poll_interval: float,
+        timeout: float,
+    ) -> Flow[Snapshot]:
+        """The trainer's side of spec section 5, from request to a terminal outcome.
+
+        request -> poll until the coordinator awaits the barrier (or the snapshot ended) ->
+        [enter ``barrier``] POST barrier -> ``capture(staging_keys)`` [exit ``barrier``] ->
+        POST captured -> poll to the end. Published: the snapshot. Failed or aborted:
+        :class:`SnapshotFailed`. Client deadline: :class:`SnapshotTimeout`.
+        """
+        if poll_interval <= 0 or timeout <= 0:
+            raise ValueError("poll_interval and timeout must be > 0")
+        sid = snapshot_id or new_id("snap")
+        deadline = (yield Now()) + timeout
+        snap = yield from self.request_snapshot(step, sid)
+        captured = False
+        while not snap.terminal:
+            if not captured and _wants_barrier(snap):
+                after = yield from self._barrier_and_capture(snap, capture, barrier)
+                if after is not None:
+                    captured = True
+                    snap = after
+                    continue
+            remaining = deadline - (yield Now())
+            if remaining <= 0:
+                state = "after the capture" if captured else f"in phase {snap.phase}, awaiting {snap.awaiting}"
+                raise SnapshotTimeout(f"snapshot {sid} not finished after {timeout:.0f}s ({state})", snap)
+            yield Sleep(min(poll_interval, remaining))
+            snap = yield from self.get_snapshot(sid)
+        if snap.published:
+            return snap
+        raise SnapshotFailed(snap)
+
+    def _barrier_and_capture(self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None) -> Flow[Snapshot | None]:
+        """Barrier, capture, captured. None when the coordinator was not awaiting the barrier
+        after all (the caller polls on); otherwise the snapshot after the captured report."""
+        handle = (yield Enter(barrier)) if barrier is not None else None
+        try:
+            if snap.awaiting == "capture" and snap.staging_keys is not None:
+                # The barrier was already taken (an earlier run of this helper for the same
+                # snapshot id died after it); the cut is fixed, only the capture is owed.
+                keys = snap.staging_keys
+            else:
+                try:
+                    keys = (yield from self.snapshot_barrier(snap.snapshot_id)).staging_keys
+                except NotAwaitingBarrier:
+                    keys = None
+            ref = None if keys is None else DataPlaneRef.coerce((yield Invoke(capture, (keys,))))
+        except BaseException as e:
+            if barrier is not None:
+                yield Exit(handle, e)
+            raise
+        if barrier is not None:
+            # Released before reporting: the capture is saved, the trainer may move on while
+            # the coordinator resumes Gym and publishes.
+            yield Exit(handle, None)
+        if ref is None:
+            return None
+        after = yield from self.snapshot_captured(snap.snapshot_id, ref)
+        if after is None:
+            after = yield from self.get_snapshot(snap.snapshot_id)
+        return after
+
+    # ---------------------------------------------------------------------------- section 6
+
+    def register_gym_instances(self, instances: Iterable[Any]) -> Flow[GymRegistration]:
+        body = {"instances": [row_json(i, "GymInstance") for i in instances]}
+        return GymRegistration.parse((yield from self._call(RequestSpec("POST", self._run_path("/gym-instances"), body))))
+
+    def restore_plan(self, step: int | None, snapshot_id: str | None) -> Flow[RestorePlan]:
+        params: dict[str, Any] = {}
+        if step is not None:
+            params["step"] = step
+        if snapshot_id is not None:
+            params["snapshot_id"] = snapshot_id
+        return RestorePlan.parse((yield from self._call(RequestSpec("GET", self._run_path("/restore-plan"), params=params))))
+
+    def restore(self, restore_id: str | None, snapshot_id: str | None, step: int | None, with_gym_state: bool, timeout: float | None) -> Flow[RestoreResult]:
+        # Minted once: a retried restore (e.g. the answer was lost) is the same restore.
+        rid = restore_id or new_id("restore")
+        body: dict[str, Any] = {"restore_id": rid, "with_gym_state": with_gym_state}
+        if snapshot_id is not None:
+            body["snapshot_id"] = snapshot_id
+        if step is not None:
+            body["step"] = step
+        req = RequestSpec("POST", self._run_path("/restores"), body, timeout=timeout or RESTORE_TIMEOUT_S)
+        return RestoreResult.parse((yield from self._call(req)), rid)
+
+
+def _wants_barrier(snap: Snapshot) -> bool:
+    if snap.awaiting in ("barrier", "capture"):
+        return True
+    # A server that does not report ``awaiting`` at all: the data-plane phase is the barrier's.
+    return "awaiting" not in snap.raw and snap.phase == "data_plane"
+
+
+__all__ = ["Api", "DEFAULT_BATCH_SIZE"]

@@ -1,0 +1,27 @@
+"""Small helpers with no I/O."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Iterator
+from itertools import islice
+from typing import TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["batched", "new_id"]
+
+
+def batched(iterable: Iterable[T], size: int) -> Iterator[list[T]]:
+    """Consecutive lists of at most ``size`` items (the last one may be shorter)."""
+    if size < 1:
+        raise ValueError("batch size must be >= 1")
+    it = iter(iterable)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id matching the server's name pattern. Ids are minted client-side, once per
+    call, so every retry of that call repeats the same id and the server can recognise it."""
+    return f"{prefix}-{uuid.uuid4().hex}"

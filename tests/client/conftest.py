@@ -1,0 +1,191 @@
+"""A live coordinator on a loopback port for the client's tests.
+
+The real app (``create_app`` on the per-test database of tests/conftest.py) runs under uvicorn
+in a thread, so the client talks real HTTP over TCP: connection errors, keep-alive reuse after a
+restart and timeouts are the real ones. ``restart`` brings a fresh app up on the same port and
+the same database, as a crashed-and-restarted coordinator would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import uvicorn
+
+from ckpt_client import AsyncCoordinatorClient, CoordinatorClient, GroupSpec, SealedRow, SendRow
+from tests.conftest import ADMIN_TOKEN
+
+AppWrapper = Callable[[Any], Any]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """One ASGI app served by uvicorn in a background thread on 127.0.0.1:``port``."""
+
+    def __init__(self, app_factory: Callable[[], Any], port: int | None = None) -> None:
+        self.app_factory = app_factory
+        self.port = port or free_port()
+        self.wrap: AppWrapper | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wrap: AppWrapper | None = None) -> None:
+        app = self.app_factory()
+        if wrap is not None:
+            app = wrap(app)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            lifespan="on",
+            loop="asyncio",
+            http="h11",
+            log_level="warning",
+            # A request held open on purpose must not block the stop forever.
+            timeout_graceful_shutdown=1,
+        )
+        server = uvicorn.Server(config)
+        thread = threading.Thread(target=server.run, name=f"coordinator-{self.port}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("coordinator did not start")
+            time.sleep(0.02)
+        self._server, self._thread = server, thread
+
+    def stop(self) -> None:
+        if self._server is None or self._thread is None:
+            return
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "coordinator did not stop"
+        self._server = self._thread = None
+
+    def restart(self, wrap: AppWrapper | None = None, down_for: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_for)
+        self.start(wrap)
+
+
+@pytest.fixture
+def coordinator(settings: Any, database_url: str) -> Iterator[LiveServer]:
+    from checkpoint_coordinator.app import create_app
+
+    # The gate's retry hint is lowered so gate tests wait fractions of a second, not seconds.
+    fast = settings.model_copy(update={"gate_retry_after_s": 0.2})
+    server = LiveServer(lambda: create_app(fast, database_url=database_url))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def set_gate(database_url: str, run_id: str, snapshot_id: str | None) -> None:
+    """Close (or reopen) a run's dispatch gate the way a snapshot does, straight in the ledger."""
+    from checkpoint_coordinator.ledger.db import make_async_engine
+    from checkpoint_coordinator.ledger.rollouts import close_gate, open_gate
+
+    async def go() -> None:
+        engine = make_async_engine(database_url, pool_size=1)
+        try:
+            async with engine.begin() as conn:
+                if snapshot_id is not None:
+                    await close_gate(conn, run_id, snapshot_id)
+                else:
+                    current = (await conn.exec_driver_sql("SELECT gate_snapshot_id FROM runs WHERE run_id = %s", (run_id,))).scalar()
+                    if current is not None:
+                        await open_gate(conn, run_id, current)
+        finally:
+            await engine.dispose()
+
+    asyncio.run(go())
+
+
+@pytest.fixture
+def admin_token() -> str:
+    return ADMIN_TOKEN
+
+
+class Facade:
+    """Either flavour behind one awaitable interface, so each test body runs against both.
+
+    Calls on the sync client run in a worker thread (as a trainer's reporting thread would),
+    which also keeps the test's event loop free.
+    """
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.is_async = not isinstance(client, CoordinatorClient)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.client, name)
+        if not callable(attr) or self.is_async:
+            return attr
+
+        async def in_thread(*args: Any, **kwargs: Any) -> Any:
+            return await asyncio.to_thread(attr, *args, **kwargs)
+
+        return in_thread
+
+    async def aclose(self) -> None:
+        if self.is_async:
+            await self.client.close()
+        else:
+            self.client.close()
+
+
+MakeClient = Callable[..., Facade]
+
+
+@pytest.fixture(params=["sync", "async"])
+async def make_client(request: pytest.FixtureRequest) -> Any:
+    """``make_client(base_url, token, **options)`` in the flavour of this test's parameter."""
+    made: list[Facade] = []
+    cls = CoordinatorClient if request.param == "sync" else AsyncCoordinatorClient
+
+    def make(base_url: str, token: str, **options: Any) -> Facade:
+        options.setdefault("retries", 3)
+        options.setdefault("backoff", 0.05)
+        options.setdefault("max_backoff", 0.5)
+        facade = Facade(cls(base_url, token, **options))
+        made.append(facade)
+        return facade
+
+    yield make
+    for f in made:
+        await f.aclose()
+
+
+async def open_run(server: LiveServer, make: MakeClient, run_id: str = "run-1", **recovery: Any) -> Facade:
+    """Create a run with the admin token and answer a client bound to it with its run token."""
+    admin = make(server.url, ADMIN_TOKEN)
+    run = await admin.create_run(run_id, "/tmp/ckptc-client-test", {"target_level": "sibling", **recovery})
+    assert run.run_token and run.state == "open"
+    return make(server.url, run.run_token, run_id=run_id)
+
+
+def group(gid: str, n: int = 2, **kw: Any) -> GroupSpec:
+    return GroupSpec(gid, sample_id=gid, task_name="math", task_digest=f"sha256:{gid}", expected_generations=n, **kw)
+
+
+def sealed(row: SendRow, reward: float = 1.0) -> SealedRow:
+    # Gym's receipt names the capture key (the episode id), which differs from the rollout id
+    # for a continued episode.
+    return SealedRow(row.rollout_id, {"rollout_id": row.capture_key}, [f"tq/{row.capture_key}/0"], reward)
