@@ -23,7 +23,8 @@ class Notifier:
     async def wait(self, timeout: float) -> None:
         event = self._event
         try:
-            await asyncio.wait_for(event.wait(), timeout=max(timeout, 0.0))
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await event.wait()
         except TimeoutError:
             pass
 
@@ -36,19 +37,22 @@ class Clock:
     def __init__(self, notifier: Notifier) -> None:
         self.offset = 0.0
         self._notifier = notifier
+        # Sleepers only care about the clock moving, not about every state change.
+        self._advanced = Notifier()
 
     def now(self) -> float:
         return time.time() + self.offset
 
     def advance(self, seconds: float) -> None:
         self.offset += seconds
+        self._advanced.notify()
         self._notifier.notify()
 
     async def sleep(self, seconds: float) -> None:
         """Sleep `seconds` of instance time; an advance of the clock shortens it."""
         until = self.now() + seconds
         while (remaining := until - self.now()) > 0:
-            await self._notifier.wait(min(remaining, self.MAX_WAIT))
+            await self._advanced.wait(min(remaining, self.MAX_WAIT))
 
     async def wait_for(self, condition, deadline: float | None = None) -> bool:
         """Wait until `condition()` holds; False if `deadline` (instance time) passes first."""

@@ -1,0 +1,491 @@
+"""Coordinator conformance, restore, retire and forget (spec 5.6-5.8 and 7; checklist 55-61).
+
+The Gym control client runs against in-process gymsim instances over real HTTP. Snapshots are
+taken with the client's own save against one set of instances, which are then killed; restores
+go into freshly started instances with the same ids, as after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from checkpoint_coordinator.gym import (
+    Episode,
+    FailureClass,
+    GymControlClient,
+    GymControlError,
+    GymSave,
+    InstanceSpec,
+    InstanceTopology,
+)
+from checkpoint_coordinator.gym.testing import RecordedCall, RecordingTransport
+from gymsim.testing import GymsimInstance, corrupt_records_file, default_instance_config, server_config
+
+StartGym = Callable[..., GymsimInstance]
+PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
+
+
+# --- fixtures and helpers ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def start_gym() -> Iterator[StartGym]:
+    started: list[GymsimInstance] = []
+
+    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
+        kwargs.setdefault("turn_seconds", 0.3)
+        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
+        started.append(inst)
+        return inst
+
+    yield start
+    for inst in started:
+        inst.kill()
+
+
+class Rows:
+    def __init__(self) -> None:
+        self.http = httpx.AsyncClient(timeout=None)
+        self.tasks: list[asyncio.Task[httpx.Response]] = []
+
+    def start(self, inst: GymsimInstance, rollout_id: str, attempt: int = 0, turns: int = 5) -> asyncio.Task[httpx.Response]:
+        body = {"_ng_rollout_id": rollout_id, "_ng_attempt_index": attempt, "task": {"q": rollout_id}, "turns": turns}
+        task = asyncio.ensure_future(self.http.post(inst.servers["workplace_agent"] + "/run", json=body))
+        self.tasks.append(task)
+        return task
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.http.aclose()
+
+
+@pytest.fixture
+async def rows() -> AsyncIterator[Rows]:
+    r = Rows()
+    yield r
+    await r.aclose()
+
+
+@pytest.fixture
+def recorder() -> RecordingTransport:
+    return RecordingTransport()
+
+
+@pytest.fixture
+async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
+    async with GymControlClient(control_timeout_s=2, prepare_timeout_s=3, discovery_timeout_s=2, transport=recorder) as c:
+        yield c
+
+
+def spec(inst: GymsimInstance) -> InstanceSpec:
+    return InstanceSpec(inst.instance_id, inst.token, inst.servers)
+
+
+async def topology(client: GymControlClient, *insts: GymsimInstance) -> dict[str, InstanceTopology]:
+    return await client.discover_all(spec(i) for i in insts)
+
+
+def server_of(call: RecordedCall) -> str:
+    return call.url.split("/s/", 1)[1].split("/", 1)[0]
+
+
+def calls_to(recorder: RecordingTransport, inst: GymsimInstance, op: str) -> list[RecordedCall]:
+    return [c for c in recorder.ops(op) if c.url.startswith(inst.base_url)]
+
+
+async def state(inst: GymsimInstance, server: str | None = None) -> dict[str, Any]:
+    return await asyncio.to_thread(inst.state, server)
+
+
+async def wait_running(inst: GymsimInstance, keys: list[str], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        episodes = (await state(inst, "workplace_agent"))["episodes"]
+        if all(k in episodes and episodes[k]["turn"] >= 1 for k in keys):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"episodes {keys} did not start")
+
+
+async def nothing(_: Any) -> None:
+    return None
+
+
+@dataclass
+class Snapshot:
+    manifest: dict[str, Any]
+    snapshot_dir: str
+    configs: dict[str, dict[str, Any]]
+
+
+async def take_snapshot(
+    start_gym: StartGym, rows: Rows, tmp_path: Any, plan: dict[str, tuple[dict[str, Any], list[str]]]
+) -> Snapshot:
+    """Run the rows of each instance, save once, then kill the instances (a crash)."""
+    insts = {iid: start_gym(config) for iid, (config, _) in plan.items()}
+    for iid, (_, keys) in plan.items():
+        for key in keys:
+            rows.start(insts[iid], key)
+    for iid, (_, keys) in plan.items():
+        await wait_running(insts[iid], keys)
+    async with GymControlClient(control_timeout_s=2, prepare_timeout_s=3) as saver:
+        topo = await topology(saver, *insts.values())
+        result = await GymSave(
+            saver, topo, snapshot_dir=str(tmp_path / "snap"),
+            candidates={iid: [Episode(k, 0) for k in keys] for iid, (_, keys) in plan.items()},
+            drain_hook=nothing, capture_hook=nothing, drain_timeout_s=5,
+        ).run()
+    for inst in insts.values():
+        inst.kill()
+    return Snapshot(dict(result.manifest), str(tmp_path / "snap"), {iid: c for iid, (c, _) in plan.items()})
+
+
+def cfg(instance_id: str, **kwargs: Any) -> dict[str, Any]:
+    kwargs.setdefault("turn_seconds", 0.3)
+    return default_instance_config(instance_id, **kwargs)
+
+
+# --- 55 ------------------------------------------------------------------------------------------
+
+
+async def test_c55_instance_set_must_match_naming_missing_and_unknown(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r1"])})
+    other = start_gym(cfg("math/replica-9"))
+    with pytest.raises(GymControlError) as info:
+        await client.restore(snap.manifest, {other.instance_id: spec(other)}, snap.snapshot_dir)
+    err = info.value
+    assert err.failure_class is FailureClass.TOPOLOGY_MISMATCH and not err.transient
+    assert err.extra["missing_instances"] == ["math/replica-0"]
+    assert err.extra["unknown_instances"] == ["math/replica-9"]
+    assert recorder.ops("restore") == [] and recorder.ops("retire") == []
+
+
+async def test_c55_missing_participant_named_before_any_restore_call(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {
+        "math/replica-0": (cfg("math/replica-0"), ["r1"]),
+        "math/replica-1": (cfg("math/replica-1"), ["r2"]),
+    })
+    fine = start_gym(snap.configs["math/replica-0"])
+    # The resources server of replica-1 no longer takes part (checkpointing switched off).
+    lacking = start_gym(server_config(snap.configs["math/replica-1"], "calendar_resources", kind=None))
+    with pytest.raises(GymControlError) as info:
+        await client.restore(snap.manifest, {i.instance_id: spec(i) for i in (fine, lacking)}, snap.snapshot_dir)
+    err = info.value
+    assert err.failure_class is FailureClass.TOPOLOGY_MISMATCH
+    assert err.extra["missing_participants"] == {"math/replica-1": ["calendar_resources"]}
+    assert "math/replica-1/calendar_resources" in str(err)
+    # No restore call to any instance.
+    assert recorder.ops("restore") == []
+
+
+async def test_c55_extra_live_participant_gets_no_restore_only_resume(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r1"])})
+    config = snap.configs["math/replica-0"]
+    config = {**config, "servers": [*config["servers"], {"server_name": "notes_resources", "kind": "resources", "mode": "exported"}]}
+    fresh = start_gym(config)
+    result = await client.restore(snap.manifest, {fresh.instance_id: spec(fresh)}, snap.snapshot_dir)
+    assert {server_of(c) for c in recorder.ops("restore")} == set(PARTICIPANTS)
+    assert "notes_resources" in {server_of(c) for c in recorder.ops("resume")}
+    assert result.resume is not None and result.resume.ok
+
+
+# --- 56 ------------------------------------------------------------------------------------------
+
+
+async def test_c56_restore_sends_saved_episodes_at_n_and_validates_replies(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r2", "r1"])})
+    saved = snap.manifest["instances"]["math/replica-0"]["episodes"]
+    assert saved == [{"rollout_id": "r1", "attempt": 0}, {"rollout_id": "r2", "attempt": 0}]
+    fresh = start_gym(snap.configs["math/replica-0"])
+    result = await client.restore(snap.manifest, {fresh.instance_id: spec(fresh)}, snap.snapshot_dir)
+    restores = recorder.ops("restore")
+    assert {server_of(c) for c in restores} == set(PARTICIPANTS)
+    for call in restores:
+        assert call.body["episode_ids"] == saved
+        assert call.body["checkpoint_id"] == result.restore_id
+        assert call.body["checkpoint_dir"] == f"{snap.snapshot_dir}/gym-instances/math/replica-0"
+    assert result.source_checkpoint_id == snap.manifest["checkpoint_id"]
+    assert result.continued == {"math/replica-0": (Episode("r1", 1), Episode("r2", 1))}
+
+
+def _wrong_source(status: int, body: Any) -> tuple[int, Any]:
+    return status, {**body, "source_checkpoint_id": "snap-someone-else"}
+
+
+def _not_n_plus_1(status: int, body: Any) -> tuple[int, Any]:
+    return status, {**body, "restored": ["r1-a2"]}
+
+
+def _nothing_restored(status: int, body: Any) -> tuple[int, Any]:
+    return status, {**body, "restored": []}
+
+
+@pytest.mark.parametrize(
+    "servers,rewrite,words",
+    [
+        (["policy_model"], _wrong_source, "wrong checkpoint"),
+        (["workplace_agent"], _not_n_plus_1, "not the N+1"),
+        (list(PARTICIPANTS), _nothing_restored, "restored by no participant"),
+    ],
+    ids=["source-id", "not-n-plus-1", "missing"],
+)
+async def test_c56_invalid_restore_replies_fail_and_clean_up(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any,
+    servers: list[str], rewrite: Callable[[int, Any], tuple[int, Any]], words: str,
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r1"])})
+    fresh = start_gym(snap.configs["math/replica-0"])
+    for server in servers:
+        recorder.rewrite(f"/s/{server}/", "restore", rewrite)
+    with pytest.raises(GymControlError) as info:
+        await client.restore(snap.manifest, {fresh.instance_id: spec(fresh)}, snap.snapshot_dir)
+    err = info.value
+    assert err.failure_class is FailureClass.PROTOCOL_ERROR and words in str(err)
+    assert err.extra["rollouts_to_restart"] == {"math/replica-0": ["r1"]}
+    assert {server_of(c) for c in recorder.ops("retire")} == set(PARTICIPANTS)
+
+
+# --- 57 ------------------------------------------------------------------------------------------
+
+
+async def test_c57_any_restore_failure_retires_n_plus_1_everywhere_callers_first_then_resumes(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {
+        "math/replica-0": (cfg("math/replica-0"), ["a1", "a2"]),
+        "math/replica-1": (cfg("math/replica-1"), ["b1"]),
+    })
+    # Replica-1's resources records were tampered with: its restore is refused with 422.
+    corrupt_records_file(f"{snap.snapshot_dir}/gym-instances/math/replica-1", "resources", "calendar_resources")
+    good = start_gym(snap.configs["math/replica-0"])
+    bad = start_gym(snap.configs["math/replica-1"])
+    started = time.time()
+    with pytest.raises(GymControlError) as info:
+        await client.restore(snap.manifest, {i.instance_id: spec(i) for i in (good, bad)}, snap.snapshot_dir)
+    err = info.value
+    assert err.failure_class is FailureClass.CHECKPOINT_STATE and not err.transient
+    assert err.server_names() == {"math/replica-1": ["calendar_resources"]}
+    assert err.extra["rollouts_to_restart"] == {"math/replica-0": ["a1", "a2"], "math/replica-1": ["b1"]}
+    restore_id = err.extra["restore_id"]
+    for inst, expected in ((good, [{"rollout_id": "a1", "attempt": 1}, {"rollout_id": "a2", "attempt": 1}]),
+                           (bad, [{"rollout_id": "b1", "attempt": 1}])):
+        retires = {server_of(c): c for c in calls_to(recorder, inst, "retire")}
+        assert set(retires) == set(PARTICIPANTS)
+        for call in retires.values():
+            assert call.body["episode_ids"] == expected
+            assert call.body["checkpoint_id"] == restore_id
+            assert call.body["deadline_ts"] >= started + 30
+        # Callers first: the agent before the model and the resources server.
+        agent_done = retires["workplace_agent"].answered_at
+        assert agent_done <= retires["policy_model"].sent_at and agent_done <= retires["calendar_resources"].sent_at
+        resumes = calls_to(recorder, inst, "resume")
+        assert {server_of(c) for c in resumes} == set(PARTICIPANTS)
+        assert min(c.sent_at for c in resumes) >= max(c.answered_at for c in retires.values())
+        servers = (await state(inst))["servers"]
+        assert all(servers[n]["phase"] == "idle" and servers[n]["admission_open"] for n in PARTICIPANTS)
+    # The abandoned continuation can never run: its attempt N+1 is marked on every participant.
+    async with httpx.AsyncClient(timeout=10) as http:
+        reply = await http.post(good.servers["workplace_agent"] + "/run",
+                                json={"_ng_rollout_id": "a1", "_ng_attempt_index": 1, "task": {"q": "a1"}, "turns": 5})
+    assert reply.status_code == 409 and reply.json()["error"]["code"] in ("checkpoint_stale_attempt", "stale_attempt")
+
+
+async def test_c57_caller_discard_of_a_successful_restore_runs_the_cleanup(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r1"])})
+    fresh = start_gym(snap.configs["math/replica-0"])
+    result = await client.restore(snap.manifest, {fresh.instance_id: spec(fresh)}, snap.snapshot_dir, resume=False)
+    assert recorder.ops("resume") == []
+    assert (await state(fresh, "workplace_agent"))["phase"] == "restored"
+    cleanup = await client.discard_restore(result)
+    assert cleanup.failure is None and cleanup.unretired() == {}
+    assert cleanup.rollouts_to_restart == {"math/replica-0": ("r1",)}
+    assert {(server_of(c), c.body["checkpoint_id"]) for c in recorder.ops("retire")} == {(n, result.restore_id) for n in PARTICIPANTS}
+    marks = {n: (await state(fresh, n))["marks"] for n in PARTICIPANTS}
+    assert all(m == {"r1": 1} for m in marks.values())
+    assert all((await state(fresh, n))["phase"] == "idle" for n in PARTICIPANTS)
+
+
+# --- 58 ------------------------------------------------------------------------------------------
+
+
+async def test_c58_successful_restore_resumes_with_restore_id_and_reports_continuations(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {
+        "math/replica-0": (cfg("math/replica-0"), ["r1"]),
+        # A restart-only resources server turns its in-flight episodes into restarts.
+        "math/replica-1": (cfg("math/replica-1", resources_mode="restart_only"), ["r2"]),
+    })
+    assert snap.manifest["instances"]["math/replica-1"]["restarts"] == [{"rollout_id": "r2", "attempt": 0}]
+    fresh = {iid: start_gym(c) for iid, c in snap.configs.items()}
+    result = await client.restore(snap.manifest, {iid: spec(i) for iid, i in fresh.items()}, snap.snapshot_dir)
+    assert result.restore_id.startswith("restore-") and len(result.restore_id) == len("restore-") + 32
+    assert result.restore_id != snap.manifest["checkpoint_id"]
+    assert result.continued == {"math/replica-0": (Episode("r1", 1),), "math/replica-1": ()}
+    assert result.restarts == {"math/replica-0": (), "math/replica-1": (Episode("r2", 0),)}
+    assert result.resume is not None and result.resume.ok
+    for inst in fresh.values():
+        resumes = {server_of(c): c for c in calls_to(recorder, inst, "resume")}
+        assert {c.body["checkpoint_id"] for c in resumes.values()} == {result.restore_id}
+        assert resumes["calendar_resources"].answered_at <= resumes["workplace_agent"].sent_at
+        assert resumes["workplace_agent"].answered_at <= resumes["policy_model"].sent_at
+    # The continuation runs as N+1 on the same instance and picks up where the snapshot was.
+    reply = await asyncio.wait_for(rows.start(fresh["math/replica-0"], "r1", attempt=1), 15)
+    assert reply.status_code == 200 and reply.json()["resumed_from_turn"] >= 1
+
+
+async def test_c52_restore_ids_are_fresh_and_differ_from_the_source(client: GymControlClient) -> None:
+    ids = {client.new_restore_id("snap-1-00000000") for _ in range(50)}
+    assert len(ids) == 50 and all(i.startswith("restore-") and len(i) == 40 for i in ids)
+
+
+# --- 59 ------------------------------------------------------------------------------------------
+
+
+async def test_c59_retire_and_forget_callers_first_in_batches_while_idle(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+) -> None:
+    inst = start_gym()
+    topo = (await topology(client, inst))[inst.instance_id]
+    episodes = [Episode(f"r{i:04d}", 1) for i in range(1500)]
+    batches = await client.retire(topo, episodes)
+    assert [len(b.episodes) for b in batches] == [1024, 476] and all(b.ok for b in batches)
+    retires = recorder.ops("retire")
+    assert len(retires) == 6 and {c.body["checkpoint_id"] for c in retires} == {"retire"}
+    for first in (0, 3):
+        batch = {server_of(c): c for c in retires[first:first + 3]}
+        assert batch["workplace_agent"].answered_at <= min(batch["policy_model"].sent_at, batch["calendar_resources"].sent_at)
+        assert len(batch["policy_model"].body["episode_ids"]) == (1024 if first == 0 else 476)
+    status = inst.control("calendar_resources", "status").json()
+    assert status["retired_rollouts"] == 1500
+    forgets = await client.forget(topo, [e.rollout_id for e in episodes])
+    assert [len(b.rollout_ids) for b in forgets] == [1024, 476] and all(b.ok for b in forgets)
+    assert {c.body["checkpoint_id"] for c in recorder.ops("forget")} == {"forget"}
+    assert inst.control("calendar_resources", "status").json()["retired_rollouts"] == 0
+
+
+async def test_c59_retire_deferred_while_a_checkpoint_is_open(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    prepared = await client.prepare(client.new_checkpoint_id("59"), topo)
+    batches = await client.retire(topo[inst.instance_id], [Episode("r1", 0)])
+    assert len(batches) == 1 and not batches[0].ok and batches[0].failure is not None
+    assert batches[0].failure.transient
+    assert recorder.ops("retire") == []  # nothing was sent: Gym would refuse it
+    await client.resume(prepared.checkpoint_id, topo)
+    assert all(b.ok for b in await client.retire(topo[inst.instance_id], [Episode("r1", 0)]))
+
+
+async def test_c59_queued_retires_go_out_before_the_next_prepare(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+
+    async def deliver_outbox() -> None:
+        results = await client.retire(topo[inst.instance_id], [Episode("old", 2)])
+        assert all(b.ok for b in results)
+
+    await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing, capture_hook=nothing,
+                  drain_timeout_s=5, before_prepare_hook=deliver_outbox).run()
+    assert max(c.answered_at for c in recorder.ops("retire")) <= min(c.sent_at for c in recorder.ops("prepare"))
+
+
+# --- 60 ------------------------------------------------------------------------------------------
+
+
+async def test_c60_failed_retire_batch_is_reported_for_requeue_and_resent(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+) -> None:
+    inst = start_gym(faults=[{"server_name": "policy_model", "op": "retire", "type": "error", "status": 503,
+                              "code": "checkpoint_coordinator_unavailable", "times": 1}])
+    topo = (await topology(client, inst))[inst.instance_id]
+    first = await client.retire(topo, [Episode("r1", 0)])
+    assert not first[0].ok and first[0].failure is not None and first[0].failure.transient
+    # The other participants still retired the batch (no stage stops the rest).
+    assert first[0].servers_ok == ("calendar_resources", "workplace_agent")
+    again = await client.retire(topo, first[0].episodes)
+    assert again[0].ok
+    assert (await state(inst, "policy_model"))["marks"] == {"r1": 0}
+
+
+async def test_c60_refused_forget_retires_again_then_forgets(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport) -> None:
+    inst = start_gym(faults=[{"server_name": "workplace_agent", "op": "forget", "type": "refuse", "code": "checkpoint_error",
+                              "status": 409, "times": 1}])
+    topo = (await topology(client, inst))[inst.instance_id]
+    assert all(b.ok for b in await client.retire(topo, [Episode("r1", 2)]))
+    recorder.clear()
+    settled = await client.forget_settling_refusals(topo, {"r1": Episode("r1", 2)})
+    assert settled.forgotten == ("r1",) and settled.owed_forgets == () and settled.owed_retires == ()
+    assert [c.op for c in recorder.calls if server_of(c) == "workplace_agent"] == ["forget", "retire", "forget"]
+    assert inst.control("workplace_agent", "status").json()["retired_rollouts"] == 0
+
+
+async def test_c60_second_forget_refusal_keeps_both_queued(start_gym: StartGym, client: GymControlClient) -> None:
+    inst = start_gym(faults=[{"server_name": "workplace_agent", "op": "forget", "type": "refuse", "code": "checkpoint_error",
+                              "status": 409, "times": 2}])
+    topo = (await topology(client, inst))[inst.instance_id]
+    await client.retire(topo, [Episode("r1", 2)])
+    settled = await client.forget_settling_refusals(topo, {"r1": Episode("r1", 2)})
+    assert settled.forgotten == ()
+    assert settled.owed_forgets == ("r1",) and settled.owed_retires == (Episode("r1", 2),)
+
+
+# --- 61 ------------------------------------------------------------------------------------------
+
+
+async def test_c61_retired_rollout_never_dispatched_again_is_forgotten_right_after(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+) -> None:
+    inst = start_gym()
+    topo = (await topology(client, inst))[inst.instance_id]
+    retired, forgotten = await client.retire_then_forget(topo, [Episode("r1", 0), Episode("r2", 3)])
+    assert all(b.ok for b in retired) and all(b.ok for b in forgotten)
+    assert [c.op for c in recorder.calls if server_of(c) == "calendar_resources"] == ["retire", "forget"]
+    for name in PARTICIPANTS:
+        assert inst.control(name, "status").json()["retired_rollouts"] == 0
+
+
+async def test_c61_restored_rollout_forgotten_after_its_continuation_seals(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, tmp_path: Any
+) -> None:
+    snap = await take_snapshot(start_gym, rows, tmp_path, {"math/replica-0": (cfg("math/replica-0"), ["r1", "r2"])})
+    fresh = start_gym(snap.configs["math/replica-0"])
+    result = await client.restore(snap.manifest, {fresh.instance_id: spec(fresh)}, snap.snapshot_dir)
+    topo = result.topology[fresh.instance_id]
+    # The restore left a mark at N on every participant.
+    assert inst_marks(fresh) == 2
+    sealed = await asyncio.wait_for(rows.start(fresh, "r1", attempt=1), 15)
+    assert sealed.status_code == 200
+    assert all(b.ok for b in await client.forget(topo, ["r1"]))
+    assert inst_marks(fresh) == 1
+    # At shutdown every rollout still marked is forgotten.
+    assert all(b.ok for b in await client.forget(topo, ["r2"]))
+    assert inst_marks(fresh) == 0
+
+
+def inst_marks(inst: GymsimInstance) -> int:
+    counts = {inst.control(n, "status").json()["retired_rollouts"] for n in PARTICIPANTS}
+    assert len(counts) == 1, counts
+    return counts.pop()
