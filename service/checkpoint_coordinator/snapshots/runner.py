@@ -179,6 +179,8 @@ class SnapshotRunner:
                 if s.abort_requested:
                     raise _Aborted(s.abort_requested)
                 if s.data_plane_ref is not None:
+                    # The cut is taken; GymSave resumes Gym as soon as this hook returns.
+                    await repo.set_phase(self.engine, run_id, sid, "resume")
                     return
                 if time.monotonic() > deadline:
                     raise _Failed("data_plane_timeout", {"awaiting": s.awaiting, "timeout_s": cfg.get("data_plane_timeout_s")})
@@ -218,7 +220,6 @@ class SnapshotRunner:
         finally:
             watcher.cancel()
         # Resume was answered inside save.run(); reopen the gate before publishing.
-        await repo.set_phase(self.engine, run_id, sid, "resume")
         await repo.open_gate(self.engine, run_id, sid)
         resume_failure = None
         if result.resume is not None and result.resume.failure is not None:

@@ -1,0 +1,131 @@
+"""SIGKILL the coordinator inside each snapshot phase; after a restart nothing is stuck or lost."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from gymsim.testing import GymsimInstance, default_instance_config
+
+from ..e2e.harness import Trainer, drive_snapshot, register_by_discovery
+from ..integration.ledger_helpers import group_body, new_run
+from .coordinator_process import CoordinatorProcess
+
+pytestmark = pytest.mark.timeout(180)
+
+# phase to kill in -> the gymsim fault that holds the snapshot there
+PHASES: dict[str, dict[str, Any] | None] = {
+    "prepare": {"server_name": "calendar_resources", "op": "prepare", "type": "delay", "seconds": 4, "times": 1},
+    "commit": {"server_name": "calendar_resources", "op": "commit", "type": "delay", "seconds": 4, "times": 1},
+    "drain": {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 4, "times": 1},
+    "data_plane": None,  # the trainer never posts its barrier
+    "resume": {"server_name": "policy_model", "op": "resume", "type": "delay", "seconds": 4, "times": 1},
+}
+
+
+async def _wait_phase(api: Any, sid: str, phase: str, timeout: float = 20) -> dict[str, Any]:
+    async with asyncio.timeout(timeout):
+        while True:
+            s = await api.get(f"/snapshots/{sid}")
+            if s["phase"] == phase or s["outcome"]:
+                return s
+            await asyncio.sleep(0.02)
+
+
+async def _wait_ready(client: httpx.AsyncClient, timeout: float = 30) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                if (await client.get("/readyz")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("phase", list(PHASES))
+async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_path: Path) -> None:
+    from ..conftest import admin_headers
+
+    coord = CoordinatorProcess(database_url, tmp_path)
+    coord.start()
+    gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05))
+    try:
+        async with httpx.AsyncClient(base_url=coord.url, timeout=30) as client:
+            api = await new_run(client, admin_headers(), target_level="turn", drain_timeout_s=60, data_plane_timeout_s=60)
+            from sqlalchemy.ext.asyncio import create_async_engine
+
+            from checkpoint_coordinator.ledger.db import sqlalchemy_url
+
+            engine = create_async_engine(sqlalchemy_url(database_url))
+            await register_by_discovery(engine, "run-1", [gym])
+            await engine.dispose()
+            trainer = Trainer(api, {"math/replica-0": gym}, turns=3)
+            await trainer.admit_and_dispatch([group_body("warm", 2)], "math/replica-0")
+            await trainer.wait_idle()
+            s0 = await drive_snapshot(api, "s0", 0, tmp_path / "dp")
+            assert s0["outcome"] == "published"
+
+            fault = PHASES[phase]
+            if fault is not None:
+                gym.admin("POST", "/admin/faults", fault)
+            rows = await trainer.admit_and_dispatch([group_body("g1", 2)], "math/replica-0")
+            if phase == "drain":
+                await asyncio.sleep(0.4)  # episodes done; one reply is held on the wire
+            else:
+                await trainer.wait_idle()
+            counts_before = (await api.get("/counts"))
+            r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+            assert r.status_code == 202
+            if phase == "resume":
+                s = await _wait_phase(api, "s1", "data_plane")
+                while s["awaiting"] != "barrier":
+                    s = await api.get("/snapshots/s1")
+                await api.post("/snapshots/s1/barrier", {})
+                await api.post("/snapshots/s1/captured", {"reference": {"path": "/x", "digest": "d"}})
+            s = await _wait_phase(api, "s1", phase)
+            assert s["phase"] == phase and s["outcome"] is None, s
+            await asyncio.sleep(0.2)
+            coord.kill()
+
+            coord.start()
+            await _wait_ready(client)
+            async with asyncio.timeout(30):
+                while True:
+                    s1 = await api.get("/snapshots/s1")
+                    if s1["outcome"]:
+                        break
+                    await asyncio.sleep(0.05)
+            assert (s1["outcome"], s1["reason"]) == ("aborted", "coordinator_restart"), s1
+            assert s1["detail"]["phase_at_restart"] == phase
+            run = await api.get("")
+            assert run["dispatch_gate"]["open"]
+            # every participant is idle again, admission open
+            async with asyncio.timeout(15):
+                while True:
+                    st = gym.state()["servers"]
+                    if all(x["phase"] == "idle" and x["admission_open"] for x in st.values() if x.get("participant")):
+                        break
+                    await asyncio.sleep(0.05)
+            # the previous published snapshot is still the authoritative one
+            hist = (await api.get("/snapshots"))["snapshots"]
+            assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "aborted"), ("s0", "published")]
+            # no ledger row lost: the rows of g1 are all there, and the held reply still seals
+            await trainer.wait_idle()
+            g1 = await api.group("g1")
+            assert sorted(s["generation_index"] for s in g1["siblings"]) == [0, 1]
+            assert {a["rollout_id"] for s in g1["siblings"] for a in s["attempts"]} >= {r["rollout_id"] for r in rows}
+            after = await api.get("/counts")
+            assert sum(after["live_attempts"].values()) == sum(counts_before["live_attempts"].values())
+            assert after["live_attempts"].get("sealed", 0) == 4
+            # and a new snapshot goes through
+            s2 = await drive_snapshot(api, "s2", 0, tmp_path / "dp")
+            assert s2["outcome"] == "published"
+            await trainer.aclose()
+    finally:
+        coord.stop()
+        gym.stop()
