@@ -7,3 +7,5 @@ from typing import Any
 from . import rollouts, snapshots
 
 ROUTERS: list[Any] = [rollouts.router, snapshots.router]
+ROUTERS.append(__import__(f"{__package__}.gym", fromlist=["router"]).router)  # Gym registration (issue 6)
+ROUTERS.append(__import__(f"{__package__}.restore", fromlist=["router"]).router)  # restore, manifest, ledger import (issue 6)

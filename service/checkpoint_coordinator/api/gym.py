@@ -1,0 +1,159 @@
+"""Gym registration at setup: the instances of a run, what discovery found on them, and the Gym
+``checkpoint:`` settings the run expects (ledger spec section 3, protocol section 3)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, Depends, Path, Request
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+from ..errors import BadRequest
+from ..ledger import gym_registry
+from ..ledger.runs import get_run
+from ..restore import registration
+from .auth import Caller, require_run_access
+from .common import INSTANCE_ID_PATTERN, NAME_PATTERN, Strict
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"])
+
+_NAME = re.compile(NAME_PATTERN)
+_INSTANCE = re.compile(INSTANCE_ID_PATTERN)
+MAX_SERVERS = 256
+
+
+class InstanceIn(Strict):
+    instance_id: str = Field(pattern=INSTANCE_ID_PATTERN, min_length=1, max_length=256, examples=["math/replica-0"])
+    control_token: SecretStr = Field(
+        description="The instance's checkpoint.control_auth_token. Stored to authenticate control calls; never returned or logged."
+    )
+    servers: dict[str, str] = Field(
+        description="Every server of the instance, participant or not: server_name -> base URL (http or https).",
+        examples=[{"policy_model": "http://10.0.0.5:8000", "workplace_agent": "http://10.0.0.5:8001"}],
+    )
+
+    @field_validator("control_token")
+    @classmethod
+    def _token(cls, v: SecretStr) -> SecretStr:
+        raw = v.get_secret_value()
+        if not raw or len(raw) > 4096:
+            raise ValueError("must be a non-empty token of at most 4096 characters")
+        if any(c.isspace() for c in raw):
+            raise ValueError("must not contain whitespace (it is sent as a bearer token)")
+        return v
+
+    @field_validator("servers")
+    @classmethod
+    def _servers(cls, v: dict[str, str]) -> dict[str, str]:
+        if not v:
+            raise ValueError("must list at least one server")
+        if len(v) > MAX_SERVERS:
+            raise ValueError(f"at most {MAX_SERVERS} servers per instance")
+        for name, url in v.items():
+            if len(name) > 256 or not _NAME.match(name):
+                raise ValueError(f"server name {name!r} does not match {NAME_PATTERN}")
+            parts = urlsplit(url) if isinstance(url, str) else None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048:
+                raise ValueError(f"server {name!r}: base URL must be an absolute http(s) URL, got {url!r}")
+            if parts.query or parts.fragment:
+                raise ValueError(f"server {name!r}: base URL must not carry a query or fragment")
+        return dict(sorted(v.items()))
+
+
+class RegisterIn(Strict):
+    instances: list[InstanceIn] = Field(min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _unique(self) -> RegisterIn:
+        ids = [i.instance_id for i in self.instances]
+        dups = sorted({i for i in ids if ids.count(i) > 1})
+        if dups:
+            raise ValueError(f"instance ids named twice: {', '.join(dups)}")
+        return self
+
+
+class ParticipantOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    server_name: str
+    base_url: str
+    kind: str
+    participant_name: str
+    mode: str | None
+    stage: int
+
+
+class InstanceOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    instance_id: str
+    servers: dict[str, str]
+    participants: list[ParticipantOut]
+    non_participants: list[str]
+
+
+class GymSettingsOut(BaseModel):
+    checkpoint: dict[str, Any] = Field(description="Gym checkpoint settings the run expects (lease_grace_seconds = control_timeout_s).")
+    excluded: list[str]
+    note: str
+
+
+class RegisteredOut(BaseModel):
+    run_id: str
+    instances: list[InstanceOut]
+    restart_only_servers: list[str]
+    warnings: list[str]
+    gym_settings: GymSettingsOut
+
+
+class InstanceListOut(BaseModel):
+    run_id: str
+    instances: list[InstanceOut]
+
+
+class RunGymSettingsOut(GymSettingsOut):
+    run_id: str
+
+
+@router.post("/gym-instances", operation_id="register_gym_instances", response_model=RegisteredOut)
+async def register_gym_instances(body: RegisterIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Discover and register Gym instances (re-registering replaces an instance's servers).
+
+    Discovery fails as a whole, naming the servers; restart-only participants under
+    ``target_level: turn`` are refused unless ``allow_restart_only_gym_servers``. Control tokens
+    are never returned."""
+    regs = [
+        registration.Registration(i.instance_id, i.control_token.get_secret_value(), dict(i.servers)) for i in body.instances
+    ]
+    return await registration.register_instances(
+        request.app.state.engine, str(caller.run_id), regs, transport=getattr(request.app.state, "gym_transport", None)
+    )
+
+
+@router.get("/gym-instances", operation_id="list_gym_instances", response_model=InstanceListOut)
+async def list_gym_instances(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Registered instances and their participants (tokens are never returned)."""
+    return await registration.registered(request.app.state.engine, str(caller.run_id))
+
+
+@router.delete("/gym-instances/{instance_id:path}", operation_id="delete_gym_instance", status_code=204)
+async def delete_gym_instance(
+    request: Request,
+    instance_id: str = Path(..., max_length=256, description="Instance id, e.g. math/replica-0"),
+    caller: Caller = Depends(require_run_access),
+) -> None:
+    """Unregister an instance (refused while a snapshot is in progress)."""
+    if not _INSTANCE.match(instance_id):
+        raise BadRequest(
+            f"instance_id {instance_id!r} does not match {INSTANCE_ID_PATTERN}",
+            errors=[{"field": "instance_id", "message": "invalid instance id"}],
+        )
+    await gym_registry.delete_instance(request.app.state.engine, str(caller.run_id), instance_id)
+
+
+@router.get("/gym-settings", operation_id="get_gym_settings", response_model=RunGymSettingsOut)
+async def get_gym_settings(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """The Gym ``checkpoint:`` settings this run expects, control token excluded."""
+    async with request.app.state.engine.connect() as conn:
+        run = await get_run(conn, str(caller.run_id))
+    return {"run_id": run.run_id, **registration.gym_settings(registration.run_config(run.config))}

@@ -1,0 +1,129 @@
+"""Restore (ledger spec section 6), the Gym manifest export (section 8) and NeMo RL ledger
+import/export (section 9)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from pydantic import Field
+
+from ..domain.errors import ManifestError
+from ..ledger import restore as repo
+from ..ledger.runs import get_run
+from ..recovery_config import domain_problem
+from ..restore import ledger_import, service
+from ..restore.errors import GymManifestAbsent, SnapshotNotFound, SnapshotUnusable
+from ..restore.gym_manifest_file import manifest_document
+from .auth import Caller, require_run_access
+from .common import NAME_PATTERN, SNAPSHOT_ID_PATTERN, Strict
+
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"])
+
+Disp = Literal["reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch"]
+SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
+
+
+class RestoreIn(Strict):
+    restore_id: str = Field(pattern=NAME_PATTERN, min_length=1, max_length=128, description="Caller-chosen; a repeat returns the stored answer.")
+    snapshot_id: str | None = Field(default=None, pattern=SNAPSHOT_ID_PATTERN, max_length=100, description="Restore this snapshot.")
+    step: int | None = Field(
+        default=None, ge=0, description="The trainer's restored step: the newest published snapshot anchored at or before it."
+    )
+    with_gym_state: bool = Field(
+        default=True,
+        description="Install the snapshot's Gym state into freshly started instances. False (Gym kept running): every "
+        "continuation restarts and every attempt the cut knows as running is retired.",
+    )
+
+
+class LedgerImportIn(Strict):
+    snapshot_id: str = Field(pattern=SNAPSHOT_ID_PATTERN, min_length=1, max_length=100)
+    document: dict[str, Any] = Field(description="NeMo RL rollout-recovery ledger, schema 2, 3 or 4.")
+    anchor_step: int | None = Field(default=None, ge=0, description="Default: the newest target step the document names.")
+
+
+@router.get("/restore-plan", operation_id="get_restore_plan")
+async def get_restore_plan(
+    request: Request,
+    step: int | None = Query(None, ge=0, description="The trainer's restored step (newest compatible snapshot)."),
+    snapshot_id: str | None = Query(None, pattern=SNAPSHOT_ID_PATTERN, max_length=100),
+    with_gym_state: bool = Query(True),
+    include_reused: bool = Query(False, description="Also list reused rows, with their staging keys."),
+    disposition: Disp | None = Query(None, description="Only rows of this disposition."),
+    cursor: int = Query(0, ge=0, description="Rows to skip (next_cursor of the previous page)."),
+    limit: int = Query(10_000, ge=1, le=100_000),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """The restore plan of the newest published snapshot compatible with ``step`` (or of
+    ``snapshot_id``): counts per disposition and, per row, what to send under which rollout id
+    and capture key to which instance. A preview; ``POST /restores`` applies it."""
+    return await service.preview_plan(
+        request.app.state.engine,
+        str(caller.run_id),
+        snapshot_id=snapshot_id,
+        step=step,
+        with_gym_state=with_gym_state,
+        include_reused=include_reused,
+        disposition=disposition,
+        cursor=cursor,
+        limit=limit,
+    )
+
+
+@router.post("/restores", operation_id="create_restore")
+async def create_restore(body: RestoreIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Restore the run from a published snapshot: checks, Gym restore, one ledger transaction.
+
+    Idempotent per ``restore_id``; the same id with another body is ``409 restore_conflict``."""
+    req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state)
+    return await service.execute_restore(
+        request.app.state.engine, str(caller.run_id), req, transport=getattr(request.app.state, "gym_transport", None)
+    )
+
+
+@router.get("/restores/{restore_id}", operation_id="get_restore")
+async def get_restore(
+    request: Request,
+    restore_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """A restore's state, its request and its stored answer (or refusal)."""
+    return await service.restore_record(request.app.state.engine, str(caller.run_id), restore_id)
+
+
+@router.get("/snapshots/{snapshot_id}/gym-manifest", operation_id="get_snapshot_gym_manifest")
+async def get_snapshot_gym_manifest(
+    request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)
+) -> dict[str, Any]:
+    """The snapshot's ``gym_checkpoint.json`` (Gym manifest, schema 2, lists sorted)."""
+    async with request.app.state.engine.connect() as conn:
+        await get_run(conn, str(caller.run_id))
+        snap = await repo.get_snapshot(conn, str(caller.run_id), snapshot_id)
+    if snap is None:
+        raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found", snapshot_id=snapshot_id)
+    if snap.gym_manifest is None:
+        raise GymManifestAbsent(f"snapshot {snapshot_id!r} holds no Gym manifest", snapshot_id=snapshot_id)
+    try:
+        return manifest_document(snap.gym_manifest)
+    except ManifestError as e:
+        raise domain_problem(e, prefix="gym_manifest", error=SnapshotUnusable) from e
+
+
+@router.post("/ledger-import", operation_id="import_ledger", status_code=201)
+async def import_ledger(body: LedgerImportIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Import a NeMo RL rollout-recovery ledger (schema 2, 3 or 4) as a published snapshot.
+
+    Schemas 2 and 3 are rewritten as schema 4; refusals name the field. A repeat with the same
+    document answers the stored snapshot (``created: false``)."""
+    return await ledger_import.import_document(
+        request.app.state.engine, str(caller.run_id), body.snapshot_id, body.document, anchor_step=body.anchor_step
+    )
+
+
+@router.get("/snapshots/{snapshot_id}/ledger-export", operation_id="export_ledger")
+async def export_ledger(
+    request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)
+) -> dict[str, Any]:
+    """The snapshot's ledger cut as a NeMo RL rollout-recovery ledger, schema 4."""
+    return await ledger_import.export_document(request.app.state.engine, str(caller.run_id), snapshot_id)

@@ -1,0 +1,791 @@
+"""Restore in the ledger (recovery-ledger.md sections 6 and 7): snapshots to restore from, their
+ledger cut, the restore records that make ``POST /restores`` idempotent, the rewind of the live
+ledger to a cut with a plan applied, forget-after-seal, and imported snapshots.
+
+Every write is one transaction that locks the run row (fencing, section 2). The rewind is
+set-based: ``INSERT ... SELECT`` / ``UPDATE ... FROM`` over the snapshot tables joined with
+``unnest``-ed plan arrays, and it rewrites only the rows whose live state differs from their
+target, so its cost follows the number of siblings and what changed since the cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
+from ..domain.restore_plan import RetireItem
+from ..errors import Conflict
+from .runs import RunRow, lock_run
+
+# -------------------------------------------------------------------------------------------
+# Snapshots
+
+
+@dataclass(frozen=True)
+class SnapshotRow:
+    snapshot_id: str
+    anchor_step: int
+    outcome: str | None
+    phase: str
+    gym_manifest: dict[str, Any] | None
+    gym_checkpoint_id: str | None
+    snapshot_dir: str | None
+    data_plane_ref: dict[str, Any] | None
+    published_at: datetime | None
+    detail: dict[str, Any] | None
+
+
+_SNAP_COLS = (
+    "snapshot_id, anchor_step, outcome, phase, gym_manifest, gym_checkpoint_id, snapshot_dir, data_plane_ref, "
+    "published_at, detail"
+)
+
+
+def _snap(r: Any) -> SnapshotRow:
+    return SnapshotRow(**dict(r._mapping))
+
+
+async def get_snapshot(conn: AsyncConnection, run_id: str, snapshot_id: str) -> SnapshotRow | None:
+    r = (
+        await conn.execute(
+            text(f"SELECT {_SNAP_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"),
+            {"r": run_id, "s": snapshot_id},
+        )
+    ).first()
+    return _snap(r) if r is not None else None
+
+
+async def newest_published(conn: AsyncConnection, run_id: str, max_step: int | None) -> SnapshotRow | None:
+    """The newest published snapshot whose anchor step is at most ``max_step`` (any if None)."""
+    r = (
+        await conn.execute(
+            text(
+                f"SELECT {_SNAP_COLS} FROM snapshots WHERE run_id = :r AND outcome = 'published' "
+                "AND (CAST(:step AS bigint) IS NULL OR anchor_step <= :step) "
+                "ORDER BY anchor_step DESC, published_at DESC NULLS LAST, snapshot_id DESC LIMIT 1"
+            ),
+            {"r": run_id, "step": max_step},
+        )
+    ).first()
+    return _snap(r) if r is not None else None
+
+
+# -------------------------------------------------------------------------------------------
+# The cut
+
+
+_GROUP_SQL = (
+    "SELECT group_id, restore_level, expected_generations, group_attempt, status, task_digest, prompt_ref, "
+    "agent_name, task_source, target_step, weight_version, data_attempts_used "
+    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
+)
+# The first eight columns are all the plan reads; the detailed form adds what reused rows and the
+# NeMo RL export carry. Rows come back as plain tuples, the shape CutAttempt documents.
+_ATT_SQL_PLAN = (
+    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status "
+    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
+)
+_ATT_SQL_FULL = (
+    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, "
+    "COALESCE(staging_keys, '{}'::text[]), row_attempts_used, reward, COALESCE(mask_sample, false) "
+    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
+)
+
+
+@dataclass(frozen=True)
+class GroupExtra:
+    """Group fields the NeMo RL export needs beyond :class:`CutGroup`."""
+
+    data_attempts_used: int
+    weight_version: str | None
+
+
+async def _fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    # The plan of a million siblings reads a million rows: go straight to psycopg's tuples.
+    raw = await conn.get_raw_connection()
+    async with raw.driver_connection.cursor() as cur:  # type: ignore[union-attr]
+        await cur.execute(sql, params)
+        return await cur.fetchall()
+
+
+async def load_cut(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, *, detailed: bool = False
+) -> tuple[Cut, dict[str, GroupExtra]]:
+    params = {"r": run_id, "s": snapshot_id}
+    grows = await _fetch(conn, _GROUP_SQL, params)
+    groups = []
+    extras: dict[str, GroupExtra] = {}
+    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in grows:
+        pref = pref or {}
+        groups.append(
+            CutGroup(
+                group_id=gid,
+                restore_level=lvl,
+                expected_generations=n,
+                group_attempt=gatt,
+                status=st,
+                task_digest=digest,
+                prompt_ref=PromptRef(pref.get("sample_id"), pref.get("task_name")),
+                agent_name=agent,
+                task_source=source,
+                target_step=tstep,
+                weight_version=wv,
+            )
+        )
+        extras[gid] = GroupExtra(dau, wv)
+    attempts: Sequence[Any] = await _fetch(conn, _ATT_SQL_FULL if detailed else _ATT_SQL_PLAN, params)
+    if detailed:
+        attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in attempts]
+    return Cut(groups=groups, attempts=attempts), extras
+
+
+# -------------------------------------------------------------------------------------------
+# Restore records (idempotency per restore id)
+
+
+@dataclass(frozen=True)
+class RestoreRecord:
+    restore_id: str
+    snapshot_id: str
+    state: str
+    with_gym_state: bool
+    gym_restore_id: str | None
+    result: dict[str, Any] | None
+    created_at: datetime
+
+
+_REST_COLS = "restore_id, snapshot_id, state, with_gym_state, gym_restore_id, result, created_at"
+
+
+async def get_restore(conn: AsyncConnection, run_id: str, restore_id: str) -> RestoreRecord | None:
+    r = (
+        await conn.execute(
+            text(f"SELECT {_REST_COLS} FROM restores WHERE run_id = :r AND restore_id = :i"), {"r": run_id, "i": restore_id}
+        )
+    ).first()
+    return RestoreRecord(**dict(r._mapping)) if r is not None else None
+
+
+class RestoreBusy(Conflict):
+    code, title = "restore_in_progress", "A restore of this run is in progress"
+
+
+class SnapshotBusy(Conflict):
+    code, title = "snapshot_in_progress", "A snapshot of this run is in progress"
+
+
+async def claim_restore(
+    engine: AsyncEngine,
+    run_id: str,
+    restore_id: str,
+    snapshot_id: str,
+    with_gym_state: bool,
+    request: dict[str, Any],
+    *,
+    stale_after_s: float,
+) -> RestoreRecord | None:
+    """Record that restore ``restore_id`` starts; the existing record if the id is known.
+
+    One restore runs per run at a time: a second one would find Gym instances mid-restore and
+    could apply a competing plan. A record left ``running`` longer than ``stale_after_s`` (its
+    coordinator died) no longer blocks, and is marked ``abandoned``. A snapshot in progress
+    blocks too: its Gym phase and the restore would fight over the same instances.
+    """
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, for_update=True)
+        existing = await get_restore(conn, run_id, restore_id)
+        if existing is not None:
+            return existing
+        snap = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
+        if snap is not None:
+            raise SnapshotBusy(f"snapshot {snap} of this run is in progress; restore once it has ended", snapshot_id=snap)
+        await conn.execute(
+            text(
+                "UPDATE restores SET state = 'abandoned', ended_at = now() WHERE run_id = :r AND state = 'running' "
+                "AND created_at < now() - make_interval(secs => :stale)"
+            ),
+            {"r": run_id, "stale": stale_after_s},
+        )
+        busy = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
+        if busy is not None:
+            raise RestoreBusy(f"restore {busy} of this run is still running", restore_id=busy)
+        await conn.execute(
+            text(
+                "INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state, result) "
+                "VALUES (:r, :i, :s, 'running', :g, CAST(:res AS jsonb))"
+            ),
+            {"r": run_id, "i": restore_id, "s": snapshot_id, "g": with_gym_state, "res": _json({"request": request})},
+        )
+    return None
+
+
+async def release_claim(engine: AsyncEngine, run_id: str, restore_id: str) -> None:
+    """Forget a claim whose restore was refused before Gym was touched (the id may be retried)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("DELETE FROM restores WHERE run_id = :r AND restore_id = :i AND state = 'running'"), {"r": run_id, "i": restore_id}
+        )
+
+
+async def end_restore(
+    engine: AsyncEngine,
+    run_id: str,
+    restore_id: str,
+    state: str,
+    result: dict[str, Any],
+    gym_restore_id: str | None = None,
+    *,
+    only_running: bool = False,
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE restores SET state = :st, result = CAST(:res AS jsonb), ended_at = COALESCE(ended_at, now()), "
+                "gym_restore_id = COALESCE(:gid, gym_restore_id) WHERE run_id = :r AND restore_id = :i"
+                + (" AND state = 'running'" if only_running else "")
+            ),
+            {"r": run_id, "i": restore_id, "st": state, "res": _json(result), "gid": gym_restore_id},
+        )
+
+
+async def update_restore_result(engine: AsyncEngine, run_id: str, restore_id: str, patch: dict[str, Any]) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE restores SET result = result || CAST(:p AS jsonb) WHERE run_id = :r AND restore_id = :i"),
+            {"r": run_id, "i": restore_id, "p": _json(patch)},
+        )
+
+
+async def gym_state_spent(conn: AsyncConnection, run_id: str, snapshot_id: str) -> str | None:
+    """The restore after which this snapshot's Gym continuations can no longer run (a failed Gym
+    restore retired their N+1 everywhere), if any."""
+    return (
+        await conn.execute(
+            text(
+                "SELECT restore_id FROM restores WHERE run_id = :r AND snapshot_id = :s "
+                "AND COALESCE((result->>'gym_state_spent')::boolean, false) ORDER BY created_at LIMIT 1"
+            ),
+            {"r": run_id, "s": snapshot_id},
+        )
+    ).scalar()
+
+
+# -------------------------------------------------------------------------------------------
+# The rewind
+
+
+@dataclass
+class Rewind:
+    """What the plan asks of the live ledger, in columns (see :func:`apply_restore`)."""
+
+    snapshot_id: str
+    # continued rows: the cut attempt id and its rollout id
+    continued_ids: list[int] = field(default_factory=list)
+    continued_rollouts: list[str] = field(default_factory=list)
+    # new attempts: the cut attempt they replace, sibling, new rollout id, group attempt
+    new_old_ids: list[int] = field(default_factory=list)
+    new_groups: list[str] = field(default_factory=list)
+    new_indexes: list[int] = field(default_factory=list)
+    new_rollouts: list[str] = field(default_factory=list)
+    new_group_attempts: list[int] = field(default_factory=list)
+    # prompt_group cohorts that rerun at group_attempt + 1
+    bumped_groups: list[str] = field(default_factory=list)
+    # retires owed on Gym (instance None: every registered instance)
+    retire: list[RetireItem] = field(default_factory=list)
+
+    def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int) -> None:
+        self.new_old_ids.append(int(old_id))
+        self.new_groups.append(group_id)
+        self.new_indexes.append(index)
+        self.new_rollouts.append(rollout_id)
+        self.new_group_attempts.append(group_attempt)
+
+
+@dataclass(frozen=True)
+class AfterCut:
+    """A row the plan would send under its old identity, though its attempt reached Gym after the
+    cut: it is sent under a new rollout id instead (``disposition`` after the adjustment)."""
+
+    attempt_id: int
+    group_id: str
+    generation_index: int
+    disposition: str
+    rollout_id: str
+    replaces_rollout_id: str
+    group_attempt: int
+
+
+@dataclass
+class RewindReport:
+    epoch: int
+    retires_queued: int = 0
+    outbox_superseded: int = 0
+    groups_removed: int = 0
+    attempts_ended: int = 0
+    attempts_rewritten: int = 0
+    attempts_inserted: int = 0
+    after_cut: list[AfterCut] = field(default_factory=list)
+    bumped_after_cut: list[str] = field(default_factory=list)
+
+
+Minter = Callable[[str, int], str]
+
+
+async def apply_restore(
+    engine: AsyncEngine,
+    run_id: str,
+    rw: Rewind,
+    *,
+    after_cut_minter: Minter,
+    record: tuple[str, Callable[[RewindReport], dict[str, Any]]] | None = None,
+    expect_epoch: int | None = None,
+) -> RewindReport:
+    """Make the run's live ledger the cut with the plan applied, in one transaction.
+
+    ``record = (restore_id, result_of)`` stores ``result_of(report)`` on the restore record in the
+    same transaction, so the ledger change and the idempotent answer commit together.
+    """
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id, for_update=True, expect_epoch=expect_epoch)
+        try:
+            report = await _rewind(conn, run, rw, after_cut_minter)
+        except IntegrityError as e:
+            raise Conflict(
+                f"the ledger cut of snapshot {rw.snapshot_id} collides with the live ledger: {e.orig}",
+                code="restore_ledger_conflict",
+            ) from e
+        if record is not None:
+            restore_id, result_of = record
+            await conn.execute(
+                text(
+                    "UPDATE restores SET state = 'applied', result = CAST(:res AS jsonb), ended_at = now() "
+                    "WHERE run_id = :r AND restore_id = :i"
+                ),
+                {"r": run_id, "i": restore_id, "res": _json(result_of(report))},
+            )
+        return report
+
+
+async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter) -> RewindReport:
+    r, s = run.run_id, rw.snapshot_id
+    p = {"r": r, "s": s}
+    report = RewindReport(epoch=run.epoch + 1)
+    bumped = set(rw.bumped_groups)
+    retire = list(rw.retire)
+
+    # 1. Rows sent under their old identity whose attempt reached Gym after the cut.
+    rows = (
+        await conn.execute(
+            text(
+                "SELECT sa.attempt_id, sa.group_id, sa.generation_index, sa.rollout_id, sa.group_attempt, g.restore_level, "
+                "a.status AS live_status, a.gym_instance_id AS live_instance, a.gym_attempt AS live_gym_attempt, a.retirement "
+                "FROM snapshot_attempts sa JOIN snapshot_groups g ON g.run_id = sa.run_id AND g.snapshot_id = sa.snapshot_id "
+                "AND g.group_id = sa.group_id JOIN attempts a ON a.attempt_id = sa.attempt_id AND a.run_id = sa.run_id "
+                "WHERE sa.run_id = :r AND sa.snapshot_id = :s AND sa.status = 'reserved' AND sa.gym_attempt = 0 "
+                "AND g.status IN ('generating', 'ready') AND a.status <> 'reserved' AND NOT (sa.group_id = ANY(:bumped))"
+            ),
+            {**p, "bumped": sorted(bumped)},
+        )
+    ).all()
+    cohort_groups: set[str] = set()
+    for x in rows:
+        if x.live_status == "dispatched" and x.retirement == "none":
+            retire.append(RetireItem(x.live_instance, x.rollout_id, x.live_gym_attempt, x.attempt_id))
+        if x.restore_level == "prompt_group":
+            cohort_groups.add(x.group_id)
+            continue
+        new = minter(x.group_id, x.generation_index)
+        disp = "restarted" if x.restore_level == "turn" else "rerun"
+        rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt)
+        report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, disp, new, x.rollout_id, x.group_attempt))
+    if cohort_groups:
+        # Part of a never-sent cohort went out after the cut: the whole cohort reruns at
+        # group_attempt + 1, so a cohort verifier never mixes it with what Gym saw.
+        members = (
+            await conn.execute(
+                text(
+                    "SELECT attempt_id, group_id, generation_index, rollout_id, group_attempt FROM snapshot_attempts "
+                    "WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(:g) ORDER BY group_id, generation_index"
+                ),
+                {**p, "g": sorted(cohort_groups)},
+            )
+        ).all()
+        for x in members:
+            new = minter(x.group_id, x.generation_index)
+            rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt + 1)
+            report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, "rerun", new, x.rollout_id, x.group_attempt + 1))
+        bumped |= cohort_groups
+        report.bumped_after_cut = sorted(cohort_groups)
+
+    # 2. Live attempts the cut does not know (admitted or replaced after it): they leave the
+    #    ledger; any that may still run in Gym is retired first.
+    await conn.execute(
+        text(
+            "CREATE TEMP TABLE restore_unknown ON COMMIT DROP AS "
+            "SELECT a.attempt_id, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement "
+            "FROM attempts a WHERE a.run_id = :r AND (a.is_current OR a.status IN ('reserved', 'dispatched', 'returned')) "
+            "AND NOT EXISTS (SELECT 1 FROM snapshot_attempts sa WHERE sa.run_id = :r AND sa.snapshot_id = :s "
+            "AND sa.attempt_id = a.attempt_id)"
+        ),
+        p,
+    )
+    report.retires_queued = await _queue_retires(conn, r, retire)
+
+    # 3. Continued rollouts keep their id: an old retire (or the forget that follows it) queued
+    #    for them must not reach Gym after the restore installed their continuation.
+    if rw.continued_rollouts:
+        report.outbox_superseded = (
+            await conn.execute(
+                text(
+                    "UPDATE outbox_items o SET state = 'superseded' FROM unnest(CAST(:ro AS text[])) AS c(ro) "
+                    "WHERE o.run_id = :r AND o.state = 'pending' AND o.rollout_id = c.ro"
+                ),
+                {"r": r, "ro": rw.continued_rollouts},
+            )
+        ).rowcount
+
+    # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade).
+    report.groups_removed = (
+        await conn.execute(
+            text(
+                "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
+                "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id)"
+            ),
+            p,
+        )
+    ).rowcount
+
+    # 5. The rest of the unknown attempts end (kept as history, no longer current).
+    report.attempts_ended = (
+        await conn.execute(
+            text(
+                "UPDATE attempts a SET is_current = false, "
+                "status = CASE WHEN a.status IN ('reserved', 'dispatched', 'returned') THEN 'abandoned' ELSE a.status END, "
+                "ended_at = COALESCE(a.ended_at, now()) FROM restore_unknown u WHERE a.attempt_id = u.attempt_id"
+            ),
+        )
+    ).rowcount
+
+    # 6. Groups as in the cut (cohorts that rerun at group_attempt + 1).
+    inserted_groups = (
+        await conn.execute(
+            text(
+                "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status, ended_at) "
+                "SELECT :r, sg.group_id, sg.prompt_ref, sg.task_digest, sg.task_source, sg.agent_name, sg.restore_level, "
+                "sg.expected_generations, sg.target_step, sg.weight_version, sg.group_attempt + CASE WHEN b.g IS NULL THEN 0 ELSE 1 END, "
+                "sg.data_attempts_used, sg.status, CASE WHEN sg.status IN ('finalized', 'abandoned') THEN now() END "
+                "FROM snapshot_groups sg LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sg.group_id "
+                "WHERE sg.run_id = :r AND sg.snapshot_id = :s "
+                "ON CONFLICT (run_id, group_id) DO UPDATE SET group_attempt = EXCLUDED.group_attempt, "
+                "data_attempts_used = EXCLUDED.data_attempts_used, status = EXCLUDED.status, "
+                "ended_at = CASE WHEN EXCLUDED.status IN ('finalized', 'abandoned') THEN COALESCE(prompt_groups.ended_at, now()) END "
+                "WHERE (prompt_groups.group_attempt, prompt_groups.data_attempts_used, prompt_groups.status) "
+                "IS DISTINCT FROM (EXCLUDED.group_attempt, EXCLUDED.data_attempts_used, EXCLUDED.status) "
+                "RETURNING group_id, (xmax = 0) AS inserted"
+            ),
+            {**p, "bumped": sorted(bumped)},
+        )
+    ).all()
+    new_groups = [x.group_id for x in inserted_groups if x.inserted]
+
+    # 7. Siblings as in the cut (a rerunning cohort starts its row budgets again).
+    if new_groups:
+        await conn.execute(
+            text(
+                "INSERT INTO siblings (run_id, group_id, generation_index, row_attempts_used) "
+                "SELECT :r, sa.group_id, sa.generation_index, sa.row_attempts_used FROM snapshot_attempts sa "
+                "WHERE sa.run_id = :r AND sa.snapshot_id = :s AND sa.group_id = ANY(:g) ON CONFLICT DO NOTHING"
+            ),
+            {**p, "g": new_groups},
+        )
+    await conn.execute(
+        text(
+            "UPDATE siblings sb SET row_attempts_used = t.n FROM ("
+            "SELECT sa.group_id, sa.generation_index, CASE WHEN b.g IS NULL THEN sa.row_attempts_used ELSE 0 END AS n "
+            "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
+            "WHERE sa.run_id = :r AND sa.snapshot_id = :s) t "
+            "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
+            "AND sb.row_attempts_used <> t.n"
+        ),
+        {**p, "bumped": sorted(bumped)},
+    )
+
+    # 8. The cut's attempts: as they were, continued ('C') or replaced ('N') by a new attempt.
+    n_new = len(rw.new_old_ids)
+    new_ids: list[int] = []
+    if n_new:
+        new_ids = list(
+            (
+                await conn.execute(
+                    text("SELECT nextval(pg_get_serial_sequence('attempts', 'attempt_id')) FROM generate_series(1, :n)"), {"n": n_new}
+                )
+            ).scalars()
+        )
+    codes_ids = rw.continued_ids + rw.new_old_ids
+    codes = ["C"] * len(rw.continued_ids) + ["N"] * n_new
+    repl: list[int | None] = [None] * len(rw.continued_ids) + new_ids
+    target = (
+        "SELECT sa.attempt_id, sa.group_id, sa.generation_index, sa.rollout_id, p.code, p.new_id, "
+        "CASE p.code WHEN 'C' THEN 'reserved' WHEN 'N' THEN CASE WHEN sa.status IN ('reserved', 'dispatched', 'returned') "
+        "THEN 'abandoned' ELSE sa.status END ELSE sa.status END AS status, "
+        "p.code IS DISTINCT FROM 'N' AS is_current, sa.gym_instance_id, "
+        "sa.gym_attempt + CASE WHEN p.code = 'C' THEN 1 ELSE 0 END AS gym_attempt, sa.group_attempt, sa.refusals, "
+        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.receipt END AS receipt, "
+        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.reward END AS reward, "
+        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.mask_sample END AS mask_sample, "
+        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.staging_keys END AS staging_keys, "
+        "sa.gym_owned OR COALESCE(p.code = 'C', false) AS gym_owned "
+        "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:pid AS bigint[]), CAST(:pcode AS text[]), CAST(:pnew AS bigint[])) "
+        "AS p(id, code, new_id) ON p.id = sa.attempt_id WHERE sa.run_id = :r AND sa.snapshot_id = :s"
+    )
+    params = {**p, "pid": codes_ids, "pcode": codes, "pnew": repl}
+    report.attempts_rewritten = (
+        await conn.execute(
+            text(
+                "UPDATE attempts a SET status = t.status, is_current = t.is_current, gym_instance_id = t.gym_instance_id, "
+                "gym_attempt = t.gym_attempt, group_attempt = t.group_attempt, refusals = t.refusals, receipt = t.receipt, "
+                "reward = t.reward, mask_sample = t.mask_sample, staging_keys = t.staging_keys, gym_owned = t.gym_owned, "
+                "replaced_by_attempt_id = COALESCE(t.new_id, a.replaced_by_attempt_id), "
+                "retirement = CASE WHEN t.code = 'C' THEN 'none' ELSE a.retirement END, "
+                "dispatch_id = CASE WHEN t.status = 'reserved' THEN NULL ELSE a.dispatch_id END, "
+                "ended_at = CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN COALESCE(a.ended_at, now()) END "
+                f"FROM ({target}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
+                "(a.status, a.is_current, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.refusals, a.receipt, a.reward, "
+                "a.mask_sample, a.staging_keys, a.gym_owned) IS DISTINCT FROM (t.status, t.is_current, t.gym_instance_id, "
+                "t.gym_attempt, t.group_attempt, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, t.gym_owned) "
+                "OR t.new_id IS NOT NULL OR (t.code = 'C' AND a.retirement <> 'none') "
+                "OR (t.status = 'reserved' AND a.dispatch_id IS NOT NULL))"
+            ),
+            params,
+        )
+    ).rowcount
+    # Cut attempts missing from the live ledger (an imported snapshot, or groups an earlier
+    # restore removed) come back as rows of their own; replaced ones only as their replacement.
+    report.attempts_inserted = (
+        await conn.execute(
+            text(
+                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
+                "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
+                f"SELECT t.attempt_id, :r, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
+                "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
+                "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
+                f"FROM ({target}) t WHERE t.code IS DISTINCT FROM 'N' AND NOT EXISTS "
+                "(SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)"
+            ),
+            params,
+        )
+    ).rowcount
+
+    # 9. New attempts (restarted, gym_restarted, rerun) under their new rollout ids.
+    if n_new:
+        await conn.execute(
+            text(
+                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, group_attempt) "
+                "SELECT id, :r, g, i, ro, ga FROM unnest(CAST(:id AS bigint[]), CAST(:g AS text[]), CAST(:i AS int[]), "
+                "CAST(:ro AS text[]), CAST(:ga AS int[])) AS t(id, g, i, ro, ga)"
+            ),
+            {"r": r, "id": new_ids, "g": rw.new_groups, "i": rw.new_indexes, "ro": rw.new_rollouts, "ga": rw.new_group_attempts},
+        )
+        report.attempts_inserted += n_new
+
+    # 10. Fencing: every writer of the old epoch is refused from now on; the gate reopens.
+    await conn.execute(
+        text(
+            "UPDATE runs SET epoch = epoch + 1, restored_from_rollout_snapshot = :s, gate_snapshot_id = NULL WHERE run_id = :r"
+        ),
+        p,
+    )
+    return report
+
+
+async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem]) -> int:
+    """Retire items for the unknown live attempts that may still run in Gym (``restore_unknown``)
+    and for ``extra``; an attempt that ran on no known instance is retired on every instance."""
+    res = await conn.execute(
+        text(
+            "WITH items AS ("
+            "SELECT u.attempt_id, u.rollout_id, u.gym_attempt, COALESCE(u.gym_instance_id, gi.instance_id) AS instance_id "
+            "FROM restore_unknown u LEFT JOIN gym_instances gi ON u.gym_instance_id IS NULL AND gi.run_id = :r "
+            "WHERE u.retirement = 'none' AND (u.status = 'dispatched' OR (u.status = 'reserved' AND u.gym_owned AND u.gym_instance_id IS NOT NULL)) "
+            "UNION ALL "
+            "SELECT x.aid, x.ro, x.ga, COALESCE(x.inst, gi.instance_id) FROM unnest(CAST(:aid AS bigint[]), CAST(:ro AS text[]), "
+            "CAST(:ga AS int[]), CAST(:inst AS text[])) AS x(aid, ro, ga, inst) "
+            "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = :r"
+            "), ins AS ("
+            "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
+            "SELECT DISTINCT :r, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items "
+            "WHERE instance_id IS NOT NULL RETURNING attempt_id"
+            "), upd AS ("
+            "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT attempt_id FROM ins) i "
+            "WHERE a.attempt_id = i.attempt_id AND a.run_id = :r AND a.retirement = 'none' RETURNING 1"
+            ") SELECT count(*) FROM ins"
+        ),
+        {
+            "r": run_id,
+            "aid": [int(x.attempt_id) for x in extra],
+            "ro": [x.rollout_id for x in extra],
+            "ga": [x.gym_attempt for x in extra],
+            "inst": [x.instance_id for x in extra],
+        },
+    )
+    return int(res.scalar() or 0)
+
+
+# -------------------------------------------------------------------------------------------
+# Forget after seal (section 7)
+
+
+async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_attempt_ids: Sequence[int]) -> int:
+    """Queue a forget for every restored rollout whose continued attempt has just ended with a
+    reply (sealed, or failed with a data failure): its restore left a mark at N on its instance
+    that nothing else will drop. Call it inside the seal transaction, after the seal's writes.
+
+    Only Gym-owned attempts (restored continuations) with retirement ``none`` are affected; each
+    gets one ``forget`` outbox item (checkpoint id ``forget``) on its instance and moves to
+    retirement ``forget_pending``. Idempotent: a second call finds nothing left to do. Returns the
+    number of forget items queued.
+    """
+    if not sealed_attempt_ids:
+        return 0
+    res = await conn.execute(
+        text(
+            "WITH f AS (SELECT attempt_id, rollout_id, gym_attempt, gym_instance_id FROM attempts "
+            "WHERE run_id = :r AND attempt_id = ANY(CAST(:ids AS bigint[])) AND gym_owned AND gym_instance_id IS NOT NULL "
+            "AND retirement = 'none' AND (status = 'sealed' OR (status = 'failed' AND failure_class = 'data'))), "
+            "ins AS (INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
+            "SELECT :r, gym_instance_id, 'forget', rollout_id, gym_attempt, attempt_id, 'forget' FROM f RETURNING attempt_id), "
+            "upd AS (UPDATE attempts a SET retirement = 'forget_pending' FROM ins WHERE a.attempt_id = ins.attempt_id RETURNING 1) "
+            "SELECT count(*) FROM ins"
+        ),
+        {"r": run_id, "ids": [int(x) for x in sealed_attempt_ids]},
+    )
+    return int(res.scalar() or 0)
+
+
+# -------------------------------------------------------------------------------------------
+# Imported snapshots (NeMo RL ledgers)
+
+
+async def create_imported_snapshot(
+    engine: AsyncEngine,
+    run_id: str,
+    snapshot_id: str,
+    cut: Cut,
+    *,
+    anchor_step: int,
+    detail: dict[str, Any],
+    data_attempts_used: dict[str, int],
+) -> tuple[bool, SnapshotRow]:
+    """Store a published snapshot holding ``cut`` (no Gym manifest). Returns (created, row).
+
+    An identical repeat (same ``detail['document_sha256']``) answers the stored snapshot; a
+    different document under the same id is a conflict.
+    """
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id)
+        existing = await get_snapshot(conn, run_id, snapshot_id)
+        if existing is not None:
+            same = (existing.detail or {}).get("document_sha256") == detail.get("document_sha256")
+            if same and existing.outcome == "published":
+                return False, existing
+            raise Conflict(
+                f"snapshot {snapshot_id!r} already exists in run {run_id!r}"
+                + (" with another ledger document" if (existing.detail or {}).get("imported_from") else ""),
+                code="snapshot_exists",
+                snapshot_id=snapshot_id,
+            )
+        n = len(cut.attempts)
+        ids = list(
+            (
+                await conn.execute(
+                    text("SELECT nextval(pg_get_serial_sequence('attempts', 'attempt_id')) FROM generate_series(1, :n)"), {"n": n}
+                )
+            ).scalars()
+        ) if n else []
+        await conn.execute(
+            text(
+                "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, outcome, reason, detail, owner, counts, "
+                "cut_at, published_at, ended_at) VALUES (:r, :s, :step, 'published', 'published', 'ok', CAST(:detail AS jsonb), "
+                "'ledger-import', CAST(:counts AS jsonb), now(), now(), now())"
+            ),
+            {
+                "r": run_id,
+                "s": snapshot_id,
+                "step": anchor_step,
+                "detail": _json(detail),
+                "counts": _json({"groups": len(cut.groups), "siblings": n}),
+            },
+        )
+        gs = cut.groups
+        await conn.execute(
+            text(
+                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, "
+                "restore_level, expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
+                "SELECT :r, :s, g, pr::jsonb, td, ts, an, lv, n, st, wv, ga, du, gs FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
+                "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
+                "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
+                "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)"
+            ),
+            {
+                "r": run_id,
+                "s": snapshot_id,
+                "g": [g.group_id for g in gs],
+                "pr": [_json({"sample_id": g.prompt_ref.sample_id, "task_name": g.prompt_ref.task_name}) for g in gs],
+                "td": [g.task_digest for g in gs],
+                "ts": [g.task_source for g in gs],
+                "an": [g.agent_name for g in gs],
+                "lv": [str(g.restore_level) for g in gs],
+                "n": [g.expected_generations for g in gs],
+                "st": [g.target_step for g in gs],
+                "wv": [None if g.weight_version is None else str(g.weight_version) for g in gs],
+                "ga": [g.group_attempt for g in gs],
+                "du": [data_attempts_used.get(g.group_id, 0) for g in gs],
+                "gs": [str(g.status) for g in gs],
+            },
+        )
+        at = [CutAttempt(*a) if not isinstance(a, CutAttempt) else a for a in cut.attempts]
+        if at:
+            await conn.execute(
+                text(
+                    "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, "
+                    "rollout_id, gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, "
+                    "staging_keys, gym_owned) "
+                    "SELECT :r, :s, id, g, i, ru, ro, gi, gya, ga, st, 0, NULL, rw, ms, "
+                    "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(sk::jsonb)) END, false "
+                    "FROM unnest(CAST(:id AS bigint[]), CAST(:g AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
+                    "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:ga AS int[]), CAST(:st AS text[]), CAST(:rw AS float8[]), "
+                    "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, ga, st, rw, ms, sk)"
+                ),
+                {
+                    "r": run_id,
+                    "s": snapshot_id,
+                    "id": ids,
+                    "g": [a.group_id for a in at],
+                    "i": [a.generation_index for a in at],
+                    "ru": [a.row_attempts_used for a in at],
+                    "ro": [a.rollout_id for a in at],
+                    "gi": [a.gym_instance_id for a in at],
+                    "gya": [a.gym_attempt for a in at],
+                    "ga": [a.group_attempt for a in at],
+                    "st": [str(a.status) for a in at],
+                    "rw": [a.reward for a in at],
+                    "ms": [a.mask_sample for a in at],
+                    "sk": [_json(list(a.staging_keys)) if a.staging_keys else None for a in at],
+                },
+            )
+        row = await get_snapshot(conn, run_id, snapshot_id)
+        assert row is not None
+        return True, row
+
+
+def _json(v: Any) -> str:
+    return json.dumps(v, separators=(",", ":"), sort_keys=True, default=str)

@@ -1,0 +1,103 @@
+"""Glue between the pure restore plan (``domain.restore_plan``) and the service.
+
+* :func:`rollout_minter`: new rollout ids that are a deterministic function of the run, the
+  snapshot, the run's epoch and the sibling, so the plan a ``GET`` previews names the same new
+  ids the ``POST`` that follows applies (both run at the same epoch), while two restores of the
+  same snapshot (each bumps the epoch) never mint the same id twice.
+* :func:`cut_retire_items`: the attempts a cut knows as possibly running in Gym, for restores
+  that install no Gym state (the domain computes the same list only inside
+  ``restore_without_gym_state``, together with a whole second plan).
+* :func:`row_json` / :func:`plan_summary`: the JSON the API answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from ..domain.cut import Cut
+from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem
+
+# Dispositions that are sent to Gym, in the order the answer lists them.
+SEND_DISPOSITIONS = (
+    Disposition.continued,
+    Disposition.restarted,
+    Disposition.gym_restarted,
+    Disposition.rerun,
+    Disposition.dispatch,
+)
+NEW_ATTEMPT_DISPOSITIONS = (Disposition.restarted, Disposition.gym_restarted, Disposition.rerun)
+# The dispositions of the metric ckptc_restore_siblings_total (never-sent rows are not counted).
+METRIC_DISPOSITIONS = ("reused", "rerun", "continued", "restarted", "gym_restarted")
+
+
+def rollout_minter(run_id: str, snapshot_id: str, epoch: int, purpose: str = "plan") -> NewRolloutId:
+    """``new_rollout_id(group_id, generation_index)``: ``<group>_g<i>_a<32 hex>`` with the hex a
+    keyed hash of (run, snapshot, epoch, purpose, sibling). Same inputs, same id."""
+    material = f"{run_id}\x00{snapshot_id}\x00{epoch}\x00{purpose}".encode()
+    base = hashlib.blake2b(key=hashlib.blake2b(material, digest_size=32).digest(), digest_size=16)
+
+    def new_rollout_id(group_id: str, generation_index: int) -> str:
+        h = base.copy()
+        h.update(f"{group_id}\x00{generation_index}".encode())
+        return f"{group_id}_g{generation_index}_a{h.hexdigest()}"
+
+    return new_rollout_id
+
+
+_LIVE_GROUP = frozenset({"generating", "ready"})
+
+
+def cut_retire_items(cut: Cut) -> list[RetireItem]:
+    """Attempts of live groups the cut knows as possibly running in Gym: dispatched, or a
+    reserved Gym-owned continuation (``gym_attempt > 0``). Same rule as the domain's
+    ``restore_without_gym_state`` (ledger spec 6.6)."""
+    live = {g.group_id for g in cut.groups if g.status in _LIVE_GROUP}
+    out = []
+    for a in cut.attempts:
+        gid, _idx, aid, rid, inst, gatt, _ga, st = a[:8]
+        if gid in live and (st == "dispatched" or (st == "reserved" and gatt > 0)):
+            out.append(RetireItem(inst, rid, gatt, aid))
+    return out
+
+
+def row_json(r: PlanRow, *, include_staging_keys: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "group_id": r.group_id,
+        "generation_index": r.generation_index,
+        "disposition": r.disposition.value,
+        "rollout_id": r.rollout_id,
+        "capture_key": r.capture_key,
+        "gym_attempt": r.gym_attempt,
+        "group_attempt": r.group_attempt,
+        # Set only for continuations: they must go to the instance holding their Gym state.
+        "instance_id": r.instance_id if r.disposition is Disposition.continued else None,
+        "replaces_rollout_id": r.replaces_rollout_id,
+    }
+    if include_staging_keys:
+        out["staging_keys"] = list(r.staging_keys)
+    return out
+
+
+def rows_to_send(rows: Iterable[PlanRow]) -> Iterator[PlanRow]:
+    return (r for r in rows if r.disposition is not Disposition.reused)
+
+
+def counts_json(plan: RestorePlan) -> dict[str, int]:
+    return {d.value: int(plan.counts.get(d, 0)) for d in Disposition}
+
+
+def plan_summary(plan: RestorePlan) -> dict[str, Any]:
+    return {
+        "total": plan.total,
+        "counts": counts_json(plan),
+        "cohort_reruns": sorted(plan.cohort_reruns),
+        "skipped_groups": len(plan.skipped_groups),
+    }
+
+
+def page(rows: Sequence[dict[str, Any]], cursor: int, limit: int) -> tuple[list[dict[str, Any]], int | None]:
+    chunk = list(rows[cursor : cursor + limit])
+    nxt = cursor + limit if cursor + limit < len(rows) else None
+    return chunk, nxt

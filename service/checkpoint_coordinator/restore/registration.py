@@ -1,0 +1,159 @@
+"""Gym registration at setup (ledger spec section 3, protocol section 3).
+
+Discovery probes every server of every instance being registered; it fails as a whole, so the
+run never holds a partial participant set. The restart-only rule is then applied to every
+participant the run will have (the instances registered before plus these), and only if it
+passes is anything stored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..domain.config import RecoveryConfig, check_restart_only_servers, gym_checkpoint_settings, load_recovery_config
+from ..domain.errors import DomainError
+from ..gym.errors import GymControlError
+from ..gym.models import InstanceSpec
+from ..ledger.gym_registry import (
+    InstanceRecord,
+    ParticipantRecord,
+    list_instances,
+    participants_by_instance,
+    store_instances,
+)
+from ..ledger.runs import get_run
+from ..recovery_config import domain_problem
+from .errors import GymFailure, RestartOnlyRefused
+from .gym_access import make_client
+
+log = logging.getLogger("checkpoint_coordinator.restore")
+
+
+@dataclass(frozen=True)
+class Registration:
+    instance_id: str
+    control_token: str
+    servers: dict[str, str]
+
+
+def run_config(raw: dict[str, Any]) -> RecoveryConfig:
+    try:
+        return load_recovery_config(raw)
+    except DomainError as e:  # a stored config always validated once; say so if it no longer does
+        raise domain_problem(e, prefix="recovery") from e
+
+
+def is_restart_only(p: ParticipantRecord) -> bool:
+    """A participant that cannot continue a session after a crash: a resources server in mode
+    ``restart_only``, an agent whose mode says it cannot continue sessions, or any other
+    participant reporting ``restart_only``. A participant without a mode (an older Gym) is not."""
+    return p.mode == "restart_only"
+
+
+def gym_settings(cfg: RecoveryConfig) -> dict[str, Any]:
+    return {
+        "checkpoint": gym_checkpoint_settings(cfg),
+        "excluded": ["control_auth_token"],
+        "note": "configure every Gym server of the run with these checkpoint settings; the control "
+        "token is per instance and never published",
+    }
+
+
+async def register_instances(
+    engine: AsyncEngine,
+    run_id: str,
+    registrations: Sequence[Registration],
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        run = await get_run(conn, run_id)
+        stored = await participants_by_instance(conn, run_id)
+    cfg = run_config(run.config)
+    specs = [InstanceSpec(r.instance_id, r.control_token, r.servers) for r in registrations]
+    client = make_client(cfg, transport=transport)
+    try:
+        topology = await client.discover_all(specs)
+    except GymControlError as exc:
+        raise GymFailure.of(exc, "Gym discovery") from None
+    finally:
+        await client.aclose()
+
+    records: list[InstanceRecord] = []
+    answer_instances: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    for reg in registrations:
+        topo = topology[reg.instance_id]
+        parts = tuple(
+            ParticipantRecord(p.server_name, p.base_url, p.kind, p.participant_name, p.mode, p.stage) for p in topo.participants
+        )
+        records.append(InstanceRecord(reg.instance_id, reg.control_token, dict(reg.servers), parts))
+        warnings.extend(topo.warnings)
+        busy = {p.server_name: p.checkpoint_id for p in topo.participants if p.phase != "idle"}
+        if busy:
+            warnings.append(
+                f"{reg.instance_id}: participants not idle: "
+                + ", ".join(f"{s} ({c})" for s, c in sorted(busy.items()))
+                + "; a snapshot or restore resumes or refuses them"
+            )
+        answer_instances.append(
+            {
+                "instance_id": reg.instance_id,
+                "servers": dict(sorted(reg.servers.items())),
+                "participants": [
+                    {
+                        "server_name": p.server_name,
+                        "base_url": p.base_url,
+                        "kind": p.kind,
+                        "participant_name": p.participant_name,
+                        "mode": p.mode,
+                        "stage": p.stage,
+                        "phase": p.phase,
+                        "restart_only": p.mode == "restart_only",
+                    }
+                    for p in topo.participants
+                ],
+                "non_participants": list(topo.non_participants),
+            }
+        )
+
+    # The rule applies to every participant the run will have after this registration.
+    merged = {iid: list(ps) for iid, ps in stored.items()}
+    merged.update({r.instance_id: list(r.participants) for r in records})
+    restart_only = {iid: sorted(p.server_name for p in ps if is_restart_only(p)) for iid, ps in merged.items()}
+    restart_only = {iid: names for iid, names in restart_only.items() if names}
+    verdict = check_restart_only_servers(cfg, restart_only)
+    if verdict.error is not None:
+        raise RestartOnlyRefused(
+            verdict.error,
+            servers=list(verdict.restart_only_servers),
+            errors=[
+                {"field": f"instances.{iid}.servers.{name}", "message": "restart_only participant under target_level 'turn'"}
+                for iid, names in sorted(restart_only.items())
+                for name in names
+            ],
+        )
+    warnings.extend(verdict.warnings)
+    await store_instances(engine, run_id, records)
+    for w in warnings:
+        log.warning("run %s: %s", run_id, w)
+    return {
+        "run_id": run_id,
+        "instances": answer_instances,
+        "restart_only_servers": list(verdict.restart_only_servers),
+        "warnings": warnings,
+        "gym_settings": gym_settings(cfg),
+    }
+
+
+async def registered(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        await get_run(conn, run_id)
+        instances = await list_instances(conn, run_id)
+    return {"run_id": run_id, "instances": instances}

@@ -1,0 +1,659 @@
+"""The restore choreography of ledger spec section 6 (protocol 5.6).
+
+``GET /restore-plan`` (:func:`preview_plan`) and ``POST /restores`` (:func:`execute_restore`)
+compute the plan with the pure domain function from the snapshot's ledger cut and Gym manifest,
+nothing held in memory. The restore then runs:
+
+1. checks before Gym is touched, each naming what is wrong: the manifest agrees with the cut
+   (the plan refuses otherwise), the registered instances equal the manifest's, discovery
+   succeeds, every participant that committed an instance is live on it, and every participant is
+   fresh;
+2. the Gym restore, all or nothing, left ``restored`` (admission closed) until the ledger has
+   committed; a failure after the first restore call has been cleaned up by the client (N+1
+   retired everywhere, everyone resumed) and every continuation becomes a restart;
+3. one ledger transaction (``ledger.restore.apply_restore``) that rewinds the live ledger to the
+   cut with the plan applied, queues the retires, bumps the epoch and stores the answer under
+   the restore id;
+4. Gym is resumed with the restore id (a resume failure is reported, not raised).
+
+Without Gym state (section 6.6) nothing is installed on Gym: every continuation restarts and
+every attempt the cut knows as running in Gym is retired on its instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..domain.config import RecoveryConfig
+from ..domain.cut import Cut
+from ..domain.errors import CutError, DomainError, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
+from ..domain.gym_manifest import GymManifest, dump_gym_manifest, load_gym_manifest
+from ..domain.restore_plan import (
+    Disposition,
+    RestorePlan,
+    RetireItem,
+    compare_instance_sets,
+    demote_continuations,
+    plan_restore,
+    require_restorable_topology,
+    restore_without_gym_state,
+)
+from ..errors import Conflict, CoordinatorError, RunClosed
+from ..gym.errors import GymControlError
+from ..gym.models import parse_capture_key
+from ..gym.results import RestoreResult
+from ..ledger import restore as repo
+from ..ledger.runs import RunRow, get_run
+from ..recovery_config import domain_problem
+from .errors import (
+    GymFailure,
+    GymNotFresh,
+    ManifestDisagrees,
+    NoCompatibleSnapshot,
+    RestoreConflict,
+    RestoreInProgress,
+    RestoreRefusedEarlier,
+    SnapshotNotFound,
+    SnapshotUnusable,
+    TopologyDiffers,
+)
+from .gym_access import make_client, probe_freshness, registered_specs
+from .planning import (
+    METRIC_DISPOSITIONS,
+    NEW_ATTEMPT_DISPOSITIONS,
+    counts_json,
+    cut_retire_items,
+    row_json,
+    rollout_minter,
+)
+from .registration import run_config
+
+log = logging.getLogger("checkpoint_coordinator.restore")
+
+
+# -------------------------------------------------------------------------------------------
+# Loading a snapshot and planning
+
+
+async def resolve_snapshot(conn: Any, run_id: str, snapshot_id: str | None, step: int | None) -> repo.SnapshotRow:
+    if snapshot_id is not None:
+        snap = await repo.get_snapshot(conn, run_id, snapshot_id)
+        if snap is None:
+            raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", snapshot_id=snapshot_id)
+        if snap.outcome != "published":
+            raise SnapshotUnusable(
+                f"snapshot {snapshot_id!r} is {snap.outcome or 'in phase ' + snap.phase}, not published; only a published "
+                "snapshot can be restored",
+                code="snapshot_not_published",
+                snapshot_id=snapshot_id,
+            )
+        if step is not None and snap.anchor_step > step:
+            raise SnapshotUnusable(
+                f"snapshot {snapshot_id!r} is anchored on step {snap.anchor_step}, after the trainer's step {step}",
+                code="snapshot_after_step",
+                snapshot_id=snapshot_id,
+            )
+        return snap
+    snap = await repo.newest_published(conn, run_id, step)
+    if snap is None:
+        where = f" anchored at or before step {step}" if step is not None else ""
+        raise NoCompatibleSnapshot(f"run {run_id!r} has no published snapshot{where}", step=step)
+    return snap
+
+
+def load_manifest(snap: repo.SnapshotRow) -> GymManifest | None:
+    if snap.gym_manifest is None:
+        return None
+    try:
+        manifest = load_gym_manifest(snap.gym_manifest)
+    except ManifestError as e:
+        raise domain_problem(e, prefix="gym_manifest", error=SnapshotUnusable) from e
+    if snap.gym_checkpoint_id is not None and manifest.checkpoint_id != snap.gym_checkpoint_id:
+        raise SnapshotUnusable(
+            f"snapshot {snap.snapshot_id!r}: its Gym manifest is of checkpoint {manifest.checkpoint_id!r}, the snapshot "
+            f"recorded {snap.gym_checkpoint_id!r}",
+            code="gym_manifest_mismatch",
+        )
+    return manifest
+
+
+@dataclass
+class Planned:
+    run: RunRow
+    cfg: RecoveryConfig
+    snap: repo.SnapshotRow
+    cut: Cut
+    manifest: GymManifest | None
+    plan: RestorePlan
+    # Gym state will be installed (with_gym_state, a manifest, not spent by a failed restore).
+    install: bool
+    # Why no Gym state is installed, when none is.
+    no_gym_reason: str | None
+    spent_by: str | None
+    retire: list[RetireItem]
+
+
+def _plan(
+    cut: Cut, manifest: GymManifest | None, *, run_id: str, snapshot_id: str, epoch: int, with_gym_state: bool, spent: bool
+) -> tuple[RestorePlan, bool, str | None, list[RetireItem]]:
+    minter = rollout_minter(run_id, snapshot_id, epoch)
+    try:
+        if not with_gym_state:
+            plan = restore_without_gym_state(cut, minter)
+            return plan, False, "with_gym_state is false", list(plan.retire)
+        plan = plan_restore(cut, manifest, minter)
+        if manifest is None:
+            return plan, False, "the snapshot holds no Gym state", cut_retire_items(cut)
+        if spent:
+            plan = demote_continuations(plan, rollout_minter(run_id, snapshot_id, epoch, "demoted"))
+            return plan, False, "an earlier restore of this snapshot retired its Gym continuations", cut_retire_items(cut)
+        return plan, True, None, []
+    except ManifestLedgerMismatch as e:
+        raise ManifestDisagrees(
+            f"the Gym manifest of snapshot {snapshot_id!r} disagrees with its ledger cut on instance(s) "
+            f"{', '.join(e.instance_ids) or '?'}: " + "; ".join(i.message for i in e.issues[:10]),
+            instances=list(e.instance_ids),
+            errors=[{"field": f"gym_manifest.{i.path}", "message": i.message} for i in e.issues],
+        ) from e
+    except CutError as e:
+        raise domain_problem(e, prefix="cut", error=SnapshotUnusable) from e
+    except PlanError as e:
+        raise domain_problem(e, prefix="cut", error=Conflict) from e
+
+
+async def load_and_plan(
+    engine: AsyncEngine, run_id: str, *, snapshot_id: str | None, step: int | None, with_gym_state: bool, detailed: bool = False
+) -> Planned:
+    async with engine.connect() as conn:
+        run = await get_run(conn, run_id)
+        snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
+        spent_by = await repo.gym_state_spent(conn, run_id, snap.snapshot_id)
+        cut, _ = await repo.load_cut(conn, run_id, snap.snapshot_id, detailed=detailed)
+    cfg = run_config(run.config)
+    manifest = load_manifest(snap)
+    plan, install, reason, retire = _plan(
+        cut,
+        manifest,
+        run_id=run_id,
+        snapshot_id=snap.snapshot_id,
+        epoch=run.epoch,
+        with_gym_state=with_gym_state,
+        spent=spent_by is not None,
+    )
+    return Planned(run, cfg, snap, cut, manifest, plan, install, reason, spent_by, retire)
+
+
+def _snapshot_fields(p: Planned) -> dict[str, Any]:
+    return {
+        "snapshot_id": p.snap.snapshot_id,
+        "anchor_step": p.snap.anchor_step,
+        "data_plane_ref": p.snap.data_plane_ref,
+        "gym_checkpoint_id": p.manifest.checkpoint_id if p.manifest is not None else None,
+        "snapshot_dir": p.snap.snapshot_dir,
+    }
+
+
+async def preview_plan(
+    engine: AsyncEngine,
+    run_id: str,
+    *,
+    snapshot_id: str | None,
+    step: int | None,
+    with_gym_state: bool,
+    include_reused: bool,
+    disposition: str | None,
+    cursor: int,
+    limit: int,
+) -> dict[str, Any]:
+    """The plan a restore of this snapshot would apply now (``GET /restore-plan``)."""
+    p = await load_and_plan(
+        engine, run_id, snapshot_id=snapshot_id, step=step, with_gym_state=with_gym_state, detailed=include_reused
+    )
+    wanted = Disposition(disposition) if disposition else None
+    rows = (
+        r
+        for r in p.plan.rows
+        if (wanted is None or r.disposition is wanted) and (include_reused or wanted is not None or r.disposition is not Disposition.reused)
+    )
+    out_rows: list[dict[str, Any]] = []
+    seen = 0
+    more = False
+    for r in rows:
+        if seen < cursor:
+            seen += 1
+            continue
+        if len(out_rows) == limit:
+            more = True
+            break
+        out_rows.append(row_json(r, include_staging_keys=include_reused))
+    return {
+        "run_id": run_id,
+        **_snapshot_fields(p),
+        "with_gym_state": with_gym_state,
+        "gym_state": {"installs": p.install, "reason": p.no_gym_reason, "spent_by_restore": p.spent_by},
+        "epoch": p.run.epoch,
+        "total": p.plan.total,
+        "counts": counts_json(p.plan),
+        "cohort_reruns": sorted(p.plan.cohort_reruns),
+        "skipped_groups": len(p.plan.skipped_groups),
+        "retires": len(p.retire),
+        "continued_by_instance": {iid: len(eps) for iid, eps in sorted(p.plan.continued_by_instance().items())},
+        "rows": out_rows,
+        "next_cursor": cursor + len(out_rows) if more else None,
+    }
+
+
+# -------------------------------------------------------------------------------------------
+# Executing a restore
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    restore_id: str
+    snapshot_id: str | None
+    step: int | None
+    with_gym_state: bool
+
+    def stored(self) -> dict[str, Any]:
+        return {"snapshot_id": self.snapshot_id, "step": self.step, "with_gym_state": self.with_gym_state}
+
+
+class _BeforeGym(Exception):
+    """Wraps a refusal raised before any Gym state changed: the claim is released."""
+
+    def __init__(self, error: CoordinatorError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _replay(rec: repo.RestoreRecord, req: RestoreRequest) -> dict[str, Any]:
+    stored = (rec.result or {}).get("request") or {}
+    diff = sorted(k for k, v in req.stored().items() if stored.get(k) != v)
+    if diff:
+        raise RestoreConflict(
+            f"restore {req.restore_id!r} was requested before with other {', '.join(diff)}; use a new restore_id",
+            restore_id=req.restore_id,
+            errors=[{"field": k, "message": f"was {stored.get(k)!r}"} for k in diff],
+        )
+    if rec.state == "applied":
+        return dict((rec.result or {})["answer"])
+    if rec.state == "running":
+        raise RestoreInProgress(f"restore {req.restore_id!r} is still running; ask again later", restore_id=req.restore_id)
+    problem = (rec.result or {}).get("problem")
+    if problem:
+        raise RestoreRefusedEarlier(problem)
+    raise RestoreConflict(
+        f"restore {req.restore_id!r} ended {rec.state} (its coordinator stopped mid-way); use a new restore_id",
+        code="restore_abandoned",
+        restore_id=req.restore_id,
+    )
+
+
+def _stale_after_s(cfg: RecoveryConfig) -> float:
+    # Discovery, restore, cleanup and resume each take at most a few control budgets.
+    return max(600.0, 8.0 * cfg.control_timeout_s + 60.0)
+
+
+async def execute_restore(
+    engine: AsyncEngine,
+    run_id: str,
+    req: RestoreRequest,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> dict[str, Any]:
+    started = time.monotonic()
+    async with engine.connect() as conn:
+        run = await get_run(conn, run_id)
+        existing = await repo.get_restore(conn, run_id, req.restore_id)
+    if existing is not None:
+        return _replay(existing, req)
+    if run.state != "open":
+        raise RunClosed(f"run {run_id!r} is closed")
+    p = await load_and_plan(engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state)
+    claimed = await repo.claim_restore(
+        engine, run_id, req.restore_id, p.snap.snapshot_id, req.with_gym_state, req.stored(), stale_after_s=_stale_after_s(p.cfg)
+    )
+    if claimed is not None:
+        return _replay(claimed, req)
+    try:
+        answer = await _restore(engine, run_id, req, p, transport)
+    except _BeforeGym as e:
+        await repo.release_claim(engine, run_id, req.restore_id)
+        _observe(started, "failed")
+        raise e.error from None
+    except _GymTouchedRefusal as e:
+        # Gym was touched (and cleaned up): the refusal is this restore id's answer from now on.
+        problem = e.error.problem()
+        await repo.end_restore(
+            engine,
+            run_id,
+            req.restore_id,
+            "refused",
+            {"request": req.stored(), "problem": problem, "gym_state_spent": True},
+            gym_restore_id=(problem.get("gym") or {}).get("restore_id"),
+        )
+        _observe(started, "failed")
+        raise e.error from None
+    except BaseException as exc:
+        _observe(started, "failed")
+        # Whatever failed unexpectedly, the restore id must not stay 'running' forever.
+        problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the restore failed; see the coordinator log").problem()
+        try:
+            await repo.end_restore(
+                engine, run_id, req.restore_id, "failed", {"request": req.stored(), "problem": problem}, only_running=True
+            )
+        except Exception as record_exc:
+            log.error("run %s restore %s: recording the failure failed: %r", run_id, req.restore_id, record_exc)
+        raise
+    _observe(started, "succeeded")
+    _record_counts(answer["counts"])
+    return answer
+
+
+def _observe(started: float, outcome: str) -> None:
+    from ..observability.metrics import observe_restore_duration
+
+    observe_restore_duration(time.monotonic() - started, outcome)
+
+
+def _record_counts(counts: dict[str, int]) -> None:
+    from ..observability.metrics import record_restore_plan
+
+    record_restore_plan({d: counts.get(d, 0) for d in METRIC_DISPOSITIONS})
+
+
+async def _restore(
+    engine: AsyncEngine, run_id: str, req: RestoreRequest, p: Planned, transport: httpx.AsyncBaseTransport | None
+) -> dict[str, Any]:
+    gym: dict[str, Any] = {
+        "installed": False,
+        "reason": p.no_gym_reason,
+        "restore_id": None,
+        "source_checkpoint_id": p.manifest.checkpoint_id if p.manifest is not None else None,
+        "failure": None,
+        "gym_state_spent": False,
+        "resume": None,
+    }
+    plan = p.plan
+    retire = list(p.retire)
+    result: RestoreResult | None = None
+    client = None
+    try:
+        if p.install:
+            assert p.manifest is not None
+            client, result, gym, plan, retire = await _gym_restore(engine, run_id, req, p, transport, gym)
+        rw = _rewind_of(p, plan, retire, installed=result is not None)
+        record = (req.restore_id, lambda report: {"request": req.stored(), "answer": _answer(run_id, req, p, plan, report, gym), "gym_state_spent": gym["gym_state_spent"]})
+        try:
+            report = await repo.apply_restore(
+                engine,
+                run_id,
+                rw,
+                after_cut_minter=rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "after-cut"),
+                record=record,
+                expect_epoch=p.run.epoch,
+            )
+        except BaseException as exc:
+            await _ledger_failed(engine, run_id, req, client, result, gym, exc)
+            raise
+        answer = _answer(run_id, req, p, plan, report, gym)
+        if client is not None and result is not None:
+            resumed = await client.finish_restore(result)
+            rep = resumed.resume
+            gym["resume"] = {"ok": rep is None or rep.ok, "failure": rep.failure.to_dict() if rep is not None and rep.failure else None}
+            if rep is not None and rep.failure is not None:
+                log.warning("run %s restore %s: Gym resume failed (leases reopen Gym): %s", run_id, req.restore_id, rep.failure)
+            answer["gym"] = gym
+            await repo.update_restore_result(engine, run_id, req.restore_id, {"answer": answer})
+        return answer
+    finally:
+        if client is not None:
+            await client.aclose()
+
+
+async def _gym_restore(
+    engine: AsyncEngine,
+    run_id: str,
+    req: RestoreRequest,
+    p: Planned,
+    transport: httpx.AsyncBaseTransport | None,
+    gym: dict[str, Any],
+) -> tuple[Any, RestoreResult | None, dict[str, Any], RestorePlan, list[RetireItem]]:
+    manifest = p.manifest
+    assert manifest is not None
+    async with engine.connect() as conn:
+        specs, issued = await registered_specs(conn, run_id)
+    diff = compare_instance_sets(manifest, (s.instance_id for s in specs))
+    if not diff.equal:
+        raise _BeforeGym(
+            TopologyDiffers(
+                "registered Gym instances differ from the snapshot's: "
+                + "; ".join(
+                    x
+                    for x in (
+                        f"missing (in the snapshot, not registered): {', '.join(diff.missing)}" if diff.missing else "",
+                        f"unknown (registered, not in the snapshot): {', '.join(diff.unknown)}" if diff.unknown else "",
+                    )
+                    if x
+                ),
+                missing_instances=list(diff.missing),
+                unknown_instances=list(diff.unknown),
+            )
+        )
+    if not p.snap.snapshot_dir or not p.snap.snapshot_dir.startswith("/"):
+        raise _BeforeGym(
+            SnapshotUnusable(f"snapshot {p.snap.snapshot_id!r} has a Gym manifest but no absolute snapshot_dir", code="snapshot_dir_missing")
+        )
+    client = make_client(p.cfg, transport=transport, issued=issued)
+    try:
+        try:
+            live = await client.discover_all(specs)
+        except GymControlError as exc:
+            raise _BeforeGym(GymFailure.of(exc, "Gym discovery before restore")) from None
+        try:
+            require_restorable_topology(manifest, {iid: [x.server_name for x in t.participants] for iid, t in live.items()})
+        except TopologyMismatch as e:
+            missing = {
+                iid: names
+                for iid, names in (
+                    (iid, sorted(set(inst.participants) - {x.server_name for x in live[iid].participants}))
+                    for iid, inst in manifest.instances.items()
+                )
+                if names
+            }
+            raise _BeforeGym(
+                TopologyDiffers(
+                    "; ".join(str(i) for i in e.issues),
+                    code="gym_participants_missing",
+                    missing_participants=missing,
+                    errors=[{"field": i.path or "instances", "message": i.message} for i in e.issues],
+                )
+            ) from None
+        stale = await probe_freshness(live, timeout_s=p.cfg.control_timeout_s, transport=transport)
+        if stale:
+            raise _BeforeGym(_not_fresh(stale))
+        try:
+            result = await client.restore(dump_gym_manifest(manifest), live, p.snap.snapshot_dir, resume=False)
+        except GymControlError as exc:
+            if "restore_id" not in exc.extra:
+                # Refused before any restore call (re-discovery, topology, a busy participant).
+                raise _BeforeGym(GymFailure.of(exc, "Gym restore")) from None
+            return client, None, *_after_failed_gym_restore(engine, run_id, req, p, gym, exc)
+    except BaseException:
+        await client.aclose()
+        raise
+    gym.update(installed=True, reason=None, restore_id=result.restore_id, source_checkpoint_id=result.source_checkpoint_id)
+    return client, result, gym, p.plan, []
+
+
+def _not_fresh(stale: dict[str, dict[str, list[str]]]) -> GymNotFresh:
+    named = sorted(f"{iid}/{srv}" for iid, servers in stale.items() for srv in servers)
+    return GymNotFresh(
+        "Gym restores only into freshly started servers; these have served work: "
+        + "; ".join(f"{iid}/{srv}: {', '.join(signs)}" for iid, servers in sorted(stale.items()) for srv, signs in sorted(servers.items()))
+        + ". Restart them, or restore with with_gym_state false",
+        instances=sorted(stale),
+        servers=named,
+    )
+
+
+def _is_not_fresh_refusal(exc: GymControlError) -> dict[str, dict[str, list[str]]]:
+    """Servers that refused the restore as not fresh (409 ``checkpoint_error``, protocol 5.6)."""
+    out: dict[str, dict[str, list[str]]] = {}
+    for iid, servers in exc.instances.items():
+        for srv, part in servers.items():
+            if part.get("op") == "restore" and part.get("http_status") == 409 and part.get("code") == "checkpoint_error":
+                out.setdefault(iid, {})[srv] = [str(part.get("detail", "not fresh"))[:300]]
+    return out
+
+
+def _after_failed_gym_restore(
+    engine: AsyncEngine, run_id: str, req: RestoreRequest, p: Planned, gym: dict[str, Any], exc: GymControlError
+) -> tuple[dict[str, Any], RestorePlan, list[RetireItem]]:
+    """Gym restore failed after its first call; the client already retired N+1 of every saved
+    episode everywhere and resumed. The snapshot's continuations can never run now."""
+    gym.update(
+        installed=False,
+        reason="the Gym restore failed; its cleanup retired every continuation",
+        restore_id=exc.extra.get("restore_id"),
+        failure=exc.to_dict(),
+        gym_state_spent=True,
+    )
+    stale = _is_not_fresh_refusal(exc)
+    if stale:
+        problem = _not_fresh(stale)
+        problem.extra["gym"] = gym
+        problem.detail += " (the Gym restore was attempted and cleaned up; this snapshot's continuations will restart)"
+        raise _GymTouchedRefusal(problem)
+    log.warning("run %s restore %s: Gym restore failed, continuations restart: %s", run_id, req.restore_id, exc)
+    demoted = demote_continuations(p.plan, rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "demoted"))
+    retire = cut_retire_items(p.cut)
+    by_rollout = {a[3]: a[2] for a in p.cut.attempts}
+    for iid, keys in (exc.extra.get("unretired") or {}).items():
+        for key in keys:
+            rid, n = parse_capture_key(key)
+            if rid in by_rollout:
+                retire.append(RetireItem(iid, rid, n, by_rollout[rid]))
+    return gym, demoted, retire
+
+
+class _GymTouchedRefusal(Exception):
+    def __init__(self, error: CoordinatorError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, installed: bool) -> repo.Rewind:
+    rw = repo.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
+    if installed:
+        for r in plan.rows.with_disposition(Disposition.continued):
+            rw.continued_ids.append(int(r.attempt_id))
+            rw.continued_rollouts.append(r.rollout_id)
+    for d in NEW_ATTEMPT_DISPOSITIONS:
+        for r in plan.rows.with_disposition(d):
+            rw.add_new(int(r.attempt_id), r.group_id, r.generation_index, r.rollout_id, r.group_attempt)
+    return rw
+
+
+def _answer(
+    run_id: str, req: RestoreRequest, p: Planned, plan: RestorePlan, report: repo.RewindReport, gym: dict[str, Any]
+) -> dict[str, Any]:
+    adjusted = {int(a.attempt_id): a for a in report.after_cut}
+    counts = counts_json(plan)
+    rows: list[dict[str, Any]] = []
+    for r in plan.rows:
+        adj = adjusted.get(int(r.attempt_id))
+        if adj is not None:
+            counts["dispatch"] -= 1
+            counts[adj.disposition] += 1
+            rows.append(
+                {
+                    "group_id": r.group_id,
+                    "generation_index": r.generation_index,
+                    "disposition": adj.disposition,
+                    "rollout_id": adj.rollout_id,
+                    "capture_key": adj.rollout_id,
+                    "gym_attempt": 0,
+                    "group_attempt": adj.group_attempt,
+                    "instance_id": None,
+                    "replaces_rollout_id": adj.replaces_rollout_id,
+                }
+            )
+        elif r.disposition is not Disposition.reused:
+            rows.append(row_json(r))
+    return {
+        "restore_id": req.restore_id,
+        "run_id": run_id,
+        **_snapshot_fields(p),
+        "state": "applied",
+        "with_gym_state": req.with_gym_state,
+        "epoch": report.epoch,
+        "gym": gym,
+        "total": plan.total,
+        "counts": counts,
+        "cohort_reruns": sorted(set(plan.cohort_reruns) | set(report.bumped_after_cut)),
+        "dispatched_after_cut": len(report.after_cut),
+        "retires_queued": report.retires_queued,
+        "groups_removed": report.groups_removed,
+        "rows": rows,
+    }
+
+
+async def _ledger_failed(
+    engine: AsyncEngine,
+    run_id: str,
+    req: RestoreRequest,
+    client: Any,
+    result: RestoreResult | None,
+    gym: dict[str, Any],
+    exc: BaseException,
+) -> None:
+    """The ledger transaction failed (nothing of it committed). Installed Gym state is discarded
+    (N+1 retired, resumed) so nothing can continue from it, and the restore id ends failed."""
+    if client is not None and result is not None:
+        try:
+            cleanup = await client.discard_restore(result)
+            gym.update(installed=False, gym_state_spent=True, failure=cleanup.failure.to_dict() if cleanup.failure else None)
+        except Exception as cleanup_exc:  # keep the original failure; the leases reopen Gym
+            log.error("run %s restore %s: discarding the Gym restore failed: %r", run_id, req.restore_id, cleanup_exc)
+            gym["gym_state_spent"] = True
+    problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the ledger rewind failed; see the coordinator log").problem()
+    try:
+        await repo.end_restore(
+            engine,
+            run_id,
+            req.restore_id,
+            "failed",
+            {"request": req.stored(), "problem": problem, "gym": gym, "gym_state_spent": bool(gym.get("gym_state_spent"))},
+        )
+    except Exception as record_exc:
+        log.error("run %s restore %s: recording the failure failed: %r", run_id, req.restore_id, record_exc)
+
+
+async def restore_record(engine: AsyncEngine, run_id: str, restore_id: str) -> dict[str, Any]:
+    async with engine.connect() as conn:
+        await get_run(conn, run_id)
+        rec = await repo.get_restore(conn, run_id, restore_id)
+    if rec is None:
+        from ..errors import NotFound
+
+        raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
+    res = rec.result or {}
+    return {
+        "restore_id": rec.restore_id,
+        "snapshot_id": rec.snapshot_id,
+        "state": rec.state,
+        "with_gym_state": rec.with_gym_state,
+        "gym_restore_id": rec.gym_restore_id,
+        "request": res.get("request"),
+        "answer": res.get("answer"),
+        "problem": res.get("problem"),
+        "created_at": rec.created_at.isoformat(),
+    }
