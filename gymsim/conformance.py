@@ -212,6 +212,16 @@ class Harness:
         replies = await self.commit_all(cid, directory, [ep(r) for r in sorted(rollouts)])
         return Saved(cid, directory, runs, saved_turns, turns, replies)
 
+    async def restore_all(self, cid: str, saved: "Saved", rollouts=None) -> dict[str, dict]:
+        """Restore every participant from a save, scoped to `rollouts` (default: all saved ones)."""
+        episodes = [ep(r) for r in sorted(rollouts if rollouts is not None else saved.saved_turns)]
+        replies = {}
+        for server in STAGES:
+            response = await self.restore(server, cid, saved.directory, episodes)
+            assert response.status_code == 200, (server, response.text)
+            replies[server] = response.json()
+        return replies
+
     # ---------------------------------------------------------------- admin
 
     def state(self, server: str) -> dict[str, Any]:
