@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +20,9 @@ from .channel import CONTROL_PREFIX
 
 __all__ = ["RecordedCall", "RecordingTransport", "Rewrite"]
 
-Rewrite = Callable[[int, Any], tuple[int, Any] | bytes]
-"""(status, parsed JSON reply) -> a new (status, JSON) pair, or raw bytes sent with status 200."""
+Rewrite = Callable[[int, Any], tuple[int, Any] | bytes | list[bytes]]
+"""(status, parsed JSON reply) -> a new (status, JSON) pair, raw bytes sent with status 200, or a
+list of byte chunks sent with status 200 as a chunked body (no content-length)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,15 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         content = await response.aread()
         await response.aclose()
         result = rewrite(response.status_code, json.loads(content) if content else None)
+        if isinstance(result, list):
+            chunks = list(result)
+
+            async def stream() -> AsyncIterator[bytes]:
+                for chunk in chunks:
+                    yield chunk
+
+            self.calls.append(RecordedCall(sent_at, time.time(), url, op, body, 200, bearer))
+            return httpx.Response(200, content=stream(), headers={"content-type": "application/json"})
         if isinstance(result, bytes):
             status, data = 200, result
         else:
