@@ -236,7 +236,7 @@ class Harness:
     def fingerprint(self, server: str) -> dict[str, Any]:
         """Everything observable about a participant that a refused call must leave unchanged."""
         state = copy.deepcopy(self.state(server))
-        for volatile in ("prepare_calls", "commit_calls", "restore_calls"):
+        for volatile in ("prepare_calls", "commit_calls", "restore_calls", "install_count"):
             state.pop(volatile, None)
         return state
 

@@ -269,7 +269,7 @@ def corrupt_records_file(checkpoint_dir: str | os.PathLike, kind: str, participa
     return path
 
 
-def edit_manifest(checkpoint_dir: str | os.PathLike, kind: str, participant_name: str, **changes: Any) -> Path:
+def edit_manifest(checkpoint_dir: str | os.PathLike, kind: str, participant_name: str, /, **changes: Any) -> Path:
     """Rewrite fields of a committed manifest in place (tests of the reader's checks)."""
     path = participant_dir(checkpoint_dir, kind, participant_name) / MANIFEST
     manifest = json.loads(path.read_text())
