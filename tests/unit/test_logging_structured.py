@@ -193,6 +193,14 @@ def test_configure_is_idempotent_and_adopts_uvicorn() -> None:
         configure_logging("xml")  # type: ignore[arg-type]
 
 
+def test_uvicorn_console_colour_copy_is_dropped(json_log: io.StringIO) -> None:
+    logging.getLogger("uvicorn.error").info(
+        "Started server process [%d]", 42, extra={"color_message": "Started server process [\x1b[36m%d\x1b[0m]"}
+    )
+    (entry,) = lines(json_log)
+    assert entry["msg"] == "Started server process [42]" and "color_message" not in entry
+
+
 def test_uvicorn_access_lines_go_through_redaction(json_log: io.StringIO) -> None:
     logging.getLogger("uvicorn.access").info(
         '%s - "%s %s HTTP/%s" %d', "127.0.0.1:5", "GET", "/v1/runs/r?token=tok-ABC123xyz", "1.1", 200

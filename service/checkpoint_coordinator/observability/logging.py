@@ -140,8 +140,17 @@ _RECORD_ATTRS: Final = frozenset(
 )
 
 
+# Extras libraries attach for their own console formatters (uvicorn's ANSI-coloured copy
+# of the message); they only duplicate ``msg``.
+_IGNORED_EXTRAS: Final = frozenset({"color_message"})
+
+
 def _extra_fields(record: logging.LogRecord) -> dict[str, Any]:
-    return {k: v for k, v in vars(record).items() if k not in _RECORD_ATTRS and not k.startswith("_")}
+    return {
+        k: v
+        for k, v in vars(record).items()
+        if k not in _RECORD_ATTRS and k not in _IGNORED_EXTRAS and not k.startswith("_")
+    }
 
 
 class RedactionFilter(logging.Filter):
