@@ -161,3 +161,40 @@ def test_parser_sees_through_continuations() -> None:
     stages = parse("FROM a AS b\nRUN x \\\n  # note\n  && y\nFROM c\nUSER 1\n")
     assert [s.base for s in stages] == ["a", "c"]
     assert stages[0].all("RUN")[0].args.split() == ["x", "&&", "y"]
+
+
+def test_healthcheck_command_really_probes_healthz(stages: list[Stage]) -> None:
+    """Run the HEALTHCHECK one-liner against a loopback server: 0 when /healthz is 200, else not."""
+    import http.server
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    (check,) = stages[-1].all("HEALTHCHECK")
+    code = exec_form(check)[2]
+    answers = {"/healthz": 200}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            self.send_response(answers.get(self.path, 404))
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        env = {**os.environ, "CKPTC_PORT": str(server.server_address[1])}
+        assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30).returncode == 0
+        answers["/healthz"] = 503
+        assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30).returncode != 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Nothing listening: unhealthy, not a hang.
+    env = {**os.environ, "CKPTC_PORT": str(server.server_address[1])}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30).returncode != 0
