@@ -225,6 +225,8 @@ class ResourcesParticipant(Participant):
         self.stopping: set[str] = set()
 
     def _refused(self, sid: str, rollout_id: str, attempt: int) -> bool:
+        if self.broken("ignore_stale_attempt"):
+            return False
         return sid in self.retired_sessions or self.is_marked(rollout_id, attempt)
 
     def _raise_if_refused(self, sid: str, rollout_id: str, attempt: int) -> None:
@@ -412,7 +414,7 @@ class AgentParticipant(Participant):
         if isinstance(payload, dict) and payload.get("_ng_rollout_id") in (None, ""):
             raise ProtocolError("rollout_id_required", "a /run row must carry _ng_rollout_id")
         body = RunBody.model_validate(payload)
-        self.admit(body.rollout_id, body.attempt, check_mark=not self.broken("ignore_stale_attempt"))
+        self.admit(body.rollout_id, body.attempt)
         pair = (body.rollout_id, body.attempt)
         key = capture_key(*pair)
         if key in self.episodes:

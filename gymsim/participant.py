@@ -301,10 +301,10 @@ class Participant:
 
     # ------------------------------------------------------------------ data plane
 
-    def admit(self, rollout_id: str, attempt: int, *, check_mark: bool = True) -> None:
+    def admit(self, rollout_id: str, attempt: int) -> None:
         """Admission of new data-plane work (spec 7 and 9): marks first, then the checkpoint gate."""
         self.check_lease()
-        if check_mark and attempt <= self.marks.get(rollout_id, -1):
+        if self.is_marked(rollout_id, attempt):
             raise ProtocolError(
                 "stale_attempt",
                 f"attempt {attempt} of {rollout_id} was retired (mark {self.marks[rollout_id]})",
@@ -313,6 +313,8 @@ class Participant:
             raise ProtocolError("admission_closed", f"{self.server_name} is parked for a checkpoint; retry after resume")
 
     def is_marked(self, rollout_id: str, attempt: int) -> bool:
+        if self.broken("ignore_stale_attempt"):
+            return False  # the deliberately broken data plane: marks are kept but never enforced
         return attempt <= self.marks.get(rollout_id, -1)
 
     # ------------------------------------------------------------------ control operations
