@@ -87,10 +87,12 @@ _GROUP_SQL = (
     "agent_name, task_source, target_step, weight_version, data_attempts_used "
     "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
 )
-# The first eight columns are all the plan reads; the detailed form adds what reused rows and the
-# NeMo RL export carry. Rows come back as plain tuples, the shape CutAttempt documents.
+# Rows come back as plain tuples of CutAttempt's twelve fields. The plan decides on the first
+# eight; the detailed form also carries what reused rows and the NeMo RL export show (staging
+# keys, rewards), which the rewind copies in SQL and so never needs to read.
 _ATT_SQL_PLAN = (
-    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status "
+    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, "
+    "'{}'::text[], row_attempts_used, NULL::float8, false "
     "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
 )
 _ATT_SQL_FULL = (
@@ -264,20 +266,6 @@ async def update_restore_result(engine: AsyncEngine, run_id: str, restore_id: st
         )
 
 
-async def gym_state_spent(conn: AsyncConnection, run_id: str, snapshot_id: str) -> str | None:
-    """The restore after which this snapshot's Gym continuations can no longer run (a failed Gym
-    restore retired their N+1 everywhere), if any."""
-    return (
-        await conn.execute(
-            text(
-                "SELECT restore_id FROM restores WHERE run_id = :r AND snapshot_id = :s "
-                "AND COALESCE((result->>'gym_state_spent')::boolean, false) ORDER BY created_at LIMIT 1"
-            ),
-            {"r": run_id, "s": snapshot_id},
-        )
-    ).scalar()
-
-
 # -------------------------------------------------------------------------------------------
 # The rewind
 
@@ -374,6 +362,15 @@ async def apply_restore(
         return report
 
 
+# A live group absent from the cut because it had ended before the cut (the cut holds live
+# groups only): kept as history. Any other group absent from the cut was admitted after it.
+_ENDED_BEFORE_CUT = (
+    "g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
+    "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND g.ended_at <= "
+    "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+)
+
+
 async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter) -> RewindReport:
     r, s = run.run_id, rw.snapshot_id
     p = {"r": r, "s": s}
@@ -430,10 +427,18 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     await conn.execute(
         text(
             "CREATE TEMP TABLE restore_unknown ON COMMIT DROP AS "
-            "SELECT a.attempt_id, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement "
+            "SELECT a.attempt_id, a.group_id, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement "
             "FROM attempts a WHERE a.run_id = :r AND (a.is_current OR a.status IN ('reserved', 'dispatched', 'returned')) "
             "AND NOT EXISTS (SELECT 1 FROM snapshot_attempts sa WHERE sa.run_id = :r AND sa.snapshot_id = :s "
             "AND sa.attempt_id = a.attempt_id)"
+        ),
+        p,
+    )
+    # ... except the history of groups that had ended before the cut (see step 4).
+    await conn.execute(
+        text(
+            "DELETE FROM restore_unknown u USING prompt_groups g WHERE g.run_id = :r AND g.group_id = u.group_id "
+            f"AND {_ENDED_BEFORE_CUT}"
         ),
         p,
     )
@@ -452,12 +457,14 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             )
         ).rowcount
 
-    # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade).
+    # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade): they were
+    #    admitted after it. Groups that had ended (finalized, abandoned) before the cut are not
+    #    in it either; they stay, as history.
     report.groups_removed = (
         await conn.execute(
             text(
                 "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-                "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id)"
+                f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
             ),
             p,
         )
@@ -609,7 +616,8 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
 
 async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem]) -> int:
     """Retire items for the unknown live attempts that may still run in Gym (``restore_unknown``)
-    and for ``extra``; an attempt that ran on no known instance is retired on every instance."""
+    and for ``extra``; an attempt that ran on no known instance is retired on every instance. A
+    retire already queued for the same rollout (at this attempt or later) is not queued again."""
     res = await conn.execute(
         text(
             "WITH items AS ("
@@ -622,8 +630,10 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
             "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = :r"
             "), ins AS ("
             "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT DISTINCT :r, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items "
-            "WHERE instance_id IS NOT NULL RETURNING attempt_id"
+            "SELECT DISTINCT :r, i.instance_id, 'retire', i.rollout_id, i.gym_attempt, i.attempt_id, 'retire' FROM items i "
+            "WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = :r "
+            "AND o.state = 'pending' AND o.op = 'retire' AND o.instance_id = i.instance_id AND o.rollout_id = i.rollout_id "
+            "AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
             "), upd AS ("
             "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT attempt_id FROM ins) i "
             "WHERE a.attempt_id = i.attempt_id AND a.run_id = :r AND a.retirement = 'none' RETURNING 1"

@@ -17,6 +17,10 @@ from ..gym.models import InstanceSpec, InstanceTopology
 from ..ledger.gym_registry import StoredSpec, instance_specs, issued_gym_ids
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint/"
+# Informational readiness counters (protocol 5) that, when positive, show live data-plane work.
+_LIVE_COUNTS = frozenset(
+    {"episodes", "sessions", "in_flight", "working", "at_boundary", "on_wire", "computing", "held", "streaming", "waiting", "unclaimed", "native"}
+)
 
 
 def make_client(
@@ -52,8 +56,10 @@ async def probe_freshness(
 
     Gym refuses to restore into a participant that is not fresh, but the protocol's status
     reply carries no freshness flag. These signs are in the status every participant answers:
-    a phase other than ``idle``, marks it holds (``retired_rollouts``), restored state nobody
-    claimed (``unclaimed``/``restored_pending``), blockers or restarts in its readiness report.
+    a phase other than ``idle``, marks it holds (``retired_rollouts``: a participant with marks
+    would refuse the very continuations a restore installs), restored state nobody claimed
+    (``unclaimed``/``restored_pending``), blockers, restarts or live-work counters in its
+    readiness report. Gym's own refusal (409 ``checkpoint_error``) remains the last word.
     A status that cannot be read is not judged here: the restore's own discovery reports it.
     """
     async with httpx.AsyncClient(transport=transport, trust_env=False, timeout=timeout_s) as http:
@@ -90,6 +96,11 @@ def _signs(status: dict[str, Any]) -> list[str]:
             signs.append(f"{len(val)} restored episode(s) unclaimed")
     report = status.get("report")
     if isinstance(report, dict):
+        counts = report.get("counts")
+        if isinstance(counts, dict):
+            live = sorted(k for k, v in counts.items() if k in _LIVE_COUNTS and type(v) is int and v > 0)
+            if live:
+                signs.append("live work: " + ", ".join(f"{k}={counts[k]}" for k in live))
         count = report.get("blocker_count")
         if type(count) is int and count > 0:
             signs.append(f"{count} episode(s) in flight")

@@ -43,6 +43,9 @@ def rollout_minter(run_id: str, snapshot_id: str, epoch: int, purpose: str = "pl
         h.update(f"{group_id}\x00{generation_index}".encode())
         return f"{group_id}_g{generation_index}_a{h.hexdigest()}"
 
+    # 128 bits of keyed hash per id: as collision-free as fresh random ids, so the plan need not
+    # re-check them (the ledger's unique constraint on rollout ids stays the final guard).
+    new_rollout_id.random_bits = 128  # type: ignore[attr-defined]
     return new_rollout_id
 
 

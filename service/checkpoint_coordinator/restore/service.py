@@ -132,16 +132,15 @@ class Planned:
     cut: Cut
     manifest: GymManifest | None
     plan: RestorePlan
-    # Gym state will be installed (with_gym_state, a manifest, not spent by a failed restore).
+    # Gym state will be installed (with_gym_state and the snapshot has a Gym manifest).
     install: bool
     # Why no Gym state is installed, when none is.
     no_gym_reason: str | None
-    spent_by: str | None
     retire: list[RetireItem]
 
 
 def _plan(
-    cut: Cut, manifest: GymManifest | None, *, run_id: str, snapshot_id: str, epoch: int, with_gym_state: bool, spent: bool
+    cut: Cut, manifest: GymManifest | None, *, run_id: str, snapshot_id: str, epoch: int, with_gym_state: bool
 ) -> tuple[RestorePlan, bool, str | None, list[RetireItem]]:
     minter = rollout_minter(run_id, snapshot_id, epoch)
     try:
@@ -151,9 +150,6 @@ def _plan(
         plan = plan_restore(cut, manifest, minter)
         if manifest is None:
             return plan, False, "the snapshot holds no Gym state", cut_retire_items(cut)
-        if spent:
-            plan = demote_continuations(plan, rollout_minter(run_id, snapshot_id, epoch, "demoted"))
-            return plan, False, "an earlier restore of this snapshot retired its Gym continuations", cut_retire_items(cut)
         return plan, True, None, []
     except ManifestLedgerMismatch as e:
         raise ManifestDisagrees(
@@ -174,7 +170,6 @@ async def load_and_plan(
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
-        spent_by = await repo.gym_state_spent(conn, run_id, snap.snapshot_id)
         cut, _ = await repo.load_cut(conn, run_id, snap.snapshot_id, detailed=detailed)
     cfg = run_config(run.config)
     manifest = load_manifest(snap)
@@ -185,9 +180,8 @@ async def load_and_plan(
         snapshot_id=snap.snapshot_id,
         epoch=run.epoch,
         with_gym_state=with_gym_state,
-        spent=spent_by is not None,
     )
-    return Planned(run, cfg, snap, cut, manifest, plan, install, reason, spent_by, retire)
+    return Planned(run, cfg, snap, cut, manifest, plan, install, reason, retire)
 
 
 def _snapshot_fields(p: Planned) -> dict[str, Any]:
@@ -237,7 +231,7 @@ async def preview_plan(
         "run_id": run_id,
         **_snapshot_fields(p),
         "with_gym_state": with_gym_state,
-        "gym_state": {"installs": p.install, "reason": p.no_gym_reason, "spent_by_restore": p.spent_by},
+        "gym_state": {"installs": p.install, "reason": p.no_gym_reason},
         "epoch": p.run.epoch,
         "total": p.plan.total,
         "counts": counts_json(p.plan),
@@ -336,7 +330,7 @@ async def execute_restore(
             run_id,
             req.restore_id,
             "refused",
-            {"request": req.stored(), "problem": problem, "gym_state_spent": True},
+            {"request": req.stored(), "problem": problem},
             gym_restore_id=(problem.get("gym") or {}).get("restore_id"),
         )
         _observe(started, "failed")
@@ -378,7 +372,7 @@ async def _restore(
         "restore_id": None,
         "source_checkpoint_id": p.manifest.checkpoint_id if p.manifest is not None else None,
         "failure": None,
-        "gym_state_spent": False,
+        "continuations_retired": False,
         "resume": None,
     }
     plan = p.plan
@@ -390,7 +384,7 @@ async def _restore(
             assert p.manifest is not None
             client, result, gym, plan, retire = await _gym_restore(engine, run_id, req, p, transport, gym)
         rw = _rewind_of(p, plan, retire, installed=result is not None)
-        record = (req.restore_id, lambda report: {"request": req.stored(), "answer": _answer(run_id, req, p, plan, report, gym), "gym_state_spent": gym["gym_state_spent"]})
+        record = (req.restore_id, lambda report: {"request": req.stored(), "answer": _answer(run_id, req, p, plan, report, gym)})
         try:
             report = await repo.apply_restore(
                 engine,
@@ -518,19 +512,23 @@ def _after_failed_gym_restore(
     engine: AsyncEngine, run_id: str, req: RestoreRequest, p: Planned, gym: dict[str, Any], exc: GymControlError
 ) -> tuple[dict[str, Any], RestorePlan, list[RetireItem]]:
     """Gym restore failed after its first call; the client already retired N+1 of every saved
-    episode everywhere and resumed. The snapshot's continuations can never run now."""
+    episode everywhere and resumed, so those continuations can no longer run. Servers that
+    refused as not fresh make the restore refuse (the ledger is left as it is); any other
+    failure turns every continuation into a restart."""
     gym.update(
         installed=False,
         reason="the Gym restore failed; its cleanup retired every continuation",
         restore_id=exc.extra.get("restore_id"),
         failure=exc.to_dict(),
-        gym_state_spent=True,
+        continuations_retired=True,
     )
     stale = _is_not_fresh_refusal(exc)
     if stale:
         problem = _not_fresh(stale)
         problem.extra["gym"] = gym
-        problem.detail += " (the Gym restore was attempted and cleaned up; this snapshot's continuations will restart)"
+        problem.detail += (
+            " (the Gym restore was attempted and cleaned up; restart every instance before restoring with Gym state again)"
+        )
         raise _GymTouchedRefusal(problem)
     log.warning("run %s restore %s: Gym restore failed, continuations restart: %s", run_id, req.restore_id, exc)
     demoted = demote_continuations(p.plan, rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "demoted"))
@@ -620,10 +618,9 @@ async def _ledger_failed(
     if client is not None and result is not None:
         try:
             cleanup = await client.discard_restore(result)
-            gym.update(installed=False, gym_state_spent=True, failure=cleanup.failure.to_dict() if cleanup.failure else None)
+            gym.update(installed=False, continuations_retired=True, failure=cleanup.failure.to_dict() if cleanup.failure else None)
         except Exception as cleanup_exc:  # keep the original failure; the leases reopen Gym
             log.error("run %s restore %s: discarding the Gym restore failed: %r", run_id, req.restore_id, cleanup_exc)
-            gym["gym_state_spent"] = True
     problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the ledger rewind failed; see the coordinator log").problem()
     try:
         await repo.end_restore(
@@ -631,7 +628,7 @@ async def _ledger_failed(
             run_id,
             req.restore_id,
             "failed",
-            {"request": req.stored(), "problem": problem, "gym": gym, "gym_state_spent": bool(gym.get("gym_state_spent"))},
+            {"request": req.stored(), "problem": problem, "gym": gym},
         )
     except Exception as record_exc:
         log.error("run %s restore %s: recording the failure failed: %r", run_id, req.restore_id, record_exc)
