@@ -152,3 +152,12 @@ def test_metrics_endpoint_serves_the_registry(client: TestClient) -> None:
     assert "ckptc_build_info{" in response.text
     om = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
     assert om.headers["content-type"].startswith("application/openmetrics-text")
+
+
+def test_a_metrics_failure_never_breaks_the_request(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("registry exploded")
+
+    monkeypatch.setattr(m, "observe_http_request", broken)
+    response = client.get("/v1/runs/r")
+    assert response.status_code == 200 and response.json() == {"run_id": "r"}

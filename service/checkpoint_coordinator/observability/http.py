@@ -14,6 +14,7 @@ stays current without the handler knowing about metrics.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from checkpoint_coordinator.observability import metrics
 
 UNMATCHED = "unmatched"
+log = logging.getLogger(__name__)
 
 
 def _template_of(route: Any) -> str | None:
@@ -104,10 +106,13 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             elapsed = time.perf_counter() - start
-            route = self._route_template(scope, original_scope)
-            metrics.observe_http_request(route, scope.get("method", "GET"), status_code, elapsed)
-            if self.readiness_path is not None and route == self.readiness_path:
-                metrics.set_ready(200 <= status_code < 300)
+            try:
+                route = self._route_template(scope, original_scope)
+                metrics.observe_http_request(route, scope.get("method", "GET"), status_code, elapsed)
+                if self.readiness_path is not None and route == self.readiness_path:
+                    metrics.set_ready(200 <= status_code < 300)
+            except Exception:  # a metrics bug must never fail a request or mask the app's own error
+                log.exception("recording HTTP request metrics failed")
 
     def _route_template(self, scope: Scope, original_scope: Scope) -> str:
         # The router leaves the selected route in the scope for FastAPI routes;
