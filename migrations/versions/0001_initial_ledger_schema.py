@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 14:03:25.384083
+Create Date: 2026-11-30 14:11:33.777123
 """
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def upgrade() -> None:
     sa.Column('attempt_id', sa.BigInteger(), nullable=True),
     sa.Column('checkpoint_id', sa.Text(), nullable=False),
     sa.Column('state', sa.Text(), server_default='pending', nullable=False),
+    sa.Column('claimed_by', sa.Text(), nullable=True),
+    sa.Column('claimed_until', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('servers_done', postgresql.ARRAY(sa.Text()), server_default=sa.text("'{}'::text[]"), nullable=False),
     sa.Column('tries', sa.Integer(), server_default='0', nullable=False),
     sa.Column('last_error', sa.Text(), nullable=True),
     sa.Column('next_attempt_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),

@@ -20,7 +20,7 @@ async def start_background(app: FastAPI) -> None:
     settings = app.state.settings
     engine = app.state.engine
     app.state.gym = GymClients()
-    app.state.outbox = OutboxDeliverer(engine, app.state.gym, max_backoff_s=settings.outbox_max_backoff_s)
+    app.state.outbox = OutboxDeliverer(engine, app.state.gym, settings.coordinator_id, max_backoff_s=settings.outbox_max_backoff_s)
     app.state.snapshots = SnapshotRunner(engine, app.state.gym, app.state.outbox, settings.coordinator_id)
     app.state.background = []
     if not settings.background_workers:

@@ -1349,3 +1349,9 @@ def _validate_restore(
                 samples=_sample(never),
             )
     return parts
+
+
+def callers_first(inst: InstanceTopology) -> list[list[Participant]]:
+    """Public form of the retire/forget stage order, for a durable outbox that records its
+    progress stage by stage."""
+    return _callers_first(inst)

@@ -345,6 +345,11 @@ class OutboxItem(Base):
     # Gym checkpoint id to send: 'retire'/'forget' while idle, or a restore id for restore cleanup.
     checkpoint_id: Mapped[str] = mapped_column(Text)
     state: Mapped[str] = mapped_column(Text, server_default="pending")
+    # A delivery claim: who is sending it and until when (a crashed sender's claim expires).
+    claimed_by: Mapped[str | None] = mapped_column(Text)
+    claimed_until: Mapped[datetime | None] = mapped_column(TS)
+    # Participants that acknowledged this item, so a restarted delivery skips finished stages.
+    servers_done: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'::text[]"))
     tries: Mapped[int] = mapped_column(Integer, server_default="0")
     last_error: Mapped[str | None] = mapped_column(Text)
     next_attempt_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())

@@ -1,15 +1,16 @@
 """Durable retire/forget queue (recovery-ledger.md section 7).
 
-Items are claimed with ``FOR UPDATE SKIP LOCKED`` inside a transaction that stays open while the
-batch is delivered, so two coordinator replicas never deliver the same item at once, and a
-coordinator that dies mid-delivery leaves the items pending (its transaction rolls back).
+Items are claimed (``FOR UPDATE SKIP LOCKED`` picks them, an owner and expiry keep them), so two
+coordinator replicas never deliver the same item at once. Progress is recorded per participant
+stage, so a coordinator that dies mid-delivery resumes with the stages still owed instead of
+sending the whole batch again; its claims expire, or are released when it restarts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -27,10 +28,11 @@ class OutboxItem:
     attempt_id: int | None
     checkpoint_id: str
     tries: int
+    servers_done: list[str]
 
 
 async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """(run_id, instance_id) pairs with pending items that are due and whose run has no open checkpoint."""
+    """(run_id, instance_id) pairs with pending, unclaimed, due items whose run has no open checkpoint."""
     where = "AND o.run_id = ANY(:runs)" if run_ids is not None else ""
     async with engine.connect() as conn:
         rows = (
@@ -38,6 +40,7 @@ async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) ->
                 text(
                     "SELECT DISTINCT o.run_id, o.instance_id FROM outbox_items o JOIN runs r ON r.run_id = o.run_id "
                     "WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND r.gate_snapshot_id IS NULL "
+                    "AND (o.claimed_until IS NULL OR o.claimed_until < now()) "
                     f"{where} ORDER BY 1, 2"
                 ),
                 {"runs": list(run_ids or [])},
@@ -46,26 +49,63 @@ async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) ->
     return [(r.run_id, r.instance_id) for r in rows]
 
 
-async def claim(conn: AsyncConnection, run_id: str, instance_id: str, op: str, *, ignore_schedule: bool = False, limit: int = MAX_BATCH) -> list[OutboxItem]:
+async def claim(
+    engine: AsyncEngine, run_id: str, instance_id: str, op: str, owner: str, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
+) -> list[OutboxItem]:
+    """Claim up to ``limit`` pending items for delivery by ``owner``; committed at once.
+
+    ``FOR UPDATE SKIP LOCKED`` lets replicas claim side by side without waiting on each other;
+    the claim itself (owner, expiry) keeps them apart for the whole delivery, and a claim whose
+    owner died expires.
+    """
     due = "" if ignore_schedule else "AND next_attempt_at <= now()"
-    rows = (
+    async with engine.begin() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "UPDATE outbox_items SET claimed_by = :o, claimed_until = now() + make_interval(secs => :ttl) "
+                    "WHERE item_id IN (SELECT item_id FROM outbox_items "
+                    f"  WHERE run_id = :r AND instance_id = :i AND op = :op AND state = 'pending' {due} "
+                    "  AND (claimed_until IS NULL OR claimed_until < now() OR claimed_by = :o) "
+                    "  ORDER BY item_id LIMIT :lim FOR UPDATE SKIP LOCKED) "
+                    "RETURNING item_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id, tries, servers_done"
+                ),
+                {"r": run_id, "i": instance_id, "op": op, "lim": limit, "o": owner, "ttl": claim_s},
+            )
+        ).all()
+    return sorted((OutboxItem(**dict(r._mapping)) for r in rows), key=lambda x: x.item_id)
+
+
+async def record_progress(engine: AsyncEngine, items: Sequence[OutboxItem], servers: Sequence[str], owner: str) -> None:
+    """These participants acknowledged these items: durable before the next stage is sent."""
+    if not items or not servers:
+        return
+    async with engine.begin() as conn:
         await conn.execute(
             text(
-                "SELECT item_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id, tries FROM outbox_items "
-                f"WHERE run_id = :r AND instance_id = :i AND op = :op AND state = 'pending' {due} "
-                "ORDER BY item_id LIMIT :lim FOR UPDATE SKIP LOCKED"
+                "UPDATE outbox_items SET servers_done = ARRAY(SELECT DISTINCT x FROM unnest(servers_done || CAST(:s AS text[])) AS x ORDER BY x) "
+                "WHERE item_id = ANY(:ids) AND claimed_by = :o"
             ),
-            {"r": run_id, "i": instance_id, "op": op, "lim": limit},
+            {"ids": [i.item_id for i in items], "s": list(servers), "o": owner},
         )
-    ).all()
-    return [OutboxItem(**dict(r._mapping)) for r in rows]
+
+
+async def release_claims(engine: AsyncEngine, owner: str) -> int:
+    """On start: claims this coordinator held before it died are free again (nothing of ours is in flight)."""
+    async with engine.begin() as conn:
+        return (
+            await conn.execute(text("UPDATE outbox_items SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = :o AND state = 'pending'"), {"o": owner})
+        ).rowcount
 
 
 async def mark_delivered(conn: AsyncConnection, items: Sequence[OutboxItem]) -> None:
     if not items:
         return
     await conn.execute(
-        text("UPDATE outbox_items SET state = 'delivered', delivered_at = now(), tries = tries + 1, last_error = NULL WHERE item_id = ANY(:ids)"),
+        text(
+            "UPDATE outbox_items SET state = 'delivered', delivered_at = now(), tries = tries + 1, last_error = NULL, "
+            "claimed_by = NULL, claimed_until = NULL WHERE item_id = ANY(:ids)"
+        ),
         {"ids": [i.item_id for i in items]},
     )
 
@@ -75,7 +115,7 @@ async def mark_failed(conn: AsyncConnection, items: Sequence[OutboxItem], error:
         return
     await conn.execute(
         text(
-            "UPDATE outbox_items SET tries = tries + 1, last_error = :err, "
+            "UPDATE outbox_items SET tries = tries + 1, last_error = :err, claimed_by = NULL, claimed_until = NULL, "
             "next_attempt_at = now() + make_interval(secs => LEAST(:cap, :base * power(2, LEAST(tries, 16)))) "
             "WHERE item_id = ANY(:ids)"
         ),
@@ -119,5 +159,3 @@ async def backlog(engine: AsyncEngine) -> dict[str, tuple[int, float]]:
     return out
 
 
-def describe(items: Sequence[OutboxItem]) -> dict[str, Any]:
-    return {"count": len(items), "sample": [i.rollout_id for i in items[:10]]}

@@ -1,19 +1,24 @@
 """Delivers the durable retire/forget outbox to Gym (recovery-ledger.md section 7).
 
-A retire that succeeds on every participant is followed at once by a forget of that rollout (it
-is never dispatched again under its id). A refused forget gets the retire again, then the forget;
-one still refused stays queued with its retire. Failures back off exponentially.
+Retires go stage by stage (callers before callees); each stage's acknowledgements are recorded
+before the next stage is sent, so after a crash only the stages still owed are sent again. A
+retire acknowledged by every participant is followed at once by a forget of that rollout (it is
+never dispatched again under its id). A refused forget gets the retire again, then the forget;
+one still refused stays queued. Failures back off exponentially.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..gym.models import Episode
+from ..gym.client import GymControlClient, callers_first
+from ..gym.models import Episode, InstanceTopology
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import outbox as repo
 from ..ledger.runs import get_run
@@ -22,11 +27,15 @@ log = logging.getLogger(__name__)
 
 
 class OutboxDeliverer:
-    def __init__(self, engine: AsyncEngine, gym: GymClients, *, base_backoff_s: float = 0.5, max_backoff_s: float = 60.0) -> None:
+    def __init__(
+        self, engine: AsyncEngine, gym: GymClients, owner: str, *, base_backoff_s: float = 0.5, max_backoff_s: float = 60.0, claim_s: float = 120.0
+    ) -> None:
         self.engine = engine
         self.gym = gym
+        self.owner = owner
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
+        self.claim_s = claim_s
 
     async def deliver_run(self, run_id: str, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Deliver everything owed for one run (retires, then forgets). Returns counts delivered.
@@ -39,73 +48,90 @@ class OutboxDeliverer:
             topology = await load_topology(conn, run_id)
         client = self.gym.for_run(run_id, run.config)
         delivered = {"retire": 0, "forget": 0}
-        targets = instance_ids if instance_ids is not None else sorted(topology)
-        for iid in targets:
+        for iid in instance_ids if instance_ids is not None else sorted(topology):
             inst = topology.get(iid)
             if inst is None:
                 continue  # items for an unregistered instance wait until it is registered
-            delivered["retire"] += await self._retires(run_id, inst, client, ignore_schedule)
-            delivered["forget"] += await self._forgets(run_id, inst, client, ignore_schedule)
+            delivered["retire"] += await self._drain(run_id, inst, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, items))
+            delivered["forget"] += await self._drain(run_id, inst, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, items))
         return delivered
 
-    async def _retires(self, run_id: str, inst, client, ignore_schedule: bool) -> int:  # type: ignore[no-untyped-def]
+    async def _drain(
+        self, run_id: str, inst: InstanceTopology, op: str, ignore_schedule: bool, send: Callable[[list[repo.OutboxItem]], Awaitable[tuple[int, bool]]]
+    ) -> int:
         total = 0
         while True:
-            async with self.engine.begin() as conn:
-                items = await repo.claim(conn, run_id, inst.instance_id, "retire", ignore_schedule=ignore_schedule)
-                if not items:
-                    return total
-                by_ep = {}
-                for it in items:
-                    by_ep.setdefault(Episode(it.rollout_id, int(it.gym_attempt or 0)), []).append(it)
-                # Retire with the checkpoint id the item was queued with ('retire' while idle).
-                results = []
-                for cid in sorted({it.checkpoint_id for it in items}):
-                    eps = [ep for ep, its in by_ep.items() if its[0].checkpoint_id == cid]
-                    results.extend(await client.retire(inst, eps, cid))
-                ok_items, failed = [], []
-                for b in results:
+            items = await repo.claim(self.engine, run_id, inst.instance_id, op, self.owner, self.claim_s, ignore_schedule=ignore_schedule)
+            if not items:
+                return total
+            done, failed = await send(items)
+            total += done
+            if failed or len(items) < repo.MAX_BATCH:
+                return total
+
+    async def _retire(self, run_id: str, inst: InstanceTopology, client: GymControlClient, items: list[repo.OutboxItem]) -> tuple[int, bool]:
+        everyone = {p.server_name for p in inst.participants}
+        errors: list[str] = []
+        stopped: set[int] = set()
+        for stage in callers_first(inst):
+            # Participants of a stage are sent their retires side by side, each acknowledgement
+            # recorded as it arrives, so a crash re-sends only to those that had not answered.
+            results = await asyncio.gather(*(self._retire_on(inst, client, p, [it for it in items if it.item_id not in stopped]) for p in stage))
+            for errs in results:
+                errors.extend(errs)
+            names = {p.server_name for p in stage}
+            # Callers before callees: an item a caller did not acknowledge goes no further.
+            stopped.update(it.item_id for it in items if not names <= set(it.servers_done))
+        done = [it for it in items if everyone <= set(it.servers_done)]
+        rest = [it for it in items if it not in done]
+        async with self.engine.begin() as conn:
+            await repo.mark_delivered(conn, done)
+            await repo.set_retirement(conn, [it.attempt_id for it in done], "forget_pending")
+            await repo.enqueue_forgets(conn, run_id, inst.instance_id, [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in done])
+            await repo.mark_failed(conn, rest, "; ".join(errors) or "retire not acknowledged", base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
+        if rest:
+            log.warning("retire on %s failed for %d episode(s); kept queued: %s", inst.instance_id, len(rest), "; ".join(errors)[:500])
+        return len(done), bool(rest)
+
+    async def _retire_on(self, inst: InstanceTopology, client: GymControlClient, p: Any, items: list[repo.OutboxItem]) -> list[str]:
+        errors: list[str] = []
+        sub = dataclasses.replace(inst, participants=(p,))
+        for cid in sorted({it.checkpoint_id for it in items}):
+            owed = [it for it in items if it.checkpoint_id == cid and p.server_name not in it.servers_done]
+            by_ep: dict[Episode, list[repo.OutboxItem]] = {}
+            for it in owed:
+                by_ep.setdefault(Episode(it.rollout_id, int(it.gym_attempt or 0)), []).append(it)
+            if not by_ep:
+                continue
+            for b in await client.retire(sub, list(by_ep), cid):
+                if b.ok:
                     its = [it for ep in b.episodes for it in by_ep[ep]]
-                    (ok_items if b.ok else failed).append((its, b.failure))
-                done = [it for its, _ in ok_items for it in its]
-                await repo.mark_delivered(conn, done)
-                await repo.set_retirement(conn, [it.attempt_id for it in done], "forget_pending")
-                await repo.enqueue_forgets(conn, run_id, inst.instance_id, [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in done])
-                for its, failure in failed:
-                    await repo.mark_failed(conn, its, str(failure), base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
-                total += len(done)
-                if failed:
-                    log.warning("retire on %s failed for %d episode(s); kept queued", inst.instance_id, sum(len(i) for i, _ in failed))
-                    return total
-                if len(items) < repo.MAX_BATCH:
-                    return total
+                    await repo.record_progress(self.engine, its, [p.server_name], self.owner)
+                    for it in its:
+                        it.servers_done.append(p.server_name)
+                else:
+                    errors.append(str(b.failure))
+        return errors
 
-    async def _forgets(self, run_id: str, inst, client, ignore_schedule: bool) -> int:  # type: ignore[no-untyped-def]
-        total = 0
-        while True:
-            async with self.engine.begin() as conn:
-                items = await repo.claim(conn, run_id, inst.instance_id, "forget", ignore_schedule=ignore_schedule)
-                if not items:
-                    return total
-                last_retired = {it.rollout_id: Episode(it.rollout_id, int(it.gym_attempt or 0)) for it in items}
-                settle = await client.forget_settling_refusals(inst, last_retired)
-                owed = set(settle.owed_forgets)
-                done = [it for it in items if it.rollout_id in set(settle.forgotten) and it.rollout_id not in owed]
-                still = [it for it in items if it not in done]
-                await repo.mark_delivered(conn, done)
-                await repo.set_retirement(conn, [it.attempt_id for it in done], "forgotten")
-                if still:
-                    errs = "; ".join(str(b.failure) for b in settle.batches if b.failure is not None) or "forget not acknowledged"
-                    await repo.mark_failed(conn, still, errs, base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
-                    log.warning("forget on %s refused for %d rollout(s); kept queued", inst.instance_id, len(still))
-                    return total + len(done)
-                total += len(done)
-                if len(items) < repo.MAX_BATCH:
-                    return total
+    async def _forget(self, run_id: str, inst: InstanceTopology, client: GymControlClient, items: list[repo.OutboxItem]) -> tuple[int, bool]:
+        last_retired = {it.rollout_id: Episode(it.rollout_id, int(it.gym_attempt or 0)) for it in items}
+        settle = await client.forget_settling_refusals(inst, last_retired)
+        forgotten = set(settle.forgotten) - set(settle.owed_forgets)
+        done = [it for it in items if it.rollout_id in forgotten]
+        still = [it for it in items if it.rollout_id not in forgotten]
+        async with self.engine.begin() as conn:
+            await repo.mark_delivered(conn, done)
+            await repo.set_retirement(conn, [it.attempt_id for it in done], "forgotten")
+            errs = "; ".join(str(b.failure) for b in settle.batches if b.failure is not None) or "forget not acknowledged"
+            await repo.mark_failed(conn, still, errs, base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
+        if still:
+            log.warning("forget on %s refused for %d rollout(s); kept queued with their retire", inst.instance_id, len(still))
+        return len(done), bool(still)
 
 
-async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s: float, owns_run) -> None:  # type: ignore[no-untyped-def]
+async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s: float, owns_run: Callable[[str], Awaitable[bool]]) -> None:
     """Background loop: deliver due items of every run this process may drive."""
+    await repo.release_claims(engine, deliverer.owner)
     while True:
         try:
             work = await repo.due_work(engine)
