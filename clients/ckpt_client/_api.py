@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from ._core import Enter, Exit, Flow, Invoke, Now, RequestSpec, RetryPolicy, Sleep, call
-from .errors import CoordinatorError, GateClosed, NotAwaitingBarrier, SnapshotFailed, SnapshotTimeout
+from .errors import Conflict, CoordinatorError, GateClosed, SnapshotFailed, SnapshotNotAwaiting, SnapshotTimeout
 from .helpers import batched, new_id
 from .models import (
     AdmitResult,
@@ -44,8 +44,6 @@ R = TypeVar("R")
 DEFAULT_BATCH_SIZE = 1000
 #: Server caps, checked client-side only where splitting is impossible (stream ended).
 MAX_STREAM_RETURNED = 20_000
-#: A restore fans out to every Gym participant; give it longer than an ordinary call.
-RESTORE_TIMEOUT_S = 600.0
 
 
 def _seg(value: str) -> str:
@@ -223,7 +221,7 @@ class Api:
 
     # ---------------------------------------------------------------------------- section 5
 
-    def announce_train_step(self, step: int, checkpoint_ref: Any) -> Flow[TrainStep]:
+    def announce_train_step(self, step: int, checkpoint_ref: str | None) -> Flow[TrainStep]:
         body: dict[str, Any] = {"step": step}
         if checkpoint_ref is not None:
             body["checkpoint_ref"] = checkpoint_ref
@@ -274,9 +272,16 @@ class Api:
         deadline = (yield Now()) + timeout
         snap = yield from self.request_snapshot(step, sid)
         captured = False
+        # Set once the coordinator refused the barrier because the snapshot is being aborted:
+        # it will never ask again, and taking the trainer's barrier each poll would stall it.
+        barrier_refused = False
         while not snap.terminal:
-            if not captured and _wants_barrier(snap):
-                after = yield from self._barrier_and_capture(snap, capture, barrier)
+            if not captured and not barrier_refused and _wants_barrier(snap):
+                try:
+                    after = yield from self._barrier_and_capture(snap, capture, barrier)
+                except SnapshotNotAwaiting as e:
+                    barrier_refused = e.reason is not None
+                    after = None
                 if after is not None:
                     captured = True
                     snap = after
@@ -291,21 +296,21 @@ class Api:
             return snap
         raise SnapshotFailed(snap)
 
-    def _barrier_and_capture(self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None) -> Flow[Snapshot | None]:
-        """Barrier, capture, captured. None when the coordinator was not awaiting the barrier
-        after all (the caller polls on); otherwise the snapshot after the captured report."""
+    def _barrier_and_capture(self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None) -> Flow[Snapshot]:
+        """Barrier, capture, captured; answers the snapshot after the captured report.
+
+        Raises :class:`SnapshotNotAwaiting` (barrier released, nothing captured) when the
+        coordinator turns the barrier down: too early, or the snapshot is being aborted.
+        """
         handle = (yield Enter(barrier)) if barrier is not None else None
         try:
             if snap.awaiting == "capture" and snap.staging_keys is not None:
-                # The barrier was already taken (an earlier run of this helper for the same
-                # snapshot id died after it); the cut is fixed, only the capture is owed.
+                # The cut was already taken (an earlier run of this helper for the same
+                # snapshot id died after the barrier); only the capture is owed.
                 keys = snap.staging_keys
             else:
-                try:
-                    keys = (yield from self.snapshot_barrier(snap.snapshot_id)).staging_keys
-                except NotAwaitingBarrier:
-                    keys = None
-            ref = None if keys is None else DataPlaneRef.coerce((yield Invoke(capture, (keys,))))
+                keys = (yield from self.snapshot_barrier(snap.snapshot_id)).staging_keys
+            ref = DataPlaneRef.coerce((yield Invoke(capture, (keys,))))
         except BaseException as e:
             if barrier is not None:
                 yield Exit(handle, e)
@@ -314,8 +319,6 @@ class Api:
             # Released before reporting: the capture is saved, the trainer may move on while
             # the coordinator resumes Gym and publishes.
             yield Exit(handle, None)
-        if ref is None:
-            return None
         after = yield from self.snapshot_captured(snap.snapshot_id, ref)
         if after is None:
             after = yield from self.get_snapshot(snap.snapshot_id)
@@ -327,15 +330,36 @@ class Api:
         body = {"instances": [row_json(i, "GymInstance") for i in instances]}
         return GymRegistration.parse((yield from self._call(RequestSpec("POST", self._run_path("/gym-instances"), body))))
 
-    def restore_plan(self, step: int | None, snapshot_id: str | None) -> Flow[RestorePlan]:
+    def restore_plan(self, step: int | None, snapshot_id: str | None, with_gym_state: bool, include_reused: bool) -> Flow[RestorePlan]:
         params: dict[str, Any] = {}
         if step is not None:
             params["step"] = step
         if snapshot_id is not None:
             params["snapshot_id"] = snapshot_id
-        return RestorePlan.parse((yield from self._call(RequestSpec("GET", self._run_path("/restore-plan"), params=params))))
+        # Sent only when not the default, so a server that does not know them sees the contract.
+        if not with_gym_state:
+            params["with_gym_state"] = "false"
+        if include_reused:
+            params["include_reused"] = "true"
+        path = self._run_path("/restore-plan")
+        doc = yield from self._call(RequestSpec("GET", path, params=params))
+        plan = RestorePlan.parse(doc)
+        # Large plans come in pages; join them so the caller holds the whole plan. Later pages
+        # are pinned to the first page's snapshot so a snapshot published meanwhile cannot mix in.
+        cursor = doc.get("next_cursor") if isinstance(doc, Mapping) else None
+        while cursor is not None:
+            page_params = {**params, "snapshot_id": plan.snapshot_id, "cursor": cursor}
+            page_params.pop("step", None)
+            doc = yield from self._call(RequestSpec("GET", path, params=page_params))
+            plan = plan.with_more_rows(RestorePlan.parse(doc))
+            cursor = doc.get("next_cursor") if isinstance(doc, Mapping) else None
+        return plan
 
-    def restore(self, restore_id: str | None, snapshot_id: str | None, step: int | None, with_gym_state: bool, timeout: float | None) -> Flow[RestoreResult]:
+    def restore(
+        self, restore_id: str | None, snapshot_id: str | None, step: int | None, with_gym_state: bool, timeout: float, poll_interval: float
+    ) -> Flow[RestoreResult]:
+        """Apply a restore, waiting out ``restore_in_progress`` (our own earlier try whose answer
+        was lost is still running) by asking again with the same id until it answers."""
         # Minted once: a retried restore (e.g. the answer was lost) is the same restore.
         rid = restore_id or new_id("restore")
         body: dict[str, Any] = {"restore_id": rid, "with_gym_state": with_gym_state}
@@ -343,8 +367,21 @@ class Api:
             body["snapshot_id"] = snapshot_id
         if step is not None:
             body["step"] = step
-        req = RequestSpec("POST", self._run_path("/restores"), body, timeout=timeout or RESTORE_TIMEOUT_S)
-        return RestoreResult.parse((yield from self._call(req)), rid)
+        deadline = (yield Now()) + timeout
+        # One request may legitimately take minutes (Gym restore fan-out), so it gets the whole
+        # budget rather than the client's per-call timeout; the server bounds it on its side.
+        req = RequestSpec("POST", self._run_path("/restores"), body, timeout=timeout)
+        while True:
+            try:
+                doc = yield from self._call(req)
+                return RestoreResult.parse(doc, rid)
+            except Conflict as e:
+                if e.code != "restore_in_progress":
+                    raise
+                remaining = deadline - (yield Now())
+                if remaining <= 0:
+                    raise
+                yield Sleep(min(poll_interval, remaining))
 
 
 def _wants_barrier(snap: Snapshot) -> bool:

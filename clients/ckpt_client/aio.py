@@ -230,7 +230,7 @@ class AsyncCoordinatorClient:
 
     # ---------------------------------------------------------------------------- section 5
 
-    async def announce_train_step(self, step: int, checkpoint_ref: Any = None) -> TrainStep:
+    async def announce_train_step(self, step: int, checkpoint_ref: str | None = None) -> TrainStep:
         """A trainer checkpoint for ``step`` committed (create-or-return). A snapshot anchored
         on an older step that has not cut its ledger yet is aborted (the train step wins)."""
         return await self._drive(self._api.announce_train_step(step, checkpoint_ref))
@@ -275,9 +275,12 @@ class AsyncCoordinatorClient:
     async def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return await self._drive(self._api.register_gym_instances(instances))
 
-    async def restore_plan(self, step: int | None = None, snapshot_id: str | None = None) -> RestorePlan:
-        """The plan for the newest published snapshot compatible with ``step`` (or the named one)."""
-        return await self._drive(self._api.restore_plan(step, snapshot_id))
+    async def restore_plan(
+        self, step: int | None = None, snapshot_id: str | None = None, *, with_gym_state: bool = True, include_reused: bool = False
+    ) -> RestorePlan:
+        """The plan for the newest published snapshot anchored at or before ``step`` (or the
+        named one), every page joined. A preview: :meth:`restore` applies it."""
+        return await self._drive(self._api.restore_plan(step, snapshot_id, with_gym_state, include_reused))
 
     async def restore(
         self,
@@ -286,8 +289,11 @@ class AsyncCoordinatorClient:
         snapshot_id: str | None = None,
         step: int | None = None,
         with_gym_state: bool = True,
-        timeout: float | None = None,
+        timeout: float = 1800.0,
+        poll_interval: float = 2.0,
     ) -> RestoreResult:
-        """Apply a restore (idempotent per ``restore_id``, minted here if not given).
-        ``with_gym_state=False`` when the Gym instances survived the crash (not fresh)."""
-        return await self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout))
+        """Apply a restore (idempotent per ``restore_id``, minted here if not given) and answer
+        what to send next. ``with_gym_state=False`` when the Gym instances survived the crash
+        (they are not fresh): continuations become restarts. Waits while the same restore id
+        is still running elsewhere, up to ``timeout`` seconds in all."""
+        return await self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout, poll_interval))

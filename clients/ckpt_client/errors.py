@@ -25,6 +25,7 @@ __all__ = [
     "RefusedRow",
     "RunClosed",
     "Fenced",
+    "SnapshotNotAwaiting",
     "NotAwaitingBarrier",
     "TooLarge",
     "Unavailable",
@@ -190,15 +191,27 @@ class Fenced(Conflict):
     default_code = "fenced"
 
 
-class NotAwaitingBarrier(Conflict):
-    """409 ``snapshot_not_awaiting_barrier``: too early or too late for the barrier call."""
+class SnapshotNotAwaiting(Conflict):
+    """409 ``snapshot_not_awaiting``: the snapshot is not waiting for this trainer call (the
+    barrier too early or too late, a capture before the cut or after the end). ``reason`` is
+    set when the snapshot is being aborted (e.g. ``train_step_committed``): it will not ask
+    again."""
 
-    default_code = "snapshot_not_awaiting_barrier"
+    default_code = "snapshot_not_awaiting"
 
     @property
     def phase(self) -> str | None:
         value = self.problem.get("phase")
         return str(value) if value is not None else None
+
+    @property
+    def reason(self) -> str | None:
+        value = self.problem.get("reason")
+        return str(value) if value is not None else None
+
+
+#: The name the client contract used for the barrier's refusal.
+NotAwaitingBarrier = SnapshotNotAwaiting
 
 
 class TooLarge(CoordinatorError):
@@ -287,7 +300,8 @@ _BY_CODE: dict[str, type[CoordinatorError]] = {
     "gate_closed": GateClosed,
     "run_closed": RunClosed,
     "fenced": Fenced,
-    "snapshot_not_awaiting_barrier": NotAwaitingBarrier,
+    "snapshot_not_awaiting": SnapshotNotAwaiting,
+    "snapshot_not_awaiting_barrier": SnapshotNotAwaiting,
     "payload_too_large": TooLarge,
     "unavailable": Unavailable,
 }

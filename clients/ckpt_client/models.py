@@ -684,15 +684,27 @@ class BarrierResult:
 
 @dataclass(frozen=True)
 class TrainStep:
+    """An announced train step. ``created`` is False for a repeat; ``aborted_snapshots`` names
+    the snapshots this announcement made lose (anchored older, ledger not cut yet)."""
+
     step: int
-    checkpoint_ref: Any = None
+    checkpoint_ref: str | None = None
+    created: bool | None = None
+    aborted_snapshots: list[str] = field(default_factory=list)
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def parse(cls, doc: Any, step: int) -> TrainStep:
         d = _obj(doc, "train step") if doc is not None else {}
         inner = d.get("train_step") if isinstance(d.get("train_step"), Mapping) else d
-        return cls(_int(inner.get("step"), step), inner.get("checkpoint_ref"), d)
+        created = inner.get("created")
+        return cls(
+            _int(inner.get("step"), step),
+            _str(inner.get("checkpoint_ref")),
+            created if isinstance(created, bool) else None,
+            _strs(d.get("aborted_snapshots")),
+            d,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -702,8 +714,9 @@ class TrainStep:
 @dataclass(frozen=True)
 class PlanRow:
     """One sibling of a restore plan: ``disposition`` is reused, rerun, continued, restarted,
-    gym_restarted or dispatched; send it under ``rollout_id``/``capture_key`` to
-    ``instance_id`` when set."""
+    gym_restarted or dispatch (never sent before); send it under ``rollout_id``/``capture_key``
+    to ``instance_id`` when set (continuations only). ``replaces_rollout_id`` names the attempt
+    a fresh rollout id replaces; ``staging_keys`` are given for reused rows when asked for."""
 
     group_id: str
     generation_index: int
@@ -713,6 +726,8 @@ class PlanRow:
     gym_attempt: int
     group_attempt: int
     instance_id: str | None
+    replaces_rollout_id: str | None = None
+    staging_keys: list[str] | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -731,16 +746,23 @@ class PlanRow:
             gym_attempt=_int(d.get("gym_attempt")),
             group_attempt=_int(d.get("group_attempt")),
             instance_id=_str(d.get("instance_id")),
+            replaces_rollout_id=_str(d.get("replaces_rollout_id")),
+            staging_keys=_strs(d.get("staging_keys")) if isinstance(d.get("staging_keys"), list) else None,
             raw=d,
         )
 
 
 @dataclass(frozen=True)
 class RestorePlan:
+    """A restore preview. ``counts`` are per disposition over the whole plan; ``rows`` are all
+    pages joined (reused rows only when asked for). ``anchor_step`` is the snapshot's step: the
+    trainer checkpoint to load."""
+
     snapshot_id: str
     data_plane_ref: DataPlaneRef | None
     counts: dict[str, int]
     rows: list[PlanRow]
+    anchor_step: int | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -756,20 +778,28 @@ class RestorePlan:
             data_plane_ref=DataPlaneRef.parse(d.get("data_plane_ref")),
             counts={str(k): _int(v) for k, v in _dict(d.get("counts")).items()},
             rows=[PlanRow.parse(r) for r in _list(d.get("rows"))],
+            anchor_step=_opt_int(d.get("anchor_step")),
             raw=d,
         )
+
+    def with_more_rows(self, page: RestorePlan) -> RestorePlan:
+        return RestorePlan(self.snapshot_id, self.data_plane_ref, self.counts, self.rows + page.rows, self.anchor_step, self.raw)
 
 
 @dataclass(frozen=True)
 class RestoreResult:
-    """The applied restore: ``rows`` are what the trainer sends next (reused rows excluded by
-    :attr:`rows_to_send`)."""
+    """The applied restore: ``rows`` are what the trainer sends next (the server leaves reused
+    rows out; :attr:`rows_to_send` filters them in case one does not). ``epoch`` is the run's
+    new fencing epoch."""
 
     restore_id: str
     snapshot_id: str | None
     counts: dict[str, int]
     rows: list[PlanRow]
     data_plane_ref: DataPlaneRef | None = None
+    anchor_step: int | None = None
+    state: str | None = None
+    epoch: int | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -788,6 +818,9 @@ class RestoreResult:
             counts={str(k): _int(v) for k, v in _dict(counts).items()},
             rows=[PlanRow.parse(r) for r in _list(rows)],
             data_plane_ref=DataPlaneRef.parse(d.get("data_plane_ref") or plan.get("data_plane_ref")),
+            anchor_step=_opt_int(d.get("anchor_step")),
+            state=_str(d.get("state")),
+            epoch=_opt_int(d.get("epoch")),
             raw=d,
         )
 
@@ -806,11 +839,22 @@ class GymInstance:
 
 @dataclass(frozen=True)
 class GymRegistration:
+    """What discovery found: per instance its participants; ``restart_only_servers`` that
+    cannot capture episodes; ``gym_settings`` the ``checkpoint:`` settings Gym must run with."""
+
     instances: list[dict[str, Any]]
     warnings: list[str]
+    restart_only_servers: list[str] = field(default_factory=list)
+    gym_settings: dict[str, Any] = field(default_factory=dict)
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def parse(cls, doc: Any) -> GymRegistration:
         d = _obj(doc, "gym registration") if doc is not None else {}
-        return cls([_dict(i) for i in _list(d.get("instances"))], _strs(d.get("warnings")), d)
+        return cls(
+            [_dict(i) for i in _list(d.get("instances"))],
+            _strs(d.get("warnings")),
+            _strs(d.get("restart_only_servers")),
+            _dict(d.get("gym_settings")),
+            d,
+        )

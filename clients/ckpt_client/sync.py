@@ -245,7 +245,7 @@ class CoordinatorClient:
 
     # ---------------------------------------------------------------------------- section 5
 
-    def announce_train_step(self, step: int, checkpoint_ref: Any = None) -> TrainStep:
+    def announce_train_step(self, step: int, checkpoint_ref: str | None = None) -> TrainStep:
         """A trainer checkpoint for ``step`` committed (create-or-return). A snapshot anchored
         on an older step that has not cut its ledger yet is aborted (the train step wins)."""
         return self._drive(self._api.announce_train_step(step, checkpoint_ref))
@@ -290,9 +290,12 @@ class CoordinatorClient:
     def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return self._drive(self._api.register_gym_instances(instances))
 
-    def restore_plan(self, step: int | None = None, snapshot_id: str | None = None) -> RestorePlan:
-        """The plan for the newest published snapshot compatible with ``step`` (or the named one)."""
-        return self._drive(self._api.restore_plan(step, snapshot_id))
+    def restore_plan(
+        self, step: int | None = None, snapshot_id: str | None = None, *, with_gym_state: bool = True, include_reused: bool = False
+    ) -> RestorePlan:
+        """The plan for the newest published snapshot anchored at or before ``step`` (or the
+        named one), every page joined. A preview: :meth:`restore` applies it."""
+        return self._drive(self._api.restore_plan(step, snapshot_id, with_gym_state, include_reused))
 
     def restore(
         self,
@@ -301,8 +304,11 @@ class CoordinatorClient:
         snapshot_id: str | None = None,
         step: int | None = None,
         with_gym_state: bool = True,
-        timeout: float | None = None,
+        timeout: float = 1800.0,
+        poll_interval: float = 2.0,
     ) -> RestoreResult:
-        """Apply a restore (idempotent per ``restore_id``, minted here if not given).
-        ``with_gym_state=False`` when the Gym instances survived the crash (not fresh)."""
-        return self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout))
+        """Apply a restore (idempotent per ``restore_id``, minted here if not given) and answer
+        what to send next. ``with_gym_state=False`` when the Gym instances survived the crash
+        (they are not fresh): continuations become restarts. Waits while the same restore id
+        is still running elsewhere, up to ``timeout`` seconds in all."""
+        return self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout, poll_interval))

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,8 +34,11 @@ def free_port() -> int:
 class LiveServer:
     """One ASGI app served by uvicorn in a background thread on 127.0.0.1:``port``."""
 
-    def __init__(self, app_factory: Callable[[], Any], port: int | None = None) -> None:
+    def __init__(self, app_factory: Callable[[], Any], checkpoint_root: Path, port: int | None = None) -> None:
         self.app_factory = app_factory
+        # Per test: Gym writes snapshot manifests under the run's checkpoint root, and a
+        # directory left by another test would belong to another checkpoint.
+        self.checkpoint_root = checkpoint_root
         self.port = port or free_port()
         self.wrap: AppWrapper | None = None
         self._server: uvicorn.Server | None = None
@@ -84,12 +88,12 @@ class LiveServer:
 
 
 @pytest.fixture
-def coordinator(settings: Any, database_url: str) -> Iterator[LiveServer]:
+def coordinator(settings: Any, database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
     from checkpoint_coordinator.app import create_app
 
     # The gate's retry hint is lowered so gate tests wait fractions of a second, not seconds.
     fast = settings.model_copy(update={"gate_retry_after_s": 0.2})
-    server = LiveServer(lambda: create_app(fast, database_url=database_url))
+    server = LiveServer(lambda: create_app(fast, database_url=database_url), tmp_path / "checkpoints")
     server.start()
     try:
         yield server
@@ -130,8 +134,9 @@ class Facade:
     which also keeps the test's event loop free.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, token: str) -> None:
         self.client = client
+        self.token = token
         self.is_async = not isinstance(client, CoordinatorClient)
 
     def __getattr__(self, name: str) -> Any:
@@ -164,7 +169,7 @@ async def make_client(request: pytest.FixtureRequest) -> Any:
         options.setdefault("retries", 3)
         options.setdefault("backoff", 0.05)
         options.setdefault("max_backoff", 0.5)
-        facade = Facade(cls(base_url, token, **options))
+        facade = Facade(cls(base_url, token, **options), token)
         made.append(facade)
         return facade
 
@@ -176,7 +181,7 @@ async def make_client(request: pytest.FixtureRequest) -> Any:
 async def open_run(server: LiveServer, make: MakeClient, run_id: str = "run-1", **recovery: Any) -> Facade:
     """Create a run with the admin token and answer a client bound to it with its run token."""
     admin = make(server.url, ADMIN_TOKEN)
-    run = await admin.create_run(run_id, "/tmp/ckptc-client-test", {"target_level": "sibling", **recovery})
+    run = await admin.create_run(run_id, str(server.checkpoint_root), {"target_level": "sibling", **recovery})
     assert run.run_token and run.state == "open"
     return make(server.url, run.run_token, run_id=run_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -222,11 +223,11 @@ async def test_gate_closed_is_typed_and_dispatch_when_open_waits(coordinator: Li
     assert await run.pending(ids) == sorted(ids)
 
 
-async def test_too_large_body_and_batching_avoids_it(settings: Any, database_url: str, make_client: MakeClient) -> None:
+async def test_too_large_body_and_batching_avoids_it(settings: Any, database_url: str, make_client: MakeClient, tmp_path: Path) -> None:
     from checkpoint_coordinator.app import create_app
 
     small = settings.model_copy(update={"max_body_bytes": 2048})
-    server = LiveServer(lambda: create_app(small, database_url=database_url))
+    server = LiveServer(lambda: create_app(small, database_url=database_url), tmp_path / "checkpoints")
     await asyncio.to_thread(server.start)
     try:
         run = await open_run(server, make_client)
@@ -239,10 +240,10 @@ async def test_too_large_body_and_batching_avoids_it(settings: Any, database_url
         await asyncio.to_thread(server.stop)
 
 
-async def test_async_client_over_an_in_process_asgi_transport(app: Any) -> None:
+async def test_async_client_over_an_in_process_asgi_transport(app: Any, tmp_path: Path) -> None:
     transport = httpx.ASGITransport(app=app)
     async with AsyncCoordinatorClient("http://coordinator", ADMIN_TOKEN, transport=transport) as admin:
-        made = await admin.create_run("run-asgi", "/tmp/ckptc-client-test", {"target_level": "sibling"})
+        made = await admin.create_run("run-asgi", str(tmp_path), {"target_level": "sibling"})
     assert made.run_token
     async with AsyncCoordinatorClient("http://coordinator", made.run_token, run_id="run-asgi", transport=transport) as run:
         rows = (await run.admit_groups([group("g1", 2)])).rows

@@ -1,0 +1,195 @@
+"""The snapshot and restore helpers against the live coordinator and a real gymsim instance."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_client import AsyncCoordinatorClient, Conflict, CoordinatorClient, DataPlaneRef, GymInstance, SnapshotFailed, TrainStep
+from tests.conftest import ADMIN_TOKEN
+
+from .conftest import Facade, LiveServer, MakeClient, group, open_run, sealed
+
+pytestmark = pytest.mark.timeout(120)
+
+INSTANCE = "math/replica-0"
+
+
+@pytest.fixture
+def gym() -> Iterator[Any]:
+    from gymsim.testing import GymsimInstance, default_instance_config
+
+    g = GymsimInstance.start(default_instance_config(INSTANCE, token="tok-gym", turn_seconds=0.05))
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+class Recorder:
+    """Stands in for the trainer's data plane: a barrier it can hold and a capture that saves
+    the staging keys to a file, recording the order of what happened."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.events: list[str] = []
+        self.held = False
+        self.captured_keys: list[str] | None = None
+
+    def barrier_sync(self) -> contextlib.AbstractContextManager[None]:
+        @contextlib.contextmanager
+        def hold() -> Iterator[None]:
+            self.events.append("barrier:enter")
+            self.held = True
+            try:
+                yield
+            finally:
+                self.held = False
+                self.events.append("barrier:exit")
+
+        return hold()
+
+    def barrier_async(self) -> contextlib.AbstractAsyncContextManager[None]:
+        @contextlib.asynccontextmanager
+        async def hold() -> AsyncIterator[None]:
+            self.events.append("barrier:enter")
+            self.held = True
+            try:
+                yield
+            finally:
+                self.held = False
+                self.events.append("barrier:exit")
+
+        return hold()
+
+    def capture(self, staging_keys: list[str]) -> dict[str, str]:
+        assert self.held, "capture must run while the trainer's barrier is held"
+        self.events.append("capture")
+        self.captured_keys = list(staging_keys)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / "data_plane.json"
+        payload = json.dumps(sorted(staging_keys)).encode()
+        path.write_bytes(payload)
+        return {"path": str(path), "digest": "sha256:" + hashlib.sha256(payload).hexdigest()}
+
+    def barrier_for(self, run: Facade) -> Any:
+        return self.barrier_async if run.is_async else self.barrier_sync
+
+
+async def _registered_run(coordinator: LiveServer, make_client: MakeClient, gym: Any, **recovery: Any) -> Facade:
+    run = await open_run(coordinator, make_client, **recovery)
+    reg = await run.register_gym_instances([GymInstance(gym.instance_id, gym.token, gym.servers)])
+    [inst] = reg.instances
+    assert inst["instance_id"] == INSTANCE and inst["participants"]
+    assert "tok-gym" not in json.dumps(reg.raw)  # control tokens never come back
+    return run
+
+
+async def test_snapshot_publishes_and_restore_reruns_what_was_in_flight(
+    coordinator: LiveServer, make_client: MakeClient, gym: Any, tmp_path: Path
+) -> None:
+    run = await _registered_run(coordinator, make_client, gym)
+    admitted = await run.admit_groups([group("g0"), group("g1"), group("g2")])
+    by_group = {g.group_id: g.rows for g in admitted.groups}
+    await run.dispatch([r.rollout_id for r in admitted.rows], dispatch_id="d-1", instance_id=INSTANCE)
+    done = by_group["g0"] + by_group["g1"][:1]
+    await run.report_sealed([sealed(r) for r in done])
+
+    rec = Recorder(tmp_path / "s1")
+    snap = await run.snapshot(0, rec.capture, snapshot_id="s1", barrier=rec.barrier_for(run), poll_interval=0.05, timeout=60)
+    assert snap.snapshot_id == "s1" and snap.published and (snap.outcome, snap.reason) == ("published", "ok")
+    assert rec.events == ["barrier:enter", "capture", "barrier:exit"]
+    # The coordinator asked for exactly the staging keys of the rows sealed at the cut.
+    assert sorted(rec.captured_keys or []) == sorted(f"tq/{r.capture_key}/0" for r in done)
+    assert snap.data_plane_ref == DataPlaneRef(str(tmp_path / "s1" / "data_plane.json"), snap.data_plane_ref.digest if snap.data_plane_ref else "")
+    assert snap.counts.get("cut_siblings") == 6 and "total" in snap.phase_timings
+    assert [s.snapshot_id for s in await run.list_snapshots()] == ["s1"]
+    # A repeated request of the same id answers the same snapshot (the helper can be re-run).
+    assert (await run.request_snapshot(0, snapshot_id="s1")).outcome == "published"
+
+    step = await run.announce_train_step(1, "ckpt/step-1")
+    assert isinstance(step, TrainStep) and step.step == 1 and step.created is True and step.aborted_snapshots == []
+    again = await run.announce_train_step(1, "ckpt/step-1")
+    assert again.created is False
+
+    # The trainer crashed and came back at step 1; Gym kept running (not fresh).
+    plan = await run.restore_plan(step=1, with_gym_state=False)
+    assert plan.snapshot_id == "s1" and plan.anchor_step == 0 and plan.data_plane_ref == snap.data_plane_ref
+    assert plan.counts["reused"] == 3 and plan.counts["rerun"] == 3
+    assert sorted((r.group_id, r.generation_index) for r in plan.rows_to_send) == [("g1", 1), ("g2", 0), ("g2", 1)]
+    full = await run.restore_plan(snapshot_id="s1", with_gym_state=False, include_reused=True)
+    reused = [r for r in full.rows if r.disposition == "reused"]
+    assert len(reused) == 3 and all(r.staging_keys for r in reused)
+
+    restored = await run.restore("r-1", step=1, with_gym_state=False, timeout=60)
+    assert restored.restore_id == "r-1" and restored.snapshot_id == "s1" and restored.state == "applied"
+    assert {(r.group_id, r.generation_index) for r in restored.rows_to_send} == {("g1", 1), ("g2", 0), ("g2", 1)}
+    old_ids = {r.rollout_id for r in admitted.rows}
+    assert not {r.rollout_id for r in restored.rows_to_send} & old_ids  # reruns get fresh ids
+    # Restore is idempotent per id: the same call answers the same rows.
+    replay = await run.restore("r-1", step=1, with_gym_state=False, timeout=60)
+    assert [r.rollout_id for r in replay.rows] == [r.rollout_id for r in restored.rows]
+    assert (await run.get_run()).restored_from_rollout_snapshot == "s1"
+
+    # The restored rows are ordinary reserved attempts: the trainer sends them and goes on.
+    sent = await run.dispatch([r.rollout_id for r in restored.rows_to_send if r.rollout_id], instance_id=INSTANCE)
+    assert len(sent.rows) == 3
+
+
+async def test_snapshot_without_gym_fails_typed_and_reopens_the_gate(coordinator: LiveServer, make_client: MakeClient, tmp_path: Path) -> None:
+    run = await open_run(coordinator, make_client)
+    rows = (await run.admit_groups([group("g0")])).rows
+    rec = Recorder(tmp_path)
+    with pytest.raises(SnapshotFailed) as failed:
+        await run.snapshot(0, rec.capture, snapshot_id="s-nogym", barrier=rec.barrier_for(run), poll_interval=0.05, timeout=30)
+    err = failed.value
+    assert (err.outcome, err.reason) == ("failed", "gym_unavailable") and err.retryable and err.code == "snapshot_failed"
+    assert rec.events == []  # never asked for the barrier
+    await run.dispatch([r.rollout_id for r in rows], instance_id=INSTANCE)  # the gate reopened
+
+
+async def test_train_step_wins_over_a_snapshot_at_the_barrier(
+    coordinator: LiveServer, make_client: MakeClient, gym: Any, tmp_path: Path
+) -> None:
+    run = await _registered_run(coordinator, make_client, gym)
+    await run.admit_groups([group("g0")])
+    rec = Recorder(tmp_path)
+    token = run.token
+
+    # The trainer's checkpoint for step 1 commits right when the snapshot asks for the barrier.
+    if run.is_async:
+
+        @contextlib.asynccontextmanager
+        async def barrier() -> AsyncIterator[None]:
+            async with AsyncCoordinatorClient(coordinator.url, token, run_id="run-1") as other:
+                await other.announce_train_step(1)
+            async with rec.barrier_async():
+                yield
+
+    else:
+
+        @contextlib.contextmanager  # type: ignore[no-redef]
+        def barrier() -> Iterator[None]:
+            with CoordinatorClient(coordinator.url, token, run_id="run-1") as other:
+                other.announce_train_step(1)
+            with rec.barrier_sync():
+                yield
+
+    with pytest.raises(SnapshotFailed) as lost:
+        await run.snapshot(0, rec.capture, snapshot_id="s-lost", barrier=barrier, poll_interval=0.05, timeout=60)
+    assert (lost.value.outcome, lost.value.reason) == ("aborted", "train_step_committed") and lost.value.retryable, (lost.value.snapshot.raw["detail"], lost.value.snapshot.raw["reason"])
+    # The barrier was taken once, refused, released; nothing was captured.
+    assert rec.events == ["barrier:enter", "barrier:exit"]
+    assert (await run.get_run()).raw["consecutive_snapshot_losses"] == 1
+    # A snapshot anchored behind the newest train step is refused up front, typed.
+    with pytest.raises(Conflict) as stale:
+        await run.request_snapshot(0, snapshot_id="s-stale")
+    assert stale.value.code == "snapshot_anchor_stale"
+    admin = make_client(coordinator.url, ADMIN_TOKEN, run_id="run-1")
+    assert (await admin.get_snapshot("s-lost")).reason == "train_step_committed"
