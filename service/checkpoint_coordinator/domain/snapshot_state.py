@@ -1,0 +1,391 @@
+"""State machines: snapshot phases and outcomes, attempt status, retirement, group status.
+
+Each machine is a :class:`TransitionTable`; :func:`check_transition` raises
+:class:`~.errors.TransitionError` for a move the table does not list. Self-moves are never
+listed: an idempotent repeat (the same seal twice) is recognised by the ledger before it asks
+for a transition.
+
+Snapshot phases (ledger section 5). Each phase is persisted before its side effects::
+
+    requested -> gate -> retire -> prepare -> commit -> drain -> data_plane -> resume -> publish
+              -> published
+
+* ``gate`` closes the dispatch gate; ``retire`` delivers queued retires and forgets (Gym refuses
+  them while a checkpoint is open); ``resume`` resumes Gym and reopens the gate, before
+  ``publish``.
+* A failure or abort between ``gate`` and ``data_plane`` first moves to ``resume`` (resume is
+  also the abort) and then to ``failed``/``aborted``; a phase that never touched Gym
+  (``requested``) may end directly. ``resume`` may end in ``publish`` only when the ledger cut
+  was taken: that fact is held by the snapshot record, and :func:`check_snapshot_transition`
+  takes it as ``cut_taken``.
+* Any non-terminal phase may go straight to ``aborted`` with reason ``coordinator_restart``
+  once the restarted coordinator has resumed the Gym phase (ledger section 5, last paragraph),
+  or to ``failed`` when the failure happened after the resume was sent.
+
+Reasons form a closed enum; each belongs to one outcome (:data:`REASON_OUTCOME`).
+
+Attempt status (ledger section 1)::
+
+    reserved -> dispatched -> sealed | failed | abandoned
+    dispatched -> reserved              (refused at admission: same rollout id, no attempt spent)
+    dispatched -> returned -> sealed    (prompt_group: the cohort seals atomically)
+    returned -> failed | abandoned      (the cohort fails or is replaced)
+    reserved -> abandoned | failed      (the cohort or group is given up before it was sent)
+
+``sealed``, ``failed`` and ``abandoned`` are terminal.
+
+Retirement (kept apart from status)::
+
+    none -> retire_pending -> retired -> forget_pending -> forgotten
+    none -> forget_pending              (a restored rollout: its restore left the mark)
+    forget_pending -> retire_pending    (a refused forget gets the retire again, then the forget)
+
+Group status: ``generating -> ready -> finalized``; ``generating | ready -> abandoned``. A
+ready group (every sibling sealed) is the trainer's to finalize or abandon; nothing sends it
+back to ``generating``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Generic, Iterable, Mapping, TypeVar
+
+from .errors import TransitionError
+
+__all__ = [
+    "SnapshotPhase",
+    "SnapshotOutcome",
+    "SnapshotReason",
+    "REASON_OUTCOME",
+    "TRANSIENT_REASONS",
+    "GYM_FAILURE_CLASS_REASON",
+    "reason_for_gym_failure",
+    "AttemptStatus",
+    "RetirementState",
+    "GroupStatus",
+    "TransitionTable",
+    "SNAPSHOT_PHASES",
+    "ATTEMPT_STATUS",
+    "RETIREMENT",
+    "GROUP_STATUS",
+    "check_transition",
+    "check_snapshot_transition",
+    "outcome_of_phase",
+    "METRIC_PHASES",
+]
+
+
+class _StrEnum(str, Enum):
+    """A string enum whose members hash and compare like their values."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class SnapshotPhase(_StrEnum):
+    requested = "requested"
+    gate = "gate"
+    retire = "retire"
+    prepare = "prepare"
+    commit = "commit"
+    drain = "drain"
+    data_plane = "data_plane"
+    resume = "resume"
+    publish = "publish"
+    published = "published"
+    failed = "failed"
+    aborted = "aborted"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _TERMINAL_PHASES
+
+    @property
+    def gym_touched(self) -> bool:
+        """Whether Gym may be parked in this phase (a restarted coordinator must resume it)."""
+        return self in _GYM_PHASES
+
+
+_TERMINAL_PHASES = frozenset({SnapshotPhase.published, SnapshotPhase.failed, SnapshotPhase.aborted})
+_GYM_PHASES = frozenset(
+    {
+        SnapshotPhase.prepare,
+        SnapshotPhase.commit,
+        SnapshotPhase.drain,
+        SnapshotPhase.data_plane,
+        SnapshotPhase.resume,
+    }
+)
+
+#: Phases with a duration metric (``ckptc_snapshot_phase_seconds{phase}``), besides
+#: ``total`` and ``gym_parked`` which span several phases.
+METRIC_PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total", "gym_parked")
+
+
+class SnapshotOutcome(_StrEnum):
+    published = "published"
+    failed = "failed"
+    aborted = "aborted"
+
+
+class SnapshotReason(_StrEnum):
+    """Why a snapshot ended (``ok`` for a published one)."""
+
+    ok = "ok"
+    # failed
+    gym_not_ready = "gym_not_ready"  # prepare not ready by its deadline; carries blockers
+    gym_unavailable = "gym_unavailable"  # connection errors, timeouts, 5xx, an orphan resumed
+    gym_invariant = "gym_invariant"  # protocol_error, topology, config, conflict, state
+    lease_lost = "lease_lost"  # a participant reopened before the cut
+    drain_timeout = "drain_timeout"
+    data_plane_timeout = "data_plane_timeout"
+    data_plane_failed = "data_plane_failed"  # the trainer reported its capture failed
+    # aborted
+    train_step_committed = "train_step_committed"  # a newer train step won the race
+    coordinator_restart = "coordinator_restart"  # found non-terminal on start
+    superseded = "superseded"  # the run moved on (restored, closed, or a newer request)
+    cancelled = "cancelled"  # the trainer or an operator cancelled it
+
+
+REASON_OUTCOME: Mapping[SnapshotReason, SnapshotOutcome] = MappingProxyType(
+    {
+        SnapshotReason.ok: SnapshotOutcome.published,
+        SnapshotReason.gym_not_ready: SnapshotOutcome.failed,
+        SnapshotReason.gym_unavailable: SnapshotOutcome.failed,
+        SnapshotReason.gym_invariant: SnapshotOutcome.failed,
+        SnapshotReason.lease_lost: SnapshotOutcome.failed,
+        SnapshotReason.drain_timeout: SnapshotOutcome.failed,
+        SnapshotReason.data_plane_timeout: SnapshotOutcome.failed,
+        SnapshotReason.data_plane_failed: SnapshotOutcome.failed,
+        SnapshotReason.train_step_committed: SnapshotOutcome.aborted,
+        SnapshotReason.coordinator_restart: SnapshotOutcome.aborted,
+        SnapshotReason.superseded: SnapshotOutcome.aborted,
+        SnapshotReason.cancelled: SnapshotOutcome.aborted,
+    }
+)
+
+#: Reasons after which simply trying a new snapshot later is expected to work.
+TRANSIENT_REASONS = frozenset(
+    {
+        SnapshotReason.gym_not_ready,
+        SnapshotReason.gym_unavailable,
+        SnapshotReason.lease_lost,
+        SnapshotReason.drain_timeout,
+        SnapshotReason.data_plane_timeout,
+        SnapshotReason.train_step_committed,
+        SnapshotReason.coordinator_restart,
+        SnapshotReason.superseded,
+        SnapshotReason.cancelled,
+    }
+)
+
+#: Control failure class of the protocol (section 9) -> snapshot reason.
+GYM_FAILURE_CLASS_REASON: Mapping[str, SnapshotReason] = MappingProxyType(
+    {
+        "not_ready": SnapshotReason.gym_not_ready,
+        "unavailable": SnapshotReason.gym_unavailable,
+        "lease_lost": SnapshotReason.lease_lost,
+        "drain_timeout": SnapshotReason.drain_timeout,
+        "protocol_error": SnapshotReason.gym_invariant,
+        "topology_mismatch": SnapshotReason.gym_invariant,
+        "config_error": SnapshotReason.gym_invariant,
+        "conflict": SnapshotReason.gym_invariant,
+        "checkpoint_state": SnapshotReason.gym_invariant,
+    }
+)
+
+
+def reason_for_gym_failure(failure_class: str) -> SnapshotReason:
+    """The snapshot reason for a Gym control failure class; an unknown class is an invariant
+    violation (the closed enum must not grow silently)."""
+    return GYM_FAILURE_CLASS_REASON.get(failure_class, SnapshotReason.gym_invariant)
+
+
+def outcome_of_phase(phase: SnapshotPhase) -> SnapshotOutcome | None:
+    return {
+        SnapshotPhase.published: SnapshotOutcome.published,
+        SnapshotPhase.failed: SnapshotOutcome.failed,
+        SnapshotPhase.aborted: SnapshotOutcome.aborted,
+    }.get(phase)
+
+
+class AttemptStatus(_StrEnum):
+    reserved = "reserved"
+    dispatched = "dispatched"
+    returned = "returned"
+    sealed = "sealed"
+    failed = "failed"
+    abandoned = "abandoned"
+
+
+class RetirementState(_StrEnum):
+    none = "none"
+    retire_pending = "retire_pending"
+    retired = "retired"
+    forget_pending = "forget_pending"
+    forgotten = "forgotten"
+
+
+class GroupStatus(_StrEnum):
+    generating = "generating"
+    ready = "ready"
+    finalized = "finalized"
+    abandoned = "abandoned"
+
+
+S = TypeVar("S", bound=_StrEnum)
+
+
+@dataclass(frozen=True)
+class TransitionTable(Generic[S]):
+    """Allowed moves of one state machine."""
+
+    name: str
+    states: type[S]
+    allowed: Mapping[S, frozenset[S]]
+    field: str = "status"
+
+    def targets(self, current: S | str) -> frozenset[S]:
+        return self.allowed.get(self.states(current), frozenset())
+
+    def can(self, current: S | str, target: S | str) -> bool:
+        return self.states(target) in self.targets(current)
+
+    def terminal(self, state: S | str) -> bool:
+        return not self.targets(state)
+
+    def check(self, current: S | str, target: S | str) -> S:
+        """``target`` as a member if ``current -> target`` is allowed, else TransitionError."""
+        cur = self.states(current)
+        tgt = self.states(target)
+        allowed = self.allowed.get(cur, frozenset())
+        if tgt not in allowed:
+            raise TransitionError(
+                self.name, cur.value, tgt.value, (a.value for a in allowed), self.field
+            )
+        return tgt
+
+
+def _table(pairs: Iterable[tuple[S, Iterable[S]]]) -> Mapping[S, frozenset[S]]:
+    return MappingProxyType({k: frozenset(v) for k, v in pairs})
+
+
+P = SnapshotPhase
+_ENDS = (P.failed, P.aborted)
+SNAPSHOT_PHASES: TransitionTable[SnapshotPhase] = TransitionTable(
+    "snapshot phase",
+    SnapshotPhase,
+    _table(
+        [
+            (P.requested, (P.gate, *_ENDS)),
+            (P.gate, (P.retire, P.resume, *_ENDS)),
+            (P.retire, (P.prepare, P.resume, *_ENDS)),
+            (P.prepare, (P.commit, P.resume, *_ENDS)),
+            (P.commit, (P.drain, P.resume, *_ENDS)),
+            (P.drain, (P.data_plane, P.resume, *_ENDS)),
+            (P.data_plane, (P.resume, *_ENDS)),
+            (P.resume, (P.publish, *_ENDS)),
+            (P.publish, (P.published, *_ENDS)),
+            (P.published, ()),
+            (P.failed, ()),
+            (P.aborted, ()),
+        ]
+    ),
+    field="phase",
+)
+
+A = AttemptStatus
+ATTEMPT_STATUS: TransitionTable[AttemptStatus] = TransitionTable(
+    "attempt status",
+    AttemptStatus,
+    _table(
+        [
+            (A.reserved, (A.dispatched, A.abandoned, A.failed)),
+            (A.dispatched, (A.reserved, A.returned, A.sealed, A.failed, A.abandoned)),
+            (A.returned, (A.sealed, A.failed, A.abandoned)),
+            (A.sealed, ()),
+            (A.failed, ()),
+            (A.abandoned, ()),
+        ]
+    ),
+)
+
+R = RetirementState
+RETIREMENT: TransitionTable[RetirementState] = TransitionTable(
+    "retirement",
+    RetirementState,
+    _table(
+        [
+            (R.none, (R.retire_pending, R.forget_pending)),
+            (R.retire_pending, (R.retired,)),
+            (R.retired, (R.forget_pending,)),
+            (R.forget_pending, (R.forgotten, R.retire_pending)),
+            (R.forgotten, ()),
+        ]
+    ),
+    field="retirement",
+)
+
+G = GroupStatus
+GROUP_STATUS: TransitionTable[GroupStatus] = TransitionTable(
+    "group status",
+    GroupStatus,
+    _table(
+        [
+            (G.generating, (G.ready, G.abandoned)),
+            (G.ready, (G.finalized, G.abandoned)),
+            (G.finalized, ()),
+            (G.abandoned, ()),
+        ]
+    ),
+)
+
+
+def check_transition(table: TransitionTable[S], current: S | str, target: S | str) -> S:
+    """Raise :class:`TransitionError` unless ``current -> target`` is in ``table``."""
+    return table.check(current, target)
+
+
+def check_snapshot_transition(
+    current: SnapshotPhase | str,
+    target: SnapshotPhase | str,
+    *,
+    cut_taken: bool = False,
+    reason: SnapshotReason | str | None = None,
+) -> SnapshotPhase:
+    """Check a snapshot phase move with its guards.
+
+    * ``resume -> publish`` needs ``cut_taken`` (the ledger copy exists);
+    * a move to ``failed``/``aborted``/``published`` needs a ``reason`` of that outcome
+      (``ok`` for published), and ``requested -> published`` is impossible anyway.
+    """
+    tgt = SNAPSHOT_PHASES.check(current, target)
+    cur = SnapshotPhase(current)
+    if cur is SnapshotPhase.resume and tgt is SnapshotPhase.publish and not cut_taken:
+        raise TransitionError(
+            SNAPSHOT_PHASES.name, cur.value, tgt.value, ("failed", "aborted"), "phase"
+        )
+    outcome = outcome_of_phase(tgt)
+    if outcome is not None:
+        if reason is None:
+            raise TransitionError(
+                SNAPSHOT_PHASES.name,
+                cur.value,
+                f"{tgt.value} without a reason",
+                (f"{tgt.value} with a {outcome.value} reason",),
+                "reason",
+            )
+        r = SnapshotReason(reason)
+        if REASON_OUTCOME[r] is not outcome:
+            raise TransitionError(
+                SNAPSHOT_PHASES.name,
+                cur.value,
+                f"{tgt.value} with reason {r.value}",
+                sorted(x.value for x, o in REASON_OUTCOME.items() if o is outcome),
+                "reason",
+            )
+    return tgt
