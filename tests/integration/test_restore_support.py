@@ -116,18 +116,19 @@ class Player:
         self.tasks: dict[str, asyncio.Task[Any]] = {}
         self.replies: dict[str, dict[str, Any]] = {}
 
-    def play(self, rows: Iterable[dict[str, Any]], instance_id: str) -> None:
+    def play(self, rows: Iterable[dict[str, Any]], instance_id: str, *, turns: int | None = None) -> None:
         for row in rows:
             key = row["capture_key"]
-            self.tasks[key] = asyncio.create_task(self._run(row, instance_id))
+            self.tasks[key] = asyncio.create_task(self._run(row, instance_id, self.turns if turns is None else turns))
 
-    async def _run(self, row: dict[str, Any], instance_id: str) -> None:
+    async def _run(self, row: dict[str, Any], instance_id: str, turns: int) -> None:
         agent = self.gyms[instance_id].servers["workplace_agent"]
         body = {
             "_ng_rollout_id": row["rollout_id"],
             "_ng_attempt_index": row["gym_attempt"],
+            # The same task on every attempt: Gym checks a continuation's task digest.
             "task": {"group": row["group_id"], "index": row["generation_index"]},
-            "turns": self.turns,
+            "turns": turns,
         }
         resp = await self.http.post(f"{agent}/run", json=body)
         if resp.status_code != 200:
@@ -173,12 +174,13 @@ async def gym_save(
     anchor_step: int = 0,
 ) -> dict[str, Any]:
     """A Gym save through the control client whose capture publishes the snapshot (cut = the live
-    ledger while Gym is parked). Candidates are the run's dispatched attempts per instance."""
+    ledger while Gym is parked). Candidates are the run's live turn-level attempts per instance."""
     gyms = list(gyms)
     rows = await fetch(
         engine,
-        "SELECT gym_instance_id, rollout_id, gym_attempt FROM attempts WHERE run_id = :r AND is_current "
-        "AND (status = 'dispatched' OR (status = 'reserved' AND gym_attempt > 0)) AND gym_instance_id IS NOT NULL",
+        "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id "
+        "AND g.group_id = a.group_id WHERE a.run_id = :r AND a.is_current AND g.restore_level = 'turn' "
+        "AND (a.status = 'dispatched' OR (a.status = 'reserved' AND a.gym_attempt > 0)) AND a.gym_instance_id IS NOT NULL",
         r=run_id,
     )
     candidates: dict[str, list[Episode]] = {g.instance_id: [] for g in gyms}
