@@ -325,18 +325,21 @@ async def test_c43_stale_checkpoint_on_renew_aborts_as_lease_lost_and_resumes(
     assert min(c.sent_at for c in resumes) >= min(c.sent_at for c in stale)
 
 
-@pytest.mark.parametrize("code", ["stale_checkpoint", "checkpoint_stale_checkpoint", "checkpoint_stale"])
-async def test_c43_stale_checkpoint_on_commit_is_lease_lost(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, code: str) -> None:
-    inst = start_gym(faults=[{"server_name": "calendar_resources", "op": "commit", "type": "error", "status": 409, "code": code}])
+async def test_c43_stale_checkpoint_on_commit_is_lease_lost(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any) -> None:
+    inst = start_gym()
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
-                   capture_hook=nothing_hook, drain_timeout_s=5)
-    with pytest.raises(GymControlError) as info:
-        await save.run()
-    assert info.value.failure_class is FailureClass.LEASE_LOST
-    assert info.value.server_names() == {inst.instance_id: ["calendar_resources"]}
-    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
-    assert_all_idle(inst)
+    for code in ("stale_checkpoint", "checkpoint_stale_checkpoint", "checkpoint_stale"):
+        await asyncio.to_thread(inst.admin, "POST", "/admin/faults", {
+            "server_name": "calendar_resources", "op": "commit", "type": "error", "status": 409, "code": code, "times": 1})
+        recorder.clear()
+        save = GymSave(client, topo, snapshot_dir=str(tmp_path / code), candidates={}, drain_hook=nothing_hook,
+                       capture_hook=nothing_hook, drain_timeout_s=5)
+        with pytest.raises(GymControlError) as info:
+            await save.run()
+        assert info.value.failure_class is FailureClass.LEASE_LOST, code
+        assert info.value.server_names() == {inst.instance_id: ["calendar_resources"]}
+        assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
+        assert_all_idle(inst)
 
 
 async def test_c43_clock_past_known_lease_expiry_is_lease_lost(start_gym: StartGym) -> None:
@@ -439,26 +442,29 @@ def _tamper(kind: str) -> tuple[str, Callable[[int, Any], tuple[int, Any]]]:
     }[kind]
 
 
-@pytest.mark.parametrize("kind", ["kind", "participant", "checkpoint", "outside-scope", "staging-mismatch", "stranded"])
 async def test_c45_invalid_commit_replies_fail_as_protocol_error(
-    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, kind: str
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
     inst = start_gym()
     rows.start(inst, "r1")
     await wait_running(inst, ["r1"])
-    server, fn = _tamper(kind)
-    recorder.rewrite(f"/s/{server}/", "commit", fn)
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
-                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
-    with pytest.raises(GymControlError) as info:
-        await save.run()
-    err = info.value
-    assert err.failure_class is FailureClass.PROTOCOL_ERROR and not err.transient
-    assert server in err.server_names()[inst.instance_id]
-    assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
-    if kind == "stranded":
-        assert "stranded sessions: 1" in str(err)
+    # One tampered reply per save; the episode keeps running across them (each save resumes).
+    for kind in ("kind", "participant", "checkpoint", "outside-scope", "staging-mismatch", "stranded"):
+        server, fn = _tamper(kind)
+        recorder.rewrites.clear()
+        recorder.rewrite(f"/s/{server}/", "commit", fn)
+        recorder.clear()
+        save = GymSave(client, topo, snapshot_dir=str(tmp_path / kind), candidates={inst.instance_id: [Episode("r1", 0)]},
+                       drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+        with pytest.raises(GymControlError) as info:
+            await save.run()
+        err = info.value
+        assert err.failure_class is FailureClass.PROTOCOL_ERROR and not err.transient, (kind, err)
+        assert server in err.server_names()[inst.instance_id], kind
+        assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS), kind
+        if kind == "stranded":
+            assert "stranded sessions: 1" in str(err)
 
 
 async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym, client: GymControlClient, tmp_path: Any) -> None:

@@ -147,17 +147,16 @@ async def test_c62_codes_recognised_in_both_spellings(
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
-async def test_c62_restart_in_scope_and_deadline_exceeded(
-    start_gym: StartGym, client: GymControlClient, tmp_path: Any, spelling: str
-) -> None:
+async def test_c62_restart_in_scope_and_deadline_exceeded(start_gym: StartGym, tmp_path: Any, spelling: str) -> None:
     inst = start_gym(server_config(default_instance_config(wire_spelling=spelling, turn_seconds=0.3, resources_mode="restart_only"),
-                                   "workplace_agent", export_seconds=3))
+                                   "workplace_agent", export_seconds=1.0))
     async with httpx.AsyncClient(timeout=None) as h:
         row = asyncio.ensure_future(h.post(inst.servers["workplace_agent"] + "/run",
                                            json={"_ng_rollout_id": "r1", "_ng_attempt_index": 0, "task": {}, "turns": 50}))
         try:
             while not (await asyncio.to_thread(inst.state, "workplace_agent"))["episodes"].get("r1", {}).get("turn"):
                 await asyncio.sleep(0.05)
+            client = GymControlClient(control_timeout_s=0.4, prepare_timeout_s=2)
             topo = await topology(client, inst)
             cid = client.new_checkpoint_id("62d")
             prepared = await client.prepare(cid, topo)
@@ -168,36 +167,35 @@ async def test_c62_restart_in_scope_and_deadline_exceeded(
             parts = info.value.instances[inst.instance_id]
             assert parts["calendar_resources"]["code"] == "restart_in_scope"
             assert parts["calendar_resources"]["class"] == "protocol_error"
-            # The slow agent export overran its 1 s deadline.
+            # The slow agent export (1 s) overran its 0.4 s deadline.
             assert parts["workplace_agent"]["code"] == "deadline_exceeded"
             assert parts["workplace_agent"]["class"] == "unavailable"
             assert info.value.failure_class is FailureClass.PROTOCOL_ERROR and not info.value.transient
             await client.resume(cid, topo)
+            await client.aclose()
         finally:
             row.cancel()
             await asyncio.gather(row, return_exceptions=True)
 
 
-@pytest.mark.parametrize(
-    "status,code,expected",
-    [
+async def test_c62_unknown_codes_classified_by_status(start_gym: StartGym, client: GymControlClient) -> None:
+    inst = start_gym()
+    topo = await topology(client, inst)
+    cases = [
         (418, "mystery_code", FailureClass.PROTOCOL_ERROR),
         (400, "checkpoint_mystery", FailureClass.PROTOCOL_ERROR),
         (502, "bad_gateway", FailureClass.UNAVAILABLE),
         (429, "slow_down", FailureClass.UNAVAILABLE),
         (503, "checkpoint_coordinator_unavailable", FailureClass.UNAVAILABLE),
         (500, "checkpoint_error", FailureClass.UNAVAILABLE),
-    ],
-)
-async def test_c62_unknown_codes_classified_by_status(
-    start_gym: StartGym, client: GymControlClient, status: int, code: str, expected: FailureClass
-) -> None:
-    inst = start_gym(faults=[{"server_name": "workplace_agent", "op": "prepare", "type": "error", "status": status, "code": code}])
-    topo = await topology(client, inst)
-    with pytest.raises(GymControlError) as info:
-        await client.prepare(client.new_checkpoint_id("62e"), topo)
-    assert info.value.failure_class is expected
-    assert info.value.instances[inst.instance_id]["workplace_agent"]["http_status"] == status
+    ]
+    for status, code, expected in cases:
+        await asyncio.to_thread(inst.admin, "POST", "/admin/faults", {
+            "server_name": "workplace_agent", "op": "prepare", "type": "error", "status": status, "code": code, "times": 1})
+        with pytest.raises(GymControlError) as info:
+            await client.prepare(client.new_checkpoint_id("62e"), topo)
+        assert info.value.failure_class is expected, (status, code)
+        assert info.value.instances[inst.instance_id]["workplace_agent"]["http_status"] == status
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)

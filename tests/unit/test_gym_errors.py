@@ -6,7 +6,7 @@ import json
 import pickle
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from checkpoint_coordinator.gym.dataplane import RunDisposition, classify_run_reply
@@ -52,6 +52,7 @@ def test_table_covers_every_legacy_code() -> None:
     assert {row[0] for row in TABLE} == set(LEGACY_CODES)
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=40))
 def test_unknown_codes_are_kept_as_they_are(code: str) -> None:
     known = {row[0] for row in TABLE} | {row[1] for row in TABLE} | {a for row in TABLE for a in row[2]}
@@ -60,6 +61,7 @@ def test_unknown_codes_are_kept_as_they_are(code: str) -> None:
     assert normalize_code(code) == code
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.text(min_size=1, max_size=20).filter(lambda c: normalize_code(c) == c and c not in LEGACY_CODES),
        st.integers(min_value=400, max_value=599))
 def test_c62_unknown_code_classified_by_status(code: str, status: int) -> None:
@@ -95,6 +97,7 @@ def test_known_code_classes(code: str | None, status: int, expected: FailureClas
     assert classify(code, status) is expected
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.text(max_size=3000))
 def test_detail_truncated_to_4kib_utf8(text: str) -> None:
     cut = truncate_detail(text)
@@ -111,6 +114,7 @@ def _part(cls: FailureClass, op: str = "prepare") -> dict:
     return server_failure(cls, op, f"{cls} happened", http_status=409, code="x")
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from(list(FailureClass)), min_size=1, max_size=6))
 def test_c64_multi_instance_failure_transient_only_if_all_parts_are(classes: list[FailureClass]) -> None:
     parts = {f"inst-{i}": {"srv": _part(c)} for i, c in enumerate(classes)}

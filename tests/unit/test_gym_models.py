@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -26,6 +26,7 @@ rollout_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,30}", fullmatch=True).
 attempts = st.integers(min_value=0, max_value=10_000)
 
 
+@settings(max_examples=60, deadline=None)
 @given(rollout_ids, attempts)
 def test_c63_capture_key_round_trip(rollout_id: str, attempt: int) -> None:
     key = format_capture_key(rollout_id, attempt)
@@ -53,6 +54,7 @@ def test_rollout_id_rule_reserves_the_suffix() -> None:
         Episode.checked("r1", True)  # type: ignore[arg-type]
 
 
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(rollout_ids, attempts), max_size=30))
 def test_c63_scope_is_sorted_unique_objects(pairs: list[tuple[str, int]]) -> None:
     wire = episodes_to_wire(Episode(r, a) for r, a in pairs + pairs)
