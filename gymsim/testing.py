@@ -118,7 +118,7 @@ class GymsimInstance:
         deadline = time.monotonic() + START_TIMEOUT
         while not server.started:
             if not thread.is_alive() or time.monotonic() > deadline:
-                server.should_exit = True
+                server.request_exit(force=True)
                 raise RuntimeError(f"gymsim instance {config.instance_id} did not start")
             time.sleep(0.01)
         line = ready_line(instance)
@@ -186,9 +186,10 @@ class GymsimInstance:
                 self._process.send_signal(signal.SIGKILL)
             self._process.wait()
         elif self._server is not None:
+            # Work is cancelled first (clients see their connections drop), so a normal exit is
+            # immediate; a forced one would skip the app's shutdown and leave its tasks dangling.
             self._cancel_work()
-            self._server.should_exit = True
-            self._server.force_exit = True
+            self._server.request_exit()
             self._thread.join(10)
             self._instance = None
         self._cleanup()
@@ -205,7 +206,7 @@ class GymsimInstance:
                     self._process.wait()
         elif self._server is not None:
             self._cancel_work()
-            self._server.should_exit = True
+            self._server.request_exit()
             self._thread.join(10)
         self._cleanup()
 

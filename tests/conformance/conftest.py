@@ -20,6 +20,8 @@ async def start(tmp_path):
     harnesses: list[Harness] = []
 
     async def _start(config: dict[str, Any] | None = None, **overrides: Any) -> Harness:
+        # Short turns keep the suite quick; checks that need slow turns ask for them.
+        overrides.setdefault("turn_seconds", 0.02)
         cfg = config if config is not None else default_instance_config(**overrides)
         gym = await asyncio.to_thread(GymsimInstance.start, cfg)
         gyms.append(gym)
@@ -34,8 +36,7 @@ async def start(tmp_path):
         await harness.aclose()
     for client in clients:
         await client.aclose()
-    for gym in gyms:
-        await asyncio.to_thread(gym.stop)
+    await asyncio.gather(*(asyncio.to_thread(gym.stop) for gym in gyms))
 
 
 @pytest.fixture

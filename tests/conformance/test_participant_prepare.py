@@ -48,9 +48,9 @@ async def test_p6_prepare_replies_prepared_once_nothing_blocks(start):
 
 async def test_p6_not_ready_by_the_deadline_caps_and_sorts_blockers(start):
     h = await start()
-    sessions = [f"s{i:03d}" for i in range(110)]
+    sessions = [f"s{i:03d}" for i in range(105)]
     requests = [asyncio.ensure_future(h.mutate(s, work_seconds=60)) for s in reversed(sessions)]
-    await h.wait_until(lambda: h.state(RESOURCES)["report"]["counts"]["in_flight"] == 110)
+    await h.wait_until(lambda: h.state(RESOURCES)["report"]["counts"]["in_flight"] == 105)
 
     started = time.monotonic()
     reply = await h.ok(RESOURCES, "prepare", h.body("c1", 0.3))
@@ -58,7 +58,7 @@ async def test_p6_not_ready_by_the_deadline_caps_and_sorts_blockers(start):
     assert reply["phase"] == "preparing"
     report = reply["report"]
     assert report["ready"] is False
-    assert report["blocker_count"] == 110
+    assert report["blocker_count"] == 105
     assert report["blockers"] == sorted(sessions)[:100]
 
     # Admission stays closed: a new request waits instead of running.
