@@ -59,7 +59,7 @@ class CutGroup:
     agent_name: str | None = None
     task_source: str | None = None
     target_step: int | None = None
-    weight_version: int | None = None
+    weight_version: int | str | None = None
 
 
 class CutAttempt(NamedTuple):

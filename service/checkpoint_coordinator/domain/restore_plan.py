@@ -85,6 +85,8 @@ __all__ = [
     "demote_continuations",
     "validate_cut",
     "cut_issues",
+    "retire_items",
+    "mint_needs_check",
     "RetireList",
     "check_manifest_against_cut",
     "manifest_disagreements",
@@ -404,6 +406,19 @@ def restore_without_gym_state(
     return _plan(
         cut, None, new_rollout_id, with_gym_state=False, verify_ids=verify_unique_rollout_ids
     )
+
+
+def retire_items(cut: Cut) -> list[RetireItem]:
+    """Attempts of live groups that the cut knows as possibly running in Gym: ``dispatched``,
+    or a reserved Gym-owned continuation (``gym_attempt > 0``). The same rule as
+    :func:`restore_without_gym_state`, for callers that need only the list (ledger spec 6.6)."""
+    live = {g.group_id for g in cut.groups if g.status in _LIVE_GROUP}
+    out = []
+    for a in cut.attempts:
+        gid, _idx, aid, rid, inst, gym_att, _ga, st = a[:8]
+        if gid in live and (st == "dispatched" or (st == "reserved" and gym_att > 0)):
+            out.append(RetireItem(inst, rid, gym_att, aid))
+    return out
 
 
 def validate_cut(cut: Cut) -> None:
