@@ -239,12 +239,6 @@ def call(req: RequestSpec, policy: RetryPolicy) -> Flow[Any]:
         yield Sleep(wait)
 
 
-def returned(value: T) -> Flow[T]:
-    """A flow that performs nothing and returns ``value`` (keeps call sites uniform)."""
-    return value
-    yield  # pragma: no cover - makes this a generator
-
-
 __all__ = [
     "RETRY_STATUSES",
     "RequestSpec",

@@ -191,7 +191,9 @@ class DataPlaneRef:
         if isinstance(value, DataPlaneRef):
             return value
         if isinstance(value, Mapping):
-            return cls(str(_req(value, "path", "capture")), str(_req(value, "digest", "capture")))
+            if not value.get("path") or not value.get("digest"):
+                raise ValueError(f"capture must return a non-empty path and digest, got {dict(value)!r}")
+            return cls(str(value["path"]), str(value["digest"]))
         if isinstance(value, tuple) and len(value) == 2:
             return cls(str(value[0]), str(value[1]))
         raise TypeError(f"capture must return {{path, digest}}, a (path, digest) pair or a DataPlaneRef, not {type(value).__name__}")
