@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .testing import GymsimInstance
+from .testing import GymsimInstance, default_instance_config
 
 MODEL = "policy_model"
 AGENT = "workplace_agent"
@@ -259,3 +259,43 @@ class Harness:
             return counts["at_boundary"] >= count and counts["working"] == 0
 
         await self.wait_until(parked, timeout)
+
+
+class HarnessPool:
+    """Starts instances with harnesses and tears all of them down at the end (a fixture's body)."""
+
+    def __init__(self, default_turn_seconds: float = 0.02) -> None:
+        self.default_turn_seconds = default_turn_seconds
+        self._gyms: list[GymsimInstance] = []
+        self._harnesses: list[Harness] = []
+
+    async def start(self, config: dict[str, Any] | None = None, **overrides: Any) -> Harness:
+        """`start(**overrides)` of `default_instance_config`, or `start(config=...)` verbatim."""
+        # Short turns keep checks quick; a check that needs slow turns asks for them.
+        overrides.setdefault("turn_seconds", self.default_turn_seconds)
+        cfg = config if config is not None else default_instance_config(**overrides)
+        gym = await asyncio.to_thread(GymsimInstance.start, cfg)
+        self._gyms.append(gym)
+        client = httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=500))
+        harness = Harness(gym, client)
+        self._harnesses.append(harness)
+        return harness
+
+    async def close(self) -> None:
+        for harness in self._harnesses:
+            await harness.aclose()
+            await harness.client.aclose()
+        await asyncio.gather(*(asyncio.to_thread(gym.stop) for gym in self._gyms))
+
+
+def checkpoint_dirs(base):
+    """A factory of fresh `<snapshot>/gym-instances/<instance_id>` directories under `base`, as the
+    coordinator creates them before commit."""
+    counter = iter(range(1_000_000))
+
+    def make(name: str | None = None):
+        path = base / "snap" / (name or f"d{next(counter)}") / "gym-instances" / "math" / "replica-0"
+        path.mkdir(parents=True)
+        return path
+
+    return make

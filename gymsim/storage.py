@@ -103,6 +103,7 @@ def write_participant_state(
     token = secrets.token_hex(8)
     tmp_records = directory / f".records-{token}.tmp"
     tmp_manifest = directory / f".manifest-{token}.tmp"
+    created_records: Path | None = None
     try:
         digest = hashlib.sha256()
         count = 0
@@ -116,10 +117,6 @@ def write_participant_state(
             os.fsync(handle.fileno())
         sha = digest.hexdigest()
         records_file = f"records-{sha}.jsonl"
-        # A content-addressed name never changes: an existing file with this name has these bytes.
-        os.replace(tmp_records, directory / records_file)
-        _fsync_dir(directory)
-
         manifest = {
             **(extras or {}),
             "schema_version": SCHEMA_VERSION,
@@ -130,6 +127,20 @@ def write_participant_state(
             "records_sha256": sha,
             "record_count": count,
         }
+        existing = read_manifest(directory)
+        if existing is not None:
+            # Published already (a retried write): return it if it is this commit, else touch nothing.
+            return Written(manifest=_same_commit(existing, manifest, directory), directory=directory)
+
+        try:
+            # Linking (not renaming) tells whether this writer created the file, so a loser of the
+            # manifest race below can take back exactly what it added.
+            os.link(tmp_records, directory / records_file)
+            created_records = directory / records_file
+        except FileExistsError:
+            pass  # content-addressed: an existing file with this name has these bytes
+        _fsync_dir(directory)
+
         with open(tmp_manifest, "wb") as handle:
             handle.write(json.dumps(manifest, sort_keys=True, indent=1).encode("utf-8"))
             handle.flush()
@@ -138,10 +149,10 @@ def write_participant_state(
             os.link(tmp_manifest, directory / MANIFEST)
         except FileExistsError:
             existing = read_manifest(directory) or {}
-            same = all(existing.get(k) == manifest[k] for k in ("checkpoint_id", "kind", "instance", "records_sha256"))
-            if not same:
-                raise _invalid(f"{directory / MANIFEST} was published by another checkpoint or with other records")
-            manifest = existing
+            if created_records is not None and existing.get("records_file") != records_file:
+                created_records.unlink()
+                created_records = None
+            manifest = _same_commit(existing, manifest, directory)
         _fsync_dir(directory)
         return Written(manifest=manifest, directory=directory)
     except OSError as exc:
@@ -150,10 +161,14 @@ def write_participant_state(
         for leftover in (tmp_records, tmp_manifest):
             try:
                 leftover.unlink()
-            except FileNotFoundError:
-                pass
             except OSError:
                 pass
+
+
+def _same_commit(existing: dict[str, Any], ours: dict[str, Any], directory: Path) -> dict[str, Any]:
+    if all(existing.get(k) == ours[k] for k in ("checkpoint_id", "kind", "instance", "records_sha256")):
+        return existing
+    raise _invalid(f"{directory / MANIFEST} was published by another checkpoint or with other records")
 
 
 @dataclass(frozen=True)
