@@ -5,7 +5,7 @@ its own control connection pool and an injectable clock. Failures leave it as
 :class:`GymControlError`, whose ``to_dict()`` is the plain data of spec section 9.
 """
 
-from .client import GymControlClient, RestoreCleanup, Topology
+from .client import GymControlClient, RestoreCleanup, Topology, callers_first
 from .clock import Clock, ManualClock, SystemClock
 from .dataplane import RunDisposition, RunOutcome, classify_run_reply
 from .errors import FailureClass, GymControlError, classify, normalize_code
@@ -62,6 +62,7 @@ __all__ = [
     "SystemClock",
     "Topology",
     "build_gym_manifest",
+    "callers_first",
     "check_restart_only",
     "classify",
     "classify_run_reply",

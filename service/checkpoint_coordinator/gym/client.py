@@ -70,7 +70,7 @@ from .results import (
     ResumeReport,
 )
 
-__all__ = ["GymControlClient", "RestoreCleanup", "Topology"]
+__all__ = ["GymControlClient", "RestoreCleanup", "Topology", "callers_first"]
 
 log = logging.getLogger("checkpoint_coordinator.gym")
 
@@ -747,8 +747,11 @@ class GymControlClient:
         missing = sorted(set(plan.instances) - set(specs))
         unknown = sorted(set(specs) - set(plan.instances))
         if missing or unknown:
-            parts = {iid: {INSTANCE_WIDE: server_failure(FailureClass.TOPOLOGY_MISMATCH, "restore", "instance in the snapshot but not live")} for iid in missing}
-            parts.update({iid: {INSTANCE_WIDE: server_failure(FailureClass.TOPOLOGY_MISMATCH, "restore", "live instance not in the snapshot")} for iid in unknown})
+            parts = {
+                iid: {INSTANCE_WIDE: server_failure(FailureClass.TOPOLOGY_MISMATCH, "restore", why)}
+                for ids, why in ((missing, "instance in the snapshot but not live"), (unknown, "live instance not in the snapshot"))
+                for iid in ids
+            }
             raise GymControlError.from_parts(
                 parts,
                 f"live Gym instances differ from the snapshot's: missing {missing}, unknown {unknown}",
@@ -774,7 +777,10 @@ class GymControlClient:
                 absent,
                 "snapshot participants missing from the live deployment: "
                 + ", ".join(f"{iid}/{s}" for iid, ss in sorted(absent.items()) for s in sorted(ss)),
-                extra={"missing_participants": {iid: sorted(ss) for iid, ss in absent.items()}, "rollouts_to_restart": everything},
+                extra={
+                    "missing_participants": {iid: sorted(ss) for iid, ss in absent.items()},
+                    "rollouts_to_restart": everything,
+                },
             )
         busy = {iid: inst for iid, inst in live.items() if inst.active_ids}
         if busy:
@@ -789,7 +795,9 @@ class GymControlClient:
                 }
                 for iid, inst in busy.items()
             }
-            error = GymControlError.from_parts(parts, "restore needs every participant idle", extra={"rollouts_to_restart": everything})
+            error = GymControlError.from_parts(
+                parts, "restore needs every participant idle", extra={"rollouts_to_restart": everything}
+            )
             if error.transient:
                 # Only our own orphans: resume them, so that a retried restore finds them idle.
                 try:
@@ -1018,7 +1026,7 @@ class GymControlClient:
                 )
             else:
                 parts: dict[str, ServerFailure] = {}
-                for stage in _callers_first(inst):
+                for stage in callers_first(inst):
                     deadline = deadline_ts if deadline_ts is not None else self.clock.time() + self.control_timeout_s
                     body = encode_body({"checkpoint_id": checkpoint_id, "deadline_ts": deadline, **make_body(batch)})
                     replies = await asyncio.gather(
@@ -1086,8 +1094,11 @@ def _make_dirs(paths: Iterable[str]) -> None:
         os.makedirs(path, exist_ok=True)
 
 
-def _callers_first(inst: InstanceTopology) -> list[list[Participant]]:
-    """Retire and forget order: environment, then agent, then model and resources together."""
+def callers_first(inst: InstanceTopology) -> list[list[Participant]]:
+    """Retire and forget order: environment, then agent, then model and resources together.
+
+    Public so that a durable outbox can record its progress stage by stage.
+    """
     order = {ENVIRONMENT: 0, AGENT: 1, MODEL: 2, RESOURCES: 2}
     groups: dict[int, list[Participant]] = {}
     for p in inst.participants:
@@ -1349,9 +1360,3 @@ def _validate_restore(
                 samples=_sample(never),
             )
     return parts
-
-
-def callers_first(inst: InstanceTopology) -> list[list[Participant]]:
-    """Public form of the retire/forget stage order, for a durable outbox that records its
-    progress stage by stage."""
-    return _callers_first(inst)
