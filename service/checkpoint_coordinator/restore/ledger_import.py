@@ -42,7 +42,9 @@ async def import_document(
     try:
         ledger = load_legacy_ledger(document)
     except LegacyLedgerError as e:
-        raise domain_problem(e, prefix="document", error=LedgerImportRefused) from e
+        problem = domain_problem(e, prefix="document", error=LedgerImportRefused)
+        problem.code = e.code  # legacy_ledger_version or legacy_ledger_invalid
+        raise problem from e
     if anchor_step is None:
         steps = [g.target_step for g in ledger.cut.groups if g.target_step is not None]
         stamps = ledger.sampler_stamps_target_steps
