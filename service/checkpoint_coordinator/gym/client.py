@@ -225,12 +225,11 @@ class GymControlClient:
 
     async def discover_all(self, specs: Iterable[InstanceSpec]) -> dict[str, InstanceTopology]:
         specs = list(specs)
-        outcomes = await asyncio.gather(
-            *(_catch(self.discover_instance(s)) for s in specs)
-        )
+        outcomes = await asyncio.gather(*(_catch(self.discover_instance(s)) for s in specs))
         errors = [o for o in outcomes if isinstance(o, GymControlError)]
         if errors:
-            raise GymControlError.combine(errors) if len(errors) > 1 else errors[0]
+            # All or nothing across instances too: a restore or setup needs every one of them.
+            raise GymControlError.combine(errors)
         return {s.instance_id: o for s, o in zip(specs, outcomes) if isinstance(o, InstanceTopology)}
 
     async def discover_instance(self, spec: InstanceSpec) -> InstanceTopology:
@@ -397,7 +396,7 @@ class GymControlClient:
         """Section 3, phase at discovery: resume checkpoints this coordinator left open.
 
         Every participant of an instance gets the resume, not only the one holding the id.
-        A foreign id raises ``conflict`` naming its holders, and nothing is resumed there.
+        A foreign id raises ``conflict`` naming its holders, before anything is resumed.
         """
         foreign: dict[str, dict[str, ServerFailure]] = {}
         orphans: dict[str, set[str]] = {}
