@@ -179,6 +179,26 @@ def test_redact_value_keeps_harmless_values() -> None:
     assert redact_value({"Authorization": "Basic Zm9vOmJhcg=="}) == {"Authorization": REDACTED}
 
 
+def test_configure_takes_back_loggers_uvicorn_configured() -> None:
+    import logging.config
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    logging.config.dictConfig(LOGGING_CONFIG)  # what uvicorn.run does with its default log_config
+    access = logging.getLogger("uvicorn.access")
+    access.disabled = True
+    access.setLevel(logging.WARNING)
+    stream = io.StringIO()
+    handler = configure_logging("json", stream=stream)
+    try:
+        access.info('%s - "GET /v1/runs/r?token=%s HTTP/1.1" 200', "127.0.0.1:5", "tok-ABC123xyz")
+        (entry,) = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert entry["logger"] == "uvicorn.access" and "tok-ABC123xyz" not in entry["msg"]
+        assert not access.handlers and access.propagate
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
 def test_configure_is_idempotent_and_adopts_uvicorn() -> None:
     root = logging.getLogger()
     h1 = configure_logging("json", stream=io.StringIO())

@@ -270,9 +270,13 @@ def configure_logging(
     root.setLevel(level.upper() if isinstance(level, str) else level)
 
     for name in _ADOPTED_LOGGERS:
+        # uvicorn's own dictConfig may have run before (tests, embedding): it leaves these
+        # loggers with their own handlers and levels, or disabled; take them back.
         adopted = logging.getLogger(name)
         adopted.handlers.clear()
         adopted.propagate = True
+        adopted.disabled = False
+        adopted.setLevel(logging.NOTSET)
     # httpx logs every request URL at INFO; control-plane URLs are fine but noisy.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return handler
