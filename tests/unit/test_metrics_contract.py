@@ -34,11 +34,8 @@ METRICS_FILE = SERVICE / "checkpoint_coordinator" / "observability" / "metrics.p
 # when the snapshot, restore, outbox, gym and ledger code records them.
 NOT_YET_RECORDED: frozenset[str] = frozenset(
     {
-        "ckptc_snapshots_in_progress",  # snapshots/runner.py: being written
         "ckptc_gym_control_seconds",  # gym/ client: observe_gym_control per participant call
-        "ckptc_restore_siblings_total",  # restore/: record_restore_plan when a plan is applied
-        "ckptc_restore_duration_seconds",  # restore/: observe_restore_duration
-        "ckptc_run_leases_held",  # the lease worker: set_run_leases_held
+        "ckptc_run_leases_held",  # the ownership-lease worker: set_run_leases_held
     }
 )
 
