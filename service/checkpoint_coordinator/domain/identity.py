@@ -229,33 +229,38 @@ def rollout_id_minter(token_hex: TokenHex, batch: int = 256) -> Callable[[str, i
     checked: set[str] = set()
     hex_ok = re.compile(r"[0-9a-f]*").fullmatch
     want = 32 * batch
+    limit = MAX_GENERATIONS
     buf = ""
     at = want  # forces a draw on first use
 
-    def new_rollout_id(group_id: str, generation_index: int) -> str:
+    def refill() -> None:
         nonlocal buf, at
+        drawn = token_hex(16 * batch)
+        if type(drawn) is not str or len(drawn) != want or hex_ok(drawn) is None:
+            raise IdentityError(
+                [
+                    FieldIssue(
+                        ("token_hex",),
+                        f"token_hex({16 * batch}) must return {want} lowercase hex digits",
+                    )
+                ]
+            )
+        buf = drawn
+        at = 0
+
+    def new_rollout_id(group_id: str, generation_index: int) -> str:
+        nonlocal at
         if group_id not in checked:
             GROUP_ID.validate(group_id, ("group_id",))
             checked.add(group_id)
-        if generation_index.__class__ is not int or not 0 <= generation_index < MAX_GENERATIONS:
+        if generation_index.__class__ is not int or not 0 <= generation_index < limit:
             _check_index(generation_index, ("generation_index",))
         if at >= want:
-            drawn = token_hex(16 * batch)
-            if type(drawn) is not str or len(drawn) != want or hex_ok(drawn) is None:
-                raise IdentityError(
-                    [
-                        FieldIssue(
-                            ("token_hex",),
-                            f"token_hex({16 * batch}) must return {want} lowercase hex digits",
-                        )
-                    ]
-                )
-            buf = drawn
-            at = 0
-        h = buf[at : at + 32]
-        at += 32
+            refill()
+        start = at
+        at = start + 32
         # group id <= 180, index < 65536, so the id is <= 223 characters and matches NAME.
-        return f"{group_id}_g{generation_index}_a{h}"
+        return f"{group_id}_g{generation_index}_a{buf[start:at]}"
 
     # Read by the restore plan: ids carry 128 bits of fresh randomness each.
     new_rollout_id.random_bits = 128  # type: ignore[attr-defined]
