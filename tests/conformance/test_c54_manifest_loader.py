@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import re
 from typing import Any
 
@@ -385,6 +386,7 @@ def test_round_trip(doc: dict[str, Any]) -> None:
     assert load_gym_manifest(dumped) == m
     raw = manifest_to_json_bytes(m)
     assert manifest_from_json_bytes(raw) == m
+    assert pickle.loads(pickle.dumps(m)) == m
     # sorted keys at every level, as written to gym_checkpoint.json
     assert raw == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     # building from commit results gives the same manifest

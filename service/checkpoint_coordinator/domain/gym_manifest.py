@@ -134,6 +134,9 @@ class GymManifest:
     def restart_count(self) -> int:
         return sum(len(i.restarts) for i in self.instances.values())
 
+    def __reduce__(self):  # picklable: through its JSON form, re-validated on load
+        return (load_gym_manifest, (dump_gym_manifest(self),))
+
 
 def _fail(loc: Iterable[str | int], message: str) -> ManifestError:
     return ManifestError([FieldIssue(tuple(loc), message)])

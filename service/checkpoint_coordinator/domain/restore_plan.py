@@ -52,9 +52,8 @@ read. See ``RestorePlan.rows``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from operator import itemgetter
 from enum import Enum
+from operator import itemgetter
 from types import MappingProxyType
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, overload
 
@@ -69,7 +68,7 @@ from .errors import (
 from .gym_manifest import Episode, GymManifest
 from .identity import MAX_GENERATIONS
 from .levels import RestoreLevel
-from .snapshot_state import AttemptStatus, GroupStatus
+from .snapshot_state import GroupStatus
 
 __all__ = [
     "Disposition",
