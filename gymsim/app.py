@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from .config import FaultSpec, ServerName
 from .faults import Connection, FaultMiddleware
 from .instance import Instance
-from .kinds import AgentParticipant, DropConnection, ModelParticipant, MutateBody, ResourcesParticipant, completion
-from .participant import Participant
+from .kinds import AgentParticipant, ModelParticipant, MutateBody, ResourcesParticipant, completion
+from .participant import DropConnection, Participant
 from .wire import BODY_MODELS, ProtocolError, RolloutId, is_valid_capture_key
 
 # Commit and restore scopes can name hundreds of thousands of episodes (spec 2: at least 64 MiB).
@@ -133,7 +133,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(request: Request, exc: ProtocolError):
-        return JSONResponse(exc.envelope(config.wire_spelling), status_code=exc.status)
+        return JSONResponse(exc.envelope(instance.config.wire_spelling), status_code=exc.status)
 
     @app.exception_handler(BodyInvalid)
     async def _body_invalid(request: Request, exc: BodyInvalid):
@@ -156,7 +156,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         error = ProtocolError("checkpoint_error", f"unexpected participant fault: {exc!r}", status=500)
-        return JSONResponse(error.envelope(config.wire_spelling), status_code=500)
+        return JSONResponse(error.envelope(instance.config.wire_spelling), status_code=500)
 
     # ------------------------------------------------------------------ control protocol
 
@@ -242,7 +242,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
             payload = payload["faults"]
         parsed = _FAULTS.validate_python(payload)
         specs = parsed if isinstance(parsed, list) else [parsed]
-        unknown = sorted({s.server_name for s in specs} - {s.server_name for s in config.servers})
+        unknown = sorted({s.server_name for s in specs} - {s.server_name for s in instance.config.servers})
         if unknown:
             raise ProtocolError("unknown_server", f"faults name unknown servers {unknown}", status=404)
         instance.faults.add(specs)
@@ -261,6 +261,12 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
         participant(body.server_name)
         instance.kill_server(body.server_name)
         return {"killed": body.server_name}
+
+    @app.post("/admin/reset")
+    async def admin_reset(request: Request):
+        authorize(request)
+        instance.reset()
+        return {"reset": instance.config.instance_id}
 
     @app.post("/admin/clock")
     async def admin_clock(request: Request):

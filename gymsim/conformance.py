@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from .config import InstanceConfig
 from .testing import GymsimInstance, default_instance_config
 
 MODEL = "policy_model"
@@ -261,10 +262,49 @@ class Harness:
         await self.wait_until(parked, timeout)
 
 
+class InstanceCache:
+    """Running instances kept across checks, keyed by their exact config.
+
+    Starting and stopping uvicorn costs more than most checks; a released instance is reset
+    (fresh participants, configured faults and knobs, clock offset 0) and handed to the next check
+    that asks for the same config.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[str, list[GymsimInstance]] = {}
+        self._all: list[GymsimInstance] = []
+
+    @staticmethod
+    def key(config: "dict[str, Any] | InstanceConfig") -> str:
+        return InstanceConfig.coerce(config).model_dump_json()
+
+    def acquire(self, config: "dict[str, Any] | InstanceConfig") -> GymsimInstance:
+        idle = self._idle.get(self.key(config))
+        if idle:
+            return idle.pop()
+        gym = GymsimInstance.start(config)
+        self._all.append(gym)
+        return gym
+
+    def release(self, gym: GymsimInstance) -> None:
+        try:
+            gym.reset()
+        except (httpx.HTTPError, RuntimeError):
+            return  # a broken or stopped instance is not reused
+        self._idle.setdefault(self.key(gym.config), []).append(gym)
+
+    def close(self) -> None:
+        for gym in self._all:
+            gym.stop()
+        self._all.clear()
+        self._idle.clear()
+
+
 class HarnessPool:
     """Starts instances with harnesses and tears all of them down at the end (a fixture's body)."""
 
-    def __init__(self, default_turn_seconds: float = 0.02) -> None:
+    def __init__(self, cache: InstanceCache | None = None, default_turn_seconds: float = 0.02) -> None:
+        self.cache = cache
         self.default_turn_seconds = default_turn_seconds
         self._gyms: list[GymsimInstance] = []
         self._harnesses: list[Harness] = []
@@ -274,7 +314,10 @@ class HarnessPool:
         # Short turns keep checks quick; a check that needs slow turns asks for them.
         overrides.setdefault("turn_seconds", self.default_turn_seconds)
         cfg = config if config is not None else default_instance_config(**overrides)
-        gym = await asyncio.to_thread(GymsimInstance.start, cfg)
+        if self.cache is not None:
+            gym = await asyncio.to_thread(self.cache.acquire, cfg)
+        else:
+            gym = await asyncio.to_thread(GymsimInstance.start, cfg)
         self._gyms.append(gym)
         client = httpx.AsyncClient(timeout=30.0, limits=httpx.Limits(max_connections=500))
         harness = Harness(gym, client)
@@ -285,7 +328,8 @@ class HarnessPool:
         for harness in self._harnesses:
             await harness.aclose()
             await harness.client.aclose()
-        await asyncio.gather(*(asyncio.to_thread(gym.stop) for gym in self._gyms))
+        release = self.cache.release if self.cache is not None else GymsimInstance.stop
+        await asyncio.gather(*(asyncio.to_thread(release, gym) for gym in self._gyms))
 
 
 def checkpoint_dirs(base):

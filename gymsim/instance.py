@@ -21,11 +21,18 @@ LEASE_CHECK_SECONDS = 0.05
 
 class Instance:
     def __init__(self, config: InstanceConfig, *, host: str, port: int) -> None:
-        self.config = config
+        self._initial_config = config.model_copy(deep=True)
         self.host = host
         self.port = port
         self.notifier = Notifier()
         self.clock = Clock(self.notifier)
+        self._build(config)
+        self._http: httpx.AsyncClient | None = None
+        self._lease_task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def _build(self, config: InstanceConfig) -> None:
+        self.config = config
         self.faults = FaultRegistry(config.faults)
         self.participants: dict[str, Participant] = {}
         self.non_participants: dict[str, ServerConfig] = {}
@@ -34,9 +41,6 @@ class Instance:
                 self.non_participants[server.server_name] = server
             else:
                 self.participants[server.server_name] = make_participant(self, server)
-        self._http: httpx.AsyncClient | None = None
-        self._lease_task: asyncio.Task | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ addresses
 
@@ -96,6 +100,15 @@ class Instance:
                 log.exception("gymsim: lease check of %s failed", participant.server_name)
 
     # ------------------------------------------------------------------ admin operations
+
+    def reset(self) -> None:
+        """Back to the state right after start: fresh participants, configured faults and knobs,
+        clock offset 0. Lets a test harness reuse a running instance instead of starting one."""
+        for participant in self.participants.values():
+            participant.shutdown()
+        self.clock.offset = 0.0
+        self._build(self._initial_config.model_copy(deep=True))
+        self.notifier.notify()
 
     def kill_server(self, server_name: str) -> None:
         """Replace a participant with a fresh one, as if its process had been restarted."""

@@ -15,12 +15,8 @@ from typing import Annotated, Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from .participant import Pair, Participant, Predicate
+from .participant import DropConnection, Pair, Participant, Predicate
 from .wire import ProtocolError, RolloutId, capture_key, is_valid_capture_key, normalize_code, parse_capture_key
-
-
-class DropConnection(Exception):
-    """The process this request reached was killed: the client sees the connection drop."""
 
 
 def digest_of(value: Any) -> str:
@@ -97,7 +93,9 @@ class ModelParticipant(Participant):
                 # Ready while parked: held until resume; a held response does not block readiness.
                 call.state = "held"
                 self.notifier.notify()
-                await self.clock.wait_for(lambda: self.admission_open or call.released or call.cancelled)
+                await self.clock.wait_for(
+                    lambda: self.admission_open or call.released or call.cancelled or self.killed
+                )
             self._raise_if_cancelled(call)
             ledger = self.ledgers.setdefault(key, [])
             own = f"tq/{key}/"
@@ -117,10 +115,11 @@ class ModelParticipant(Participant):
 
     async def _pause(self, call: Call, seconds: float) -> None:
         if seconds:
-            await self.clock.wait_for(lambda: call.cancelled, self.clock.now() + seconds)
+            await self.clock.wait_for(lambda: call.cancelled or self.killed, self.clock.now() + seconds)
         self._raise_if_cancelled(call)
 
     def _raise_if_cancelled(self, call: Call) -> None:
+        self.ensure_alive()
         if call.cancelled:
             raise ProtocolError("stale_attempt", f"{call.key} was retired while its call ran")
 
@@ -240,9 +239,12 @@ class ResourcesParticipant(Participant):
         if not self.admission_open:
             self.waiting += 1
             try:
-                await self.clock.wait_for(lambda: self.admission_open or self._refused(sid, rollout_id, attempt))
+                await self.clock.wait_for(
+                    lambda: self.admission_open or self.killed or self._refused(sid, rollout_id, attempt)
+                )
             finally:
                 self.waiting -= 1
+            self.ensure_alive()
             self._raise_if_refused(sid, rollout_id, attempt)
         self.in_flight[sid] = self.in_flight.get(sid, 0) + 1
         self.served = True
@@ -271,7 +273,8 @@ class ResourcesParticipant(Participant):
         rollout_id, attempt = await self._enter(sid)
         try:
             if body.work_seconds:
-                await self.clock.sleep(body.work_seconds)
+                await self.clock.wait_for(lambda: self.killed, self.clock.now() + body.work_seconds)
+            self.ensure_alive()
             self._raise_if_refused(sid, rollout_id, attempt)
             session = self._session(sid, (rollout_id, attempt))
             session.counter += 1
@@ -402,11 +405,6 @@ class AgentParticipant(Participant):
         super().__init__(instance, config)
         self.episodes: dict[str, Episode] = {}
         self.native: set[Pair] = set()
-        self.killed = False
-
-    def shutdown(self) -> None:
-        self.killed = True
-        super().shutdown()
 
     # ---------------------------------------------------------------- data plane
 

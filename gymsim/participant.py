@@ -48,6 +48,10 @@ def sorted_pairs(pairs) -> list[Pair]:
     return sorted(pairs, key=lambda p: (p[0], p[1]))
 
 
+class DropConnection(Exception):
+    """The process this request reached was killed: the client sees the connection drop."""
+
+
 @dataclass
 class Stored:
     args: Any
@@ -94,6 +98,7 @@ class Participant:
         self.export_job: ExportJob | None = None
         self.install_job: InstallJob | None = None
         self.served = False
+        self.killed = False
         self.tasks: set[asyncio.Task] = set()
 
         self.counters: dict[str, int] = {
@@ -141,9 +146,15 @@ class Participant:
         return task
 
     def shutdown(self) -> None:
-        """Drop everything, as a killed process would."""
+        """Drop everything, as a killed process would: waiting requests lose their connections."""
+        self.killed = True
         for task in list(self.tasks):
             task.cancel()
+        self.notifier.notify()
+
+    def ensure_alive(self) -> None:
+        if self.killed:
+            raise DropConnection()
 
     @property
     def installing(self) -> bool:
@@ -366,6 +377,7 @@ class Participant:
 
     async def _await_ready(self, cid: str, deadline_ts: float) -> dict[str, Any]:
         while True:
+            self.ensure_alive()
             self.check_lease()
             if self.active_id != cid:
                 # A resume (or lease expiry) ended the checkpoint while this prepare waited.
@@ -427,6 +439,7 @@ class Participant:
             self._extend_lease(body.deadline_ts)
             task = self._write_task(cid, args)
         finished = await self.clock.wait_for(task.done, body.deadline_ts)
+        self.ensure_alive()
         if not finished:
             raise ProtocolError("deadline_exceeded", "the export is still running; a repeated commit awaits it")
         async with self.lock:
@@ -549,10 +562,14 @@ class Participant:
                     job.waiters += 1  # admission stays closed while anyone installs
                     break
             # An earlier install that overran its deadline finishes before this one starts.
-            if not await self.clock.wait_for(earlier.done, body.deadline_ts):
+            finished = await self.clock.wait_for(earlier.done, body.deadline_ts)
+            self.ensure_alive()
+            if not finished:
                 raise ProtocolError("deadline_exceeded", "an earlier install is still running")
         try:
-            if not await self.clock.wait_for(job.task.done, body.deadline_ts):
+            finished = await self.clock.wait_for(job.task.done, body.deadline_ts)
+            self.ensure_alive()
+            if not finished:
                 raise ProtocolError("deadline_exceeded", "the install is still running; a repeated restore awaits it")
             async with self.lock:
                 self.check_lease()
@@ -634,7 +651,9 @@ class Participant:
                 self.marks[rollout_id] = max(self.marks.get(rollout_id, -1), attempt)
             stopped = self.stop_work(pairs)
             self.notifier.notify()
-        if not await self.clock.wait_for(stopped, body.deadline_ts):
+        finished = await self.clock.wait_for(stopped, body.deadline_ts)
+        self.ensure_alive()
+        if not finished:
             raise ProtocolError("deadline_exceeded", "retired work is still stopping; retire again to finish")
         async with self.lock:
             self.free_state(pairs)

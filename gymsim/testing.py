@@ -165,6 +165,10 @@ class GymsimInstance:
         response.raise_for_status()
         return response.json()
 
+    def reset(self) -> None:
+        """Fresh participants, the configured faults and knobs, clock offset 0 (no restart)."""
+        self.admin("POST", "/reset")
+
     def state(self, server_name: str | None = None) -> dict:
         state = self.admin("GET", "/state")
         return state["servers"][server_name] if server_name else state
