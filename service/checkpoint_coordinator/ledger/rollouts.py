@@ -10,6 +10,7 @@ typed 409 naming each refused row.
 
 from __future__ import annotations
 
+import re
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -85,6 +86,37 @@ class BatchRefused(Conflict):
 
 
 # --------------------------------------------------------------------------------------------
+# Driver-level access for the bulk paths: binary parameters (arrays of thousands of ids dump far
+# faster than as text) and plain tuples back (no per-row mapping objects). Same transaction as
+# the SQLAlchemy connection it is taken from.
+
+
+async def _driver(conn: AsyncConnection) -> Any:
+    raw = await conn.get_raw_connection()
+    return raw.driver_connection
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+def _binary(sql: str) -> str:
+    # %(name)b: send every parameter in binary; text-format arrays escape each element in Python.
+    return _PLACEHOLDER.sub(r"%(\1)b", sql)
+
+
+async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    cur = (await _driver(conn)).cursor(binary=True)
+    await cur.execute(_binary(sql), params)
+    return await cur.fetchall()
+
+
+async def execute(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> int:
+    cur = (await _driver(conn)).cursor(binary=True)
+    await cur.execute(_binary(sql), params)
+    return cur.rowcount
+
+
+# --------------------------------------------------------------------------------------------
 # Reading
 
 
@@ -132,59 +164,61 @@ _ATT_COLS = (
 )
 
 
+_GROUP_SQL = (
+    "SELECT group_id, restore_level, expected_generations, group_attempt, data_attempts_used, status, "
+    "prompt_ref, task_digest, task_source, agent_name, target_step, weight_version FROM prompt_groups "
+)
+_GROUP_FIELDS = ("prompt_ref", "task_digest", "task_source", "agent_name", "target_step", "weight_version")
+
+
+def _group_rows(rows: list[tuple[Any, ...]]) -> dict[str, GroupRow]:
+    out = {}
+    for r in rows:
+        fields = dict(zip(_GROUP_FIELDS, r[6:], strict=True))
+        fields["expected_generations"] = r[2]
+        out[r[0]] = GroupRow(r[0], r[1], r[2], r[3], r[4], r[5], fields)
+    return out
+
+
 async def _lock_groups(conn: AsyncConnection, run_id: str, group_ids: Iterable[str]) -> dict[str, GroupRow]:
     ids = sorted(set(group_ids))
     if not ids:
         return {}
-    rows = (
-        await conn.execute(
-            text(
-                "SELECT group_id, restore_level, expected_generations, group_attempt, data_attempts_used, status, "
-                "prompt_ref, task_digest, task_source, agent_name, target_step, weight_version "
-                "FROM prompt_groups WHERE run_id = :r AND group_id = ANY(:ids) ORDER BY group_id FOR UPDATE"
-            ),
-            {"r": run_id, "ids": ids},
-        )
-    ).all()
-    out = {}
-    for r in rows:
-        m = r._mapping
-        out[m["group_id"]] = GroupRow(
-            group_id=m["group_id"],
-            restore_level=m["restore_level"],
-            expected_generations=m["expected_generations"],
-            group_attempt=m["group_attempt"],
-            data_attempts_used=m["data_attempts_used"],
-            status=m["status"],
-            fields={k: m[k] for k in ("prompt_ref", "task_digest", "task_source", "agent_name", "target_step", "weight_version", "expected_generations")},
-        )
-    return out
+    rows = await fetch(conn, _GROUP_SQL + "WHERE run_id = %(r)s AND group_id = ANY(%(ids)s) ORDER BY group_id FOR UPDATE", {"r": run_id, "ids": ids})
+    return _group_rows(rows)
+
+
+async def _lock_groups_of(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, GroupRow]:
+    """Lock (in id order) the groups that own these rollouts: one query, no prior read."""
+    rows = await fetch(
+        conn,
+        _GROUP_SQL + "WHERE run_id = %(r)s AND group_id IN (SELECT DISTINCT group_id FROM attempts WHERE run_id = %(r)s AND rollout_id = ANY(%(ids)s)) "
+        "ORDER BY group_id FOR UPDATE",
+        {"r": run_id, "ids": list(rollout_ids)},
+    )
+    return _group_rows(rows)
+
+
+_ATT_SQL = (
+    f"SELECT {_ATT_COLS}, s.row_attempts_used FROM attempts a JOIN siblings s "
+    "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+)
 
 
 async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, AttemptRow]:
-    rows = (
-        await conn.execute(
-            text(f"SELECT {_ATT_COLS} FROM attempts a WHERE a.run_id = :r AND a.rollout_id = ANY(:ids)"),
-            {"r": run_id, "ids": list(rollout_ids)},
-        )
-    ).all()
-    return {r.rollout_id: AttemptRow(**dict(r._mapping)) for r in rows}
+    rows = await fetch(conn, _ATT_SQL + "WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
+    return {r[3]: AttemptRow(*r) for r in rows}
 
 
 async def _current_attempts(conn: AsyncConnection, run_id: str, group_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
-    rows = (
-        await conn.execute(
-            text(
-                f"SELECT {_ATT_COLS}, s.row_attempts_used FROM attempts a JOIN siblings s "
-                "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-                "WHERE a.run_id = :r AND a.group_id = ANY(:ids) AND a.is_current ORDER BY a.group_id, a.generation_index"
-            ),
-            {"r": run_id, "ids": list(group_ids)},
-        )
-    ).all()
+    rows = await fetch(
+        conn,
+        _ATT_SQL + "WHERE a.run_id = %(r)s AND a.group_id = ANY(%(ids)s) AND a.is_current ORDER BY a.group_id, a.generation_index",
+        {"r": run_id, "ids": list(group_ids)},
+    )
     out: dict[str, list[AttemptRow]] = defaultdict(list)
     for r in rows:
-        out[r.group_id].append(AttemptRow(**dict(r._mapping)))
+        out[r[1]].append(AttemptRow(*r))
     return out
 
 
@@ -254,11 +288,10 @@ class _Plan:
     async def apply(self, conn: AsyncConnection) -> None:
         await self._apply_attempt_updates(conn)
         if self.new_attempts:
-            await conn.execute(
-                text(
-                    "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
-                    "SELECT :r, g, i, ro, ga FROM unnest(CAST(:g AS text[]), CAST(:i AS int[]), CAST(:ro AS text[]), CAST(:ga AS int[])) AS t(g, i, ro, ga)"
-                ),
+            await execute(
+                conn,
+                "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
+                "SELECT %(r)s, g, i, ro, ga FROM unnest(%(g)s::text[], %(i)s::int[], %(ro)s::text[], %(ga)s::int[]) AS t(g, i, ro, ga)",
                 {
                     "r": self.run_id,
                     "g": [x["group_id"] for x in self.new_attempts],
@@ -269,21 +302,35 @@ class _Plan:
             )
         if self.row_attempts:
             keys = list(self.row_attempts)
-            await conn.execute(
-                text(
-                    "UPDATE siblings s SET row_attempts_used = t.n FROM unnest(CAST(:g AS text[]), CAST(:i AS int[]), CAST(:n AS int[])) AS t(g, i, n) "
-                    "WHERE s.run_id = :r AND s.group_id = t.g AND s.generation_index = t.i"
-                ),
+            await execute(
+                conn,
+                "UPDATE siblings s SET row_attempts_used = t.n FROM unnest(%(g)s::text[], %(i)s::int[], %(n)s::int[]) AS t(g, i, n) "
+                "WHERE s.run_id = %(r)s AND s.group_id = t.g AND s.generation_index = t.i",
                 {"r": self.run_id, "g": [k[0] for k in keys], "i": [k[1] for k in keys], "n": [self.row_attempts[k] for k in keys]},
             )
-        for gid, ch in self.group_updates.items():
-            sets = ", ".join(f"{k} = :{k}" for k in ch)
-            if ch.get("status") in ("finalized", "abandoned"):
-                sets += ", ended_at = now()"
-            await conn.execute(text(f"UPDATE prompt_groups SET {sets} WHERE run_id = :r AND group_id = :gid"), {"r": self.run_id, "gid": gid, **ch})
+        await self._apply_group_updates(conn)
         if self.retires:
             await enqueue_retires(conn, self.run_id, self.retires)
         _count_transitions(self.transitions)
+
+    async def _apply_group_updates(self, conn: AsyncConnection) -> None:
+        by_shape: dict[tuple[str, ...], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
+        for gid, ch in self.group_updates.items():
+            by_shape[tuple(sorted(ch))].append((gid, ch))
+        for cols, items in by_shape.items():
+            params: dict[str, Any] = {"r": self.run_id, "gids": [gid for gid, _ in items]}
+            for c in cols:
+                params[c] = [ch[c] for _, ch in items]
+            casts = ", ".join(f"%({c})s::{_GROUP_COL_TYPES[c]}[]" for c in cols)
+            sets = ", ".join(f"{c} = t.{c}" for c in cols)
+            if "status" in cols:
+                sets += ", ended_at = CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() ELSE g.ended_at END"
+            await execute(
+                conn,
+                f"UPDATE prompt_groups g SET {sets} FROM unnest(%(gids)s::text[], {casts}) AS t(gid, {', '.join(cols)}) "
+                "WHERE g.run_id = %(r)s AND g.group_id = t.gid",
+                params,
+            )
 
     async def _apply_attempt_updates(self, conn: AsyncConnection) -> None:
         if not self.status_updates:
@@ -294,32 +341,34 @@ class _Plan:
             by_shape[tuple(sorted(ch))].append((aid, ch))
         for cols, items in by_shape.items():
             params: dict[str, Any] = {"ids": [aid for aid, _ in items]}
-            select_cols, sets = ["id"], []
+            select_cols, sets, casts = ["id"], [], []
             for c in cols:
                 select_cols.append(c)
                 if _COL_TYPES[c] == "jsonb":
                     # Arrays of JSON travel as text[]; staging keys become a text[] column again.
                     params[c] = [None if ch[c] is None else _json(ch[c]) for _, ch in items]
+                    casts.append(f"%({c})s::text[]")
                     if c == "staging_keys":
                         sets.append(f"{c} = CASE WHEN t.{c} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(t.{c}::jsonb)) END")
                     else:
                         sets.append(f"{c} = t.{c}::jsonb")
                 else:
                     params[c] = [ch[c] for _, ch in items]
+                    casts.append(f"%({c})s::{_COL_TYPES[c]}[]")
                     sets.append(f"{c} = t.{c}")
-            casts = ", ".join(f"CAST(:{c} AS {'text' if _COL_TYPES[c] == 'jsonb' else _COL_TYPES[c]}[])" for c in cols)
             extra = ""
             if "status" in cols:
                 extra = ", ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END"
                 extra += ", dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END"
-            await conn.execute(
-                text(
-                    f"UPDATE attempts a SET {', '.join(sets)}{extra} FROM unnest(CAST(:ids AS bigint[]), {casts}) "
-                    f"AS t({', '.join(select_cols)}) WHERE a.attempt_id = t.id"
-                ),
+            await execute(
+                conn,
+                f"UPDATE attempts a SET {', '.join(sets)}{extra} FROM unnest(%(ids)s::bigint[], {', '.join(casts)}) "
+                f"AS t({', '.join(select_cols)}) WHERE a.attempt_id = t.id",
                 params,
             )
 
+
+_GROUP_COL_TYPES = {"status": "text", "group_attempt": "int", "data_attempts_used": "int"}
 
 _COL_TYPES = {
     "status": "text",
@@ -357,11 +406,10 @@ async def enqueue_retires(conn: AsyncConnection, run_id: str, attempts: Sequence
     items = [a for a in attempts if a.gym_instance_id is not None]
     if not items:
         return
-    await conn.execute(
-        text(
-            "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT :r, inst, 'retire', ro, ga, aid, :cp FROM unnest(CAST(:inst AS text[]), CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(inst, ro, ga, aid)"
-        ),
+    await execute(
+        conn,
+        "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
+        "SELECT %(r)s, inst, 'retire', ro, ga, aid, %(cp)s FROM unnest(%(inst)s::text[], %(ro)s::text[], %(ga)s::int[], %(aid)s::bigint[]) AS t(inst, ro, ga, aid)",
         {
             "r": run_id,
             "cp": checkpoint_id,
@@ -389,7 +437,7 @@ class AdmitGroup:
     weight_version: str | None
 
 
-async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], token_hex: TokenHex = _hex) -> list[dict[str, Any]]:
+async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) -> list[dict[str, Any]]:
     """Create groups, siblings and one reserved attempt per sibling; answer the rows to send.
 
     An identical repeat answers the group's current rows; a repeat with other fields is refused.
@@ -418,15 +466,15 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], 
             raise BatchRefused(refused)
         new = [g for g in groups if g.group_id not in existing]
         levels = {g.group_id: resolve_level(run.config, g.agent_name, g.task_source) for g in new}
+        minted: dict[str, list[AttemptRow]] = defaultdict(list)
         if new:
-            await conn.execute(
-                text(
-                    "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-                    "expected_generations, target_step, weight_version) "
-                    "SELECT :r, g, pr::jsonb, td, ts, an, lv, n, st, wv FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
-                    "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
-                    "CAST(:st AS bigint[]), CAST(:wv AS text[])) AS t(g, pr, td, ts, an, lv, n, st, wv)"
-                ),
+            await execute(
+                conn,
+                "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                "expected_generations, target_step, weight_version) "
+                "SELECT %(r)s, g, pr::jsonb, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], %(pr)s::text[], "
+                "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
+                "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
                 {
                     "r": run_id,
                     "g": [g.group_id for g in new],
@@ -440,26 +488,31 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], 
                     "wv": [g.weight_version for g in new],
                 },
             )
-            gids = [g.group_id for g in new for _ in range(g.expected_generations)]
-            idx = [i for g in new for i in range(g.expected_generations)]
-            await conn.execute(
-                text(
-                    "INSERT INTO siblings (run_id, group_id, generation_index) "
-                    "SELECT :r, g, i FROM unnest(CAST(:g AS text[]), CAST(:i AS int[])) AS t(g, i)"
-                ),
-                {"r": run_id, "g": gids, "i": idx},
+            sizes = {"r": run_id, "g": [g.group_id for g in new], "n": [g.expected_generations for g in new]}
+            await execute(
+                conn,
+                "INSERT INTO siblings (run_id, group_id, generation_index) "
+                "SELECT %(r)s, t.g, i FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i",
+                sizes,
             )
-            plan = _Plan(run_id, token_hex)
-            for g, i in zip(gids, idx, strict=True):
-                plan.mint(g, i, 0)
-            await plan.apply(conn)
-        current = await _current_attempts(conn, run_id, [g.group_id for g in groups])
-        all_groups = {**existing, **{g.group_id: None for g in new}}
+            # Rollout ids are minted here, one fresh random 32-hex suffix per attempt (section 1).
+            rows = await fetch(
+                conn,
+                "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
+                "SELECT %(r)s, t.g, i, t.g || '_g' || i || '_a' || replace(gen_random_uuid()::text, '-', ''), 0 "
+                "FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i "
+                "RETURNING attempt_id, group_id, generation_index, rollout_id",
+                sizes,
+            )
+            for aid, gid, i, ro in rows:
+                minted[gid].append(_minted_view({"group_id": gid, "generation_index": i, "rollout_id": ro, "group_attempt": 0}))
+            _count_transitions({"reserved": len(rows)})
+        current = await _current_attempts(conn, run_id, list(existing)) if existing else {}
         out = []
         for g in groups:
-            level = existing[g.group_id].restore_level if g.group_id in existing else levels[g.group_id]
             ex = existing.get(g.group_id)
-            rows = current.get(g.group_id, [])
+            level = ex.restore_level if ex else levels[g.group_id]
+            rows_of = current.get(g.group_id, []) if ex else sorted(minted[g.group_id], key=lambda a: a.generation_index)
             out.append(
                 {
                     "group_id": g.group_id,
@@ -467,11 +520,10 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], 
                     "granularity": granularity(level),
                     "status": ex.status if ex else "generating",
                     "group_attempt": ex.group_attempt if ex else 0,
-                    "admitted": g.group_id not in existing,
-                    "rows": [send_row(a, level) for a in rows],
+                    "admitted": ex is None,
+                    "rows": [send_row(a, level) for a in rows_of],
                 }
             )
-        del all_groups
         return out
 
 
@@ -497,9 +549,7 @@ async def dispatch(
             known = (await conn.execute(text("SELECT array_agg(instance_id) FROM gym_instances WHERE run_id = :r"), {"r": run_id})).scalar()
             if known and instance_id not in known:
                 raise NotFound(f"instance {instance_id!r} is not registered for this run", code="unknown_instance", instance_id=instance_id)
-        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
-        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
-        # Re-read under the group locks: a concurrent batch may have replaced attempts meanwhile.
+        groups = await _lock_groups_of(conn, run_id, rollout_ids)
         atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
         refused, todo, rows = [], [], []
         for rid in rollout_ids:
@@ -543,8 +593,7 @@ async def refused(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) 
     """Gym refused these rows at admission: back to reserved, same identity, no attempt spent."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
-        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
+        groups = await _lock_groups_of(conn, run_id, rollout_ids)
         atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
         bad, plan, rows = [], _Plan(run_id, _hex), []
         for rid in rollout_ids:
@@ -583,8 +632,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
     by_id = {r.rollout_id: r for r in rows_in}
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        atts = await _attempts_by_rollout(conn, run_id, list(by_id))
-        groups = await _lock_groups(conn, run_id, (a.group_id for a in atts.values()))
+        groups = await _lock_groups_of(conn, run_id, list(by_id))
         atts = await _attempts_by_rollout(conn, run_id, list(by_id))
         bad, results, plan = [], [], _Plan(run_id, _hex)
         touched_groups: set[str] = set()
@@ -619,28 +667,49 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             results.append({"rollout_id": rid, "result": status, "status": status})
         if bad:
             raise BatchRefused(bad)
-        ready_groups, cohort_sealed = [], []
-        if touched_groups:
-            current = await _current_attempts(conn, run_id, sorted(touched_groups))
-            for gid in sorted(touched_groups):
-                g = groups[gid]
-                cur = current[gid]
-                statuses = [plan.status_updates.get(x.attempt_id, {}).get("status", x.status) for x in cur]
-                if granularity(g.restore_level) == "prompt_group":
-                    if len(cur) == g.expected_generations and all(s == "returned" for s in statuses):
-                        for x in cur:
-                            plan.set_attempt(x, status="sealed")
-                        cohort_sealed.append(gid)
-                        plan.set_group(gid, status="ready")
-                        ready_groups.append(gid)
-                elif len(cur) == g.expected_generations and all(s == "sealed" for s in statuses):
-                    plan.set_group(gid, status="ready")
-                    ready_groups.append(gid)
-        for r in results:
-            if r["result"] == "returned" and atts[r["rollout_id"]].group_id in cohort_sealed:
-                r["status"] = "sealed"
         await plan.apply(conn)
-        return {"rows": results, "ready_groups": ready_groups, "cohorts_sealed": cohort_sealed}
+        cohort_sealed: list[str] = []
+        if touched_groups:
+            # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
+            touched = sorted(touched_groups)
+            cohorts = [g for g in touched if granularity(groups[g].restore_level) == "prompt_group"]
+            if cohorts:
+                cohort_sealed = [
+                    r[0]
+                    for r in await fetch(
+                        conn,
+                        "WITH done AS (SELECT a.group_id FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
+                        "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
+                        "  GROUP BY a.group_id, g.expected_generations HAVING count(*) FILTER (WHERE a.status = 'returned') = g.expected_generations), "
+                        "sealed AS (UPDATE attempts a SET status = 'sealed', ended_at = now() FROM done "
+                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id) "
+                        "SELECT DISTINCT group_id FROM sealed ORDER BY 1",
+                        {"r": run_id, "g": cohorts},
+                    )
+                ]
+                if cohort_sealed:
+                    _count_transitions({"sealed": sum(groups[g].expected_generations for g in cohort_sealed)})
+            newly_ready = [
+                r[0]
+                for r in await fetch(
+                    conn,
+                    "UPDATE prompt_groups g SET status = 'ready' WHERE g.run_id = %(r)s AND g.group_id = ANY(%(g)s) AND g.status = 'generating' "
+                    "AND (SELECT count(*) FROM attempts a WHERE a.run_id = g.run_id AND a.group_id = g.group_id AND a.is_current AND a.status = 'sealed') "
+                    "= g.expected_generations RETURNING g.group_id",
+                    {"r": run_id, "g": touched},
+                )
+            ]
+            _count_transitions({"ready": len(newly_ready)})
+        sealed_now = set(cohort_sealed)
+        for r in results:
+            if r["result"] == "returned" and atts[r["rollout_id"]].group_id in sealed_now:
+                r["status"] = "sealed"
+        # Every group of the batch that is ready now, so a retried batch whose first answer was
+        # lost still tells the trainer which groups it may consume.
+        batch_groups = sorted({atts[r["rollout_id"]].group_id for r in results})
+        ready = [r[0] for r in await fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
+                                           {"r": run_id, "g": batch_groups})] if batch_groups else []
+        return {"rows": results, "ready_groups": ready, "cohorts_sealed": sorted(cohort_sealed)}
 
 
 class _GroupState:
@@ -727,7 +796,10 @@ def _group_answer(st: _GroupState) -> dict[str, Any]:
 
 
 async def _load_states(conn: AsyncConnection, run_id: str, group_ids: Iterable[str]) -> dict[str, _GroupState]:
-    groups = await _lock_groups(conn, run_id, group_ids)
+    return await _load_states_locked(conn, run_id, await _lock_groups(conn, run_id, group_ids))
+
+
+async def _load_states_locked(conn: AsyncConnection, run_id: str, groups: dict[str, GroupRow]) -> dict[str, _GroupState]:
     current = await _current_attempts(conn, run_id, list(groups))
     return {gid: _GroupState(g, current.get(gid, [])) for gid, g in groups.items()}
 
@@ -744,8 +816,8 @@ async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> 
         run = await lock_run(conn, run_id)
         budgets = Budgets.of(run.config)
         ids = [r.rollout_id for r in rows_in]
-        atts = await _attempts_by_rollout(conn, run_id, ids)
-        states = await _load_states(conn, run_id, (a.group_id for a in atts.values()))
+        groups = await _lock_groups_of(conn, run_id, ids)
+        states = await _load_states_locked(conn, run_id, groups)
         atts = await _attempts_by_rollout(conn, run_id, ids)
         plan, bad, results = _Plan(run_id, _hex), [], []
         touched: list[str] = []
