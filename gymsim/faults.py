@@ -126,7 +126,7 @@ class FaultMiddleware:
         scope = {**scope, "gymsim.connection": connection}
         target = classify(scope["path"])
         fault = self.instance.faults.take(*target) if target else None
-        if fault is None or fault.op == "run_reply":
+        if fault is None:
             await self.app(scope, receive, connection.send)
             return
         if fault.type == "delay":

@@ -434,6 +434,12 @@ class Participant:
                 named = sorted(set(self.restarts_fixed or []) & {capture_key(*p) for p in scope})
                 if named:
                     raise ProtocolError("restart_in_scope", f"the scope names reported restarts: {named[:10]}")
+            job = self.export_job
+            if job is not None and job.checkpoint_id == cid:
+                for other, running in job.writes.items():
+                    failed = running.done() and (running.cancelled() or running.exception() is not None)
+                    if other != args and not failed:
+                        raise ProtocolError("checkpoint_conflict", f"a commit of {cid} with other arguments is under way")
             directory = storage.participant_dir(storage.check_checkpoint_dir(body.checkpoint_dir), self.kind, self.name)
             storage.ensure_no_foreign_manifest(directory, cid)
             self._extend_lease(body.deadline_ts)
@@ -623,7 +629,10 @@ class Participant:
                 self.validate_record(record)
             except (ValueError, KeyError, TypeError) as exc:
                 raise ProtocolError("invalid_checkpoint_state", f"record of {episode} cannot be installed: {exc}") from exc
-            states[(episode["rollout_id"], episode["attempt"] + 1)] = self.install_state(record["state"])
+            pair = (episode["rollout_id"], episode["attempt"] + 1)
+            if self.is_marked(*pair):
+                continue  # N+1 was retired while this install ran (a restore cleanup): never revive it
+            states[pair] = self.install_state(record["state"])
         self.unclaimed.update(states)
         return list(states)
 

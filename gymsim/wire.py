@@ -6,7 +6,6 @@ definition of what a valid id, a capture key or a refusal looks like.
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -208,6 +207,3 @@ class ProtocolError(Exception):
     def envelope(self, spelling: Spelling) -> dict[str, Any]:
         return {"error": {"code": spell(self.code, spelling), "detail": self.detail}}
 
-
-def is_finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

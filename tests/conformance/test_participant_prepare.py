@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from gymsim.conformance import AGENT, MODEL, PARTICIPANTS, RESOURCES, STAGES, ep
+from gymsim.conformance import AGENT, MODEL, PARTICIPANTS, RESOURCES, STAGES
 from gymsim.testing import default_instance_config, server_config
 
 

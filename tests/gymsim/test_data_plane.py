@@ -147,3 +147,21 @@ async def test_many_concurrent_runs_complete_with_exact_sessions(start):
     for server in STAGES:
         assert (await h.status(server))["report"]["ready"] is True
     assert (await h.retire(AGENT, "retire", [ep(rollouts[0])])).status_code == 200
+
+
+async def test_an_oversized_body_gets_413(start, monkeypatch):
+    import gymsim.app
+
+    h = await start()
+    monkeypatch.setattr(gymsim.app, "MAX_BODY_BYTES", 1024)
+    body = h.body("c1", checkpoint_dir="/x", episode_ids=[ep(f"r{i}") for i in range(100)])
+    response = await h.call(MODEL, "commit", body)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+
+
+async def test_a_large_commit_scope_is_accepted(start, ckdir):
+    h = await start()
+    await h.prepare_all("c1")
+    scope = [ep(f"g{i // 8}_g{i % 8}_a{i:032x}") for i in range(20_000)]  # about 1.4 MB of JSON
+    response = await h.commit(RESOURCES, "c1", ckdir(), scope)
+    assert response.status_code == 200 and response.json()["episode_ids"] == []

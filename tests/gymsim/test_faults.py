@@ -163,3 +163,16 @@ def test_default_config_has_a_judge_that_is_no_participant():
     kinds = {s["server_name"]: s["kind"] for s in config["servers"]}
     assert kinds == {"policy_model": "model", "workplace_agent": "agent", "calendar_resources": "resources", "judge_model": None}
     assert config["servers"][2]["mode"] == "restart_only"
+
+
+async def test_a_commit_with_other_arguments_during_an_overrun_export_is_a_conflict(start, ckdir):
+    h = await start()
+    h.knobs(AGENT, export_seconds=5)
+    await h.prepare_all("c1")
+    first, other = ckdir(), ckdir()
+    h.assert_error(await h.commit(AGENT, "c1", first, [], seconds=0.1), "deadline_exceeded")
+    h.assert_error(await h.commit(AGENT, "c1", other, []), "checkpoint_conflict")
+    h.advance(5)
+    assert (await h.commit(AGENT, "c1", first, [])).status_code == 200
+    assert not any(other.rglob("manifest.json"))
+    assert h.state(AGENT)["write_count"] == 1
