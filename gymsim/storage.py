@@ -98,7 +98,6 @@ def write_participant_state(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _invalid(f"cannot create {directory}: {exc}") from exc
-    ensure_no_foreign_manifest(directory, checkpoint_id)
 
     token = secrets.token_hex(8)
     tmp_records = directory / f".records-{token}.tmp"
