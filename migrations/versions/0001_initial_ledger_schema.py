@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 14:11:33.777123
+Create Date: 2026-11-30 14:38:50.656419
 """
 from __future__ import annotations
 
@@ -242,10 +242,10 @@ def upgrade() -> None:
     sa.CheckConstraint('gym_attempt >= 0', name=op.f('ck_attempts_gym_attempt')),
     sa.ForeignKeyConstraint(['run_id', 'group_id', 'generation_index'], ['siblings.run_id', 'siblings.group_id', 'siblings.generation_index'], name=op.f('fk_attempts_run_id_group_id_generation_index_siblings'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('attempt_id', name=op.f('pk_attempts')),
-    sa.UniqueConstraint('run_id', 'rollout_id', name=op.f('uq_attempts_run_id_rollout_id'))
+    sa.UniqueConstraint('run_id', 'rollout_id', name=op.f('uq_attempts_run_id_rollout_id')),
+    postgresql_with={'fillfactor': '70'}
     )
     op.create_index('ix_attempts_dispatch', 'attempts', ['run_id', 'dispatch_id'], unique=False, postgresql_where=sa.text('dispatch_id IS NOT NULL'))
-    op.create_index('ix_attempts_live_instance', 'attempts', ['run_id', 'gym_instance_id', 'status'], unique=False, postgresql_where=sa.text('is_current'))
     op.create_index('uq_attempts_current_per_sibling', 'attempts', ['run_id', 'group_id', 'generation_index'], unique=True, postgresql_where=sa.text('is_current'))
 
 
@@ -253,7 +253,6 @@ def upgrade() -> None:
 def downgrade() -> None:
 
     op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
-    op.drop_index('ix_attempts_live_instance', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_index('ix_attempts_dispatch', table_name='attempts', postgresql_where=sa.text('dispatch_id IS NOT NULL'))
     op.drop_table('attempts')
     op.drop_table('snapshot_groups')

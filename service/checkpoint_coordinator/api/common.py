@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from fastapi import Response
 from pydantic import BaseModel, ConfigDict
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
@@ -16,3 +20,13 @@ class Strict(BaseModel):
     """Request bodies refuse unknown fields: a misspelled key must not be silently ignored."""
 
     model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class FastJSON(Response):
+    """JSON straight from ``json.dumps``: batch answers of thousands of rows skip FastAPI's
+    recursive encoder, which costs more than the database work for them."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()

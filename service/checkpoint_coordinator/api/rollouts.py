@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, field_validator
 
 from ..errors import BadRequest
 from ..ledger import rollouts as repo
 from .auth import Caller, require_run_access
+from .common import FastJSON
 from .common import GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, Strict
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"])
@@ -99,7 +100,7 @@ def _check_ids(ids: list[str], what: str = "rollout_ids") -> None:
 
 
 @router.post("/groups/admit", operation_id="admit_groups")
-async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Create groups, siblings and one reserved attempt per sibling; answers the rows to send."""
     groups = [
         repo.AdmitGroup(
@@ -114,42 +115,42 @@ async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends
         )
         for g in body.groups
     ]
-    return {"groups": await repo.admit(request.app.state.engine, caller.run_id, groups)}
+    return FastJSON({"groups": await repo.admit(request.app.state.engine, caller.run_id, groups)})
 
 
 @router.post("/attempts/dispatch", operation_id="dispatch_attempts")
-async def dispatch_attempts(body: DispatchIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def dispatch_attempts(body: DispatchIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Record that reserved attempts are being sent to Gym. 409 `gate_closed` while a snapshot holds the gate."""
     _check_ids(body.rollout_ids)
-    return await repo.dispatch(
+    return FastJSON(await repo.dispatch(
         request.app.state.engine,
         caller.run_id,
         body.dispatch_id,
         body.instance_id,
         body.rollout_ids,
         retry_after_s=request.app.state.settings.gate_retry_after_s,
-    )
+    ))
 
 
 @router.post("/attempts/refused", operation_id="report_refused")
-async def report_refused(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def report_refused(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Gym refused these rows at admission: same rollout id, no attempt spent; re-send after the gate reopens."""
     _check_ids(body.rollout_ids)
-    return await repo.refused(request.app.state.engine, caller.run_id, body.rollout_ids)
+    return FastJSON(await repo.refused(request.app.state.engine, caller.run_id, body.rollout_ids))
 
 
 @router.post("/attempts/sealed", operation_id="report_sealed")
-async def report_sealed(body: SealIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def report_sealed(body: SealIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids([r.rollout_id for r in body.rows])
     rows = [repo.SealRow(r.rollout_id, r.receipt, r.staging_keys, r.reward, r.mask_sample) for r in body.rows]
-    return await repo.seal(request.app.state.engine, caller.run_id, rows)
+    return FastJSON(await repo.seal(request.app.state.engine, caller.run_id, rows))
 
 
 @router.post("/attempts/failed", operation_id="report_failed")
-async def report_failed(body: FailIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def report_failed(body: FailIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids([r.rollout_id for r in body.rows])
     rows = [repo.FailRow(r.rollout_id, r.failure_class, r.detail) for r in body.rows]
-    return await repo.fail(request.app.state.engine, caller.run_id, rows)
+    return FastJSON(await repo.fail(request.app.state.engine, caller.run_id, rows))
 
 
 @router.post("/dispatches/{dispatch_id}/ended", operation_id="report_stream_ended")
@@ -162,19 +163,19 @@ async def report_stream_ended(
     """The /run stream of a dispatch ended; rows that never came back become transport failures."""
     if body.returned:
         _check_ids(body.returned, "returned")
-    return await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned)
+    return FastJSON(await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned))
 
 
 @router.post("/groups/finalize", operation_id="finalize_groups")
-async def finalize_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def finalize_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids(body.group_ids, "group_ids")
-    return await repo.finalize(request.app.state.engine, caller.run_id, body.group_ids)
+    return FastJSON(await repo.finalize(request.app.state.engine, caller.run_id, body.group_ids))
 
 
 @router.post("/groups/abandon", operation_id="abandon_groups")
-async def abandon_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+async def abandon_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids(body.group_ids, "group_ids")
-    return await repo.abandon(request.app.state.engine, caller.run_id, body.group_ids)
+    return FastJSON(await repo.abandon(request.app.state.engine, caller.run_id, body.group_ids))
 
 
 @router.get("/counts", operation_id="live_counts")
