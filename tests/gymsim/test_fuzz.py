@@ -10,7 +10,7 @@ from gymsim.testing import GymsimInstance, default_instance_config
 
 OPS = ["prepare", "renew", "commit", "resume", "restore", "retire", "forget"]
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
     max_leaves=12,
 )
