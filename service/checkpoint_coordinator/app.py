@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from .api import health, problems, runs
 from .config import Settings
 from .ledger.db import make_async_engine
+from .observability.http import install_http_metrics
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,9 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     app.include_router(runs.router)
     for router in _feature_routers():
         app.include_router(router)
-    _install_observability(app)
     app.add_middleware(problems.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # Outermost, so the body limit's 413 answers are counted too.
+    install_http_metrics(app)
     return app
 
 
@@ -67,8 +69,3 @@ def _feature_routers() -> list[Any]:
     return routers.ROUTERS
 
 
-def _install_observability(app: FastAPI) -> None:
-    with contextlib.suppress(ImportError):
-        from .observability.http import install_http_metrics
-
-        install_http_metrics(app)

@@ -68,12 +68,9 @@ def _extra_commands() -> list[tuple[str, str, str]]:
 
 
 def _configure_logging(settings: Settings) -> None:
-    try:
-        from .observability.logging import configure_logging
+    from .observability.logging import configure_logging
 
-        configure_logging(format=settings.log_format, level=settings.log_level)
-    except ImportError:
-        logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging(format=settings.log_format, level=settings.log_level)
 
 
 def resolve_database(settings: Settings, data_dir: Path | None = None):  # type: ignore[no-untyped-def]
@@ -90,11 +87,16 @@ def resolve_database(settings: Settings, data_dir: Path | None = None):  # type:
 
 
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    import signal
+
     import uvicorn
 
     from .app import create_app
     from .ledger.db import migrate, redact_url
 
+    # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default SIGTERM
+    # action that would end the process before the embedded PostgreSQL is stopped below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     url, emb = resolve_database(settings, args.data_dir)
     try:
         if not args.no_migrate:
@@ -108,6 +110,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
             log_config=None,
             timeout_graceful_shutdown=75,
         )
+    except (KeyboardInterrupt, SystemExit):
+        pass
     finally:
         if emb is not None:
             log.info("stopping embedded PostgreSQL")

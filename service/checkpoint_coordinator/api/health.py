@@ -37,8 +37,8 @@ async def readyz(request: Request) -> Response:
 
 
 @router.get("/metrics", operation_id="metrics", include_in_schema=False)
-async def metrics() -> Response:
+async def metrics(request: Request) -> Response:
     from ..observability.metrics import render_latest
 
-    payload, content_type = render_latest()
+    payload, content_type = render_latest(request.headers.get("accept"))
     return Response(payload, media_type=content_type)
