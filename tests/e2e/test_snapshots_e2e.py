@@ -172,3 +172,27 @@ async def test_snapshot_request_is_idempotent_and_one_at_a_time(client, admin, a
     assert snap["outcome"] == "published"
     hist = await api.get("/snapshots")
     assert [s["snapshot_id"] for s in hist["snapshots"]] == ["s1"]
+
+
+async def test_trainer_reports_failed_capture(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    for _ in range(300):
+        s = await api.get("/snapshots/s1")
+        if s["awaiting"] == "barrier":
+            break
+        await asyncio.sleep(0.02)
+    await api.post("/snapshots/s1/barrier", {})
+    aborted = await api.post("/snapshots/s1/abort", {"reason": "data_plane_failed", "detail": "disk full"})
+    assert aborted["outcome"] is None
+    for _ in range(300):
+        s = await api.get("/snapshots/s1")
+        if s["outcome"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (s["outcome"], s["reason"]) == ("failed", "data_plane_failed"), s
+    assert (await api.get(""))["dispatch_gate"]["open"]
+    for g in gyms.values():
+        assert all(x["phase"] == "idle" for x in g.state()["servers"].values() if x.get("participant"))
+    late = await client.post("/v1/runs/run-1/snapshots/s1/captured", json={"reference": {"path": "/x", "digest": "d"}}, headers=api.h)
+    assert late.status_code == 409 and late.json()["code"] == "snapshot_not_awaiting"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path as FsPath
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field
@@ -31,6 +31,13 @@ class DataPlaneRef(Strict):
 
 class CapturedIn(Strict):
     reference: DataPlaneRef
+
+
+class AbortIn(Strict):
+    reason: Literal["data_plane_failed", "cancelled"] = Field(
+        description="data_plane_failed: the trainer could not save its data plane (outcome failed); cancelled: outcome aborted."
+    )
+    detail: str | None = Field(default=None, max_length=4096)
 
 
 class TrainStepIn(Strict):
@@ -93,6 +100,15 @@ async def barrier_held(request: Request, snapshot_id: str = SnapshotIdPath, call
 async def data_plane_captured(body: CapturedIn, request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """The trainer saved its data plane; the snapshot resumes Gym, reopens the gate and publishes."""
     return (await repo.captured(request.app.state.engine, caller.run_id, snapshot_id, body.reference.model_dump())).public()
+
+
+@router.post("/snapshots/{snapshot_id}/abort", operation_id="abort_snapshot")
+async def abort_snapshot(body: AbortIn, request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Give up on a snapshot before its capture is reported: Gym is resumed at once, the gate
+    reopens, and the previous published snapshot stays authoritative."""
+    row = await repo.request_abort(request.app.state.engine, caller.run_id, snapshot_id, body.reason, body.detail)
+    request.app.state.snapshots.abort_local(caller.run_id, [snapshot_id], body.reason)
+    return row.public()
 
 
 @router.post("/train-steps", operation_id="announce_train_step")

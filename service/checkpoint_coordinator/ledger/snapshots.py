@@ -309,6 +309,28 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         return SnapshotRow(**dict(r._mapping))
 
 
+async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reason: str, detail: str | None) -> SnapshotRow:
+    """The trainer gives up on a snapshot (its capture failed, or it cancels): the runner resumes
+    Gym and ends it. Refused once the capture was reported: the snapshot is then as good as published."""
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        if snap.outcome is not None:
+            return snap
+        if snap.data_plane_ref is not None:
+            raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} already has its capture; it will publish", phase=snap.phase)
+        d = dict(snap.detail or {})
+        if detail:
+            d["abort_detail"] = detail[:4096]
+        r = (
+            await conn.execute(
+                text(f"UPDATE snapshots SET abort_requested = COALESCE(abort_requested, :a), detail = CAST(:d AS jsonb) WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS}"),
+                {"r": run_id, "s": snapshot_id, "a": reason, "d": _j(d)},
+            )
+        ).one()
+        return SnapshotRow(**dict(r._mapping))
+
+
 async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference: dict[str, Any]) -> SnapshotRow:
     async with engine.begin() as conn:
         await lock_run(conn, run_id)

@@ -205,10 +205,10 @@ class SnapshotRunner:
         try:
             result = await save.run()
         except GymSaveAborted as e:
-            await self._end(job, "aborted", e.reason, {"resume_failure": e.resume_failure.to_dict() if e.resume_failure else None}, self._timings(save, timings), started, save)
+            await self._end(job, _outcome_of(e.reason), e.reason, {"resume_failure": e.resume_failure.to_dict() if e.resume_failure else None}, self._timings(save, timings), started, save)
             return
         except _Aborted as e:
-            await self._end(job, "aborted", e.reason, {}, self._timings(save, timings), started, save)
+            await self._end(job, _outcome_of(e.reason), e.reason, {}, self._timings(save, timings), started, save)
             return
         except GymControlError as e:
             reason = reason_for_gym_failure(str(e.failure_class)).value
@@ -329,6 +329,13 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
         log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended aborted/coordinator_restart", sid, run_id, phase)
         ended.append(sid)
     return ended
+
+
+def _outcome_of(reason: str) -> str:
+    """A caller's abort ends the snapshot under its reason's outcome (data_plane_failed: failed)."""
+    from ..domain.snapshot_state import REASON_OUTCOME, SnapshotReason
+
+    return REASON_OUTCOME[SnapshotReason(reason)].value
 
 
 class _Aborted(Exception):
