@@ -10,6 +10,7 @@ from fastapi import FastAPI
 
 from .gym_runtime import GymClients
 from .ledger import leases
+from .observability import metrics
 from .outbox.worker import OutboxDeliverer, outbox_loop
 from .snapshots.runner import SnapshotRunner, recover_unfinished
 
@@ -33,6 +34,7 @@ async def start_background(app: FastAPI) -> None:
         while True:
             try:
                 await recover_unfinished(app.state.snapshots, settings.ownership_lease_s)
+                metrics.set_run_leases_held(await leases.held_count(engine, settings.coordinator_id))
             except asyncio.CancelledError:
                 raise
             except Exception:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -17,9 +18,11 @@ from pydantic import SecretStr, ValidationError
 
 from .clock import Clock
 from .errors import FailureClass, ServerFailure, classify, normalize_code, server_failure
+from ..observability.metrics import observe_gym_control
 from .models import _Reply
 
 __all__ = ["CONTROL_PREFIX", "CallFailed", "ControlChannel", "Target", "encode_body", "error_part"]
+
 
 log = logging.getLogger("checkpoint_coordinator.gym")
 
@@ -48,6 +51,8 @@ class Target:
     server_name: str
     base_url: str
     token: SecretStr
+    # The participant's kind, for the latency metric; unknown until discovery has seen it.
+    kind: str = "unknown"
 
     def __repr__(self) -> str:
         return f"Target({self.instance_id}/{self.server_name} at {self.base_url})"
@@ -104,12 +109,28 @@ class ControlChannel:
         """
         payload = body if isinstance(body, bytes) else encode_body(body)
         budget = max(deadline_ts - self.clock.time(), 0.0) + self.reply_grace_s
-        status, content = await self._exchange(target, op, "POST", payload, budget)
-        return self._parse(target, op, status, content, reply_model)
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            status, content = await self._exchange(target, op, "POST", payload, budget)
+            return self._parse(target, op, status, content, reply_model)
+        except CallFailed as exc:
+            outcome = exc.part["class"]
+            raise
+        finally:
+            observe_gym_control(op, target.kind, outcome, time.perf_counter() - started)
 
     async def get_status(self, target: Target, timeout_s: float) -> tuple[int, bytes]:
         """GET status with the discovery budget; the caller interprets 404 and the body."""
-        return await self._exchange(target, "status", "GET", None, timeout_s)
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            return await self._exchange(target, "status", "GET", None, timeout_s)
+        except CallFailed as exc:
+            outcome = exc.part["class"]
+            raise
+        finally:
+            observe_gym_control("status", target.kind, outcome, time.perf_counter() - started)
 
     async def _exchange(
         self, target: Target, op: str, method: str, payload: bytes | None, budget_s: float

@@ -1060,7 +1060,7 @@ class GymControlClient:
 
     @staticmethod
     def _target(inst: InstanceTopology, p: Participant) -> Target:
-        return Target(inst.instance_id, p.server_name, p.base_url, inst.spec.token)
+        return Target(inst.instance_id, p.server_name, p.base_url, inst.spec.token, p.kind)
 
 
 # --- module helpers ------------------------------------------------------------------------------

@@ -47,3 +47,8 @@ async def holds(conn: AsyncConnection, run_id: str, owner: str, epoch: int) -> b
 async def release(engine: AsyncEngine, run_id: str, owner: str) -> None:
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE ownership_leases SET expires_at = now() WHERE run_id = :r AND owner = :o"), {"r": run_id, "o": owner})
+
+
+async def held_count(engine: AsyncEngine, owner: str) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(text("SELECT count(*) FROM ownership_leases WHERE owner = :o AND expires_at > now()"), {"o": owner})).scalar() or 0)
