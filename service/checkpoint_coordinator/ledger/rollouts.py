@@ -20,39 +20,26 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ..domain import levels
+from ..domain.config import load_recovery_config
+from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
 from .runs import RunRow, lock_run
-
-TokenHex = Callable[[], str]
-
 
 def _hex() -> str:
     return secrets.token_hex(16)
 
 
-def capture_key(rollout_id: str, gym_attempt: int) -> str:
-    return rollout_id if gym_attempt == 0 else f"{rollout_id}-a{gym_attempt}"
-
-
-def new_rollout_id(group_id: str, generation_index: int, token_hex: TokenHex = _hex) -> str:
-    return f"{group_id}_g{generation_index}_a{token_hex()}"
-
-
-LEVEL_RANK = {"turn": 0, "sibling": 1, "prompt_group": 2}
+def new_rollout_id(group_id: str, generation_index: int, token_hex: Callable[[], str] = _hex) -> str:
+    return mint_rollout_id(group_id, generation_index, lambda _n: token_hex())
 
 
 def resolve_level(config: dict[str, Any], agent_name: str | None, task_source: str | None) -> str:
-    agent_over = config.get("agent_target_level_overrides") or {}
-    source_over = config.get("task_source_target_level_overrides") or {}
-    if agent_name is not None and agent_name in agent_over:
-        return str(agent_over[agent_name])
-    if task_source is not None and task_source in source_over:
-        return str(source_over[task_source])
-    return str(config.get("target_level", "sibling"))
+    return levels.resolve_level(load_recovery_config(config), agent_name, task_source).value
 
 
 def granularity(level: str) -> str:
-    return "prompt_group" if level == "prompt_group" else "sibling"
+    return levels.live_granularity(levels.RestoreLevel(level)).value
 
 
 @dataclass(frozen=True)
@@ -244,7 +231,7 @@ def send_row(a: AttemptRow, level: str, instance_id: str | None = None) -> dict[
 class _Plan:
     """Collects the writes of one batch, then applies them set-based."""
 
-    def __init__(self, run_id: str, token_hex: TokenHex) -> None:
+    def __init__(self, run_id: str, token_hex: Callable[[], str]) -> None:
         self.run_id = run_id
         self.token_hex = token_hex
         self.status_updates: dict[int, dict[str, Any]] = {}
