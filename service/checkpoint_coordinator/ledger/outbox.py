@@ -66,7 +66,7 @@ async def claim(
                     "UPDATE outbox_items SET claimed_by = :o, claimed_until = now() + make_interval(secs => :ttl) "
                     "WHERE item_id IN (SELECT item_id FROM outbox_items "
                     f"  WHERE run_id = :r AND instance_id = :i AND op = :op AND state = 'pending' {due} "
-                    "  AND (claimed_until IS NULL OR claimed_until < now() OR claimed_by = :o) "
+                    "  AND (claimed_until IS NULL OR claimed_until < now()) "
                     "  ORDER BY item_id LIMIT :lim FOR UPDATE SKIP LOCKED) "
                     "RETURNING item_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id, tries, servers_done"
                 ),

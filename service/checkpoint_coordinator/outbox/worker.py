@@ -36,8 +36,16 @@ class OutboxDeliverer:
         self.base_backoff_s = base_backoff_s
         self.max_backoff_s = max_backoff_s
         self.claim_s = claim_s
+        # One delivery per run at a time in this process: the background loop and a snapshot's
+        # pre-prepare delivery would otherwise split one run's items between two passes.
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def deliver_run(self, run_id: str, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None) -> dict[str, int]:
+        lock = self._locks.setdefault(run_id, asyncio.Lock())
+        async with lock:
+            return await self._deliver_run(run_id, ignore_schedule=ignore_schedule, instance_ids=instance_ids)
+
+    async def _deliver_run(self, run_id: str, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None) -> dict[str, int]:
         """Deliver everything owed for one run (retires, then forgets). Returns counts delivered.
 
         ``ignore_schedule`` sends items still in backoff too: before a prepare, every queued retire
