@@ -272,3 +272,27 @@ async def test_closed_run_refuses_writes(client, admin) -> None:  # type: ignore
     run = await new_run(client, admin)
     await client.post("/v1/runs/run-1/close", headers=admin)
     assert (await run.admit(group_body("g1"), expect=409))["code"] == "run_closed"
+
+
+async def test_stream_ended_by_missing_rows_in_parts(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 4)))["groups"][0]["rows"]
+    ids = [r["rollout_id"] for r in rows]
+    await run.dispatch(ids, dispatch_id="big")
+    first = await run.post("/dispatches/big/ended", {"missing": ids[:1]})
+    second = await run.post("/dispatches/big/ended", {"missing": ids[1:2]})
+    assert first["missing"] == ids[:1] and second["missing"] == ids[1:2]
+    g = await run.group("g1")
+    assert [s["attempts"][0]["status"] for s in g["siblings"]] == ["abandoned", "abandoned", "dispatched", "dispatched"]
+    both = await client.post("/v1/runs/run-1/dispatches/big/ended", json={"missing": [], "returned": []}, headers=run.h)
+    assert both.status_code == 422
+
+
+async def test_admin_rotates_a_lost_run_token(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    assert (await client.post("/v1/runs/run-1/token", headers=run.h)).status_code == 403  # not with the run token
+    r = await client.post("/v1/runs/run-1/token", headers=admin)
+    assert r.status_code == 200
+    new = {"Authorization": f"Bearer {r.json()['run_token']}"}
+    assert (await client.get("/v1/runs/run-1", headers=new)).status_code == 200
+    assert (await client.get("/v1/runs/run-1", headers=run.h)).status_code == 403

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import BadRequest
 from ..ledger import rollouts as repo
@@ -81,7 +81,16 @@ class FailIn(Strict):
 
 
 class StreamEndedIn(Strict):
-    returned: list[str] = Field(default_factory=list, max_length=MAX_ROWS, description="Rollout ids whose rows came back.")
+    returned: list[str] | None = Field(default=None, max_length=MAX_ROWS, description="Rollout ids whose rows came back (every other row of the dispatch is lost).")
+    missing: list[str] | None = Field(
+        default=None, max_length=MAX_ROWS, description="Or: the rollout ids that never came back (lets a large dispatch be reported in several calls)."
+    )
+
+    @model_validator(mode="after")
+    def _one_of(self) -> "StreamEndedIn":
+        if (self.returned is None) == (self.missing is None):
+            raise ValueError("give exactly one of 'returned' and 'missing'")
+        return self
 
 
 class GroupIdsIn(Strict):
@@ -161,9 +170,11 @@ async def report_stream_ended(
     caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
     """The /run stream of a dispatch ended; rows that never came back become transport failures."""
-    if body.returned:
-        _check_ids(body.returned, "returned")
-    return FastJSON(await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned))
+    for name in ("returned", "missing"):
+        ids = getattr(body, name)
+        if ids:
+            _check_ids(ids, name)
+    return FastJSON(await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned, missing=body.missing))
 
 
 @router.post("/groups/finalize", operation_id="finalize_groups")

@@ -72,6 +72,19 @@ async def get_run(request: Request, caller: Caller = Depends(require_run_access)
         return (await runs_repo.get_run(conn, caller.run_id)).public()
 
 
+class RotatedToken(Strict):
+    run_id: str
+    run_token: str = Field(description="Shown once. The previous token of this run stops working.")
+
+
+@router.post("/{run_id}/token", operation_id="rotate_run_token", response_model=RotatedToken)
+async def rotate_run_token(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Admin only: issue a new run token (a lost creation answer, or a leaked token)."""
+    if not caller.admin:
+        raise Forbidden("rotating a run token needs the admin token")
+    return {"run_id": caller.run_id, "run_token": await runs_repo.rotate_token(request.app.state.engine, caller.run_id)}
+
+
 @router.post("/{run_id}/close", operation_id="close_run", response_model=RunOut)
 async def close_run(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     if caller.run_id is None:

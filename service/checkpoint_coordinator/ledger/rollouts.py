@@ -840,8 +840,11 @@ async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> 
         return {"rows": results, "groups": [_group_answer(states[g]) for g in touched]}
 
 
-async def stream_ended(engine: AsyncEngine, run_id: str, dispatch_id: str, returned: Sequence[str]) -> dict[str, Any]:
-    """A dispatch's stream ended; rows that never came back are transport failures."""
+async def stream_ended(
+    engine: AsyncEngine, run_id: str, dispatch_id: str, returned: Sequence[str] | None, *, missing: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """A dispatch's stream ended; rows that never came back are transport failures. The caller
+    names either the rows that came back (all others are lost) or the rows that did not."""
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id)
         budgets = Budgets.of(run.config)
@@ -853,20 +856,25 @@ async def stream_ended(engine: AsyncEngine, run_id: str, dispatch_id: str, retur
         if not gids:
             raise NotFound(f"no dispatch {dispatch_id!r} in this run", code="unknown_dispatch")
         states = await _load_states(conn, run_id, gids)
-        back = set(returned)
-        plan, missing = _Plan(run_id, _hex), []
+        back = set(returned or ())
+        named_missing = set(missing) if missing is not None else None
+        plan, lost_ids = _Plan(run_id, _hex), []
         for gid in sorted(states):
             st = states[gid]
             if st.g.status != "generating":
                 continue
-            lost = [a for a in st.current.values() if a.dispatch_id == dispatch_id and a.status == "dispatched" and a.rollout_id not in back]
+            lost = [
+                a for a in st.current.values()
+                if a.dispatch_id == dispatch_id and a.status == "dispatched"
+                and (a.rollout_id in named_missing if named_missing is not None else a.rollout_id not in back)
+            ]
             for a in sorted(lost, key=lambda x: x.generation_index):
                 if st.current.get(a.generation_index) is not a:
                     continue  # replaced by an earlier row's cohort replacement in this batch
-                missing.append(a.rollout_id)
+                lost_ids.append(a.rollout_id)
                 _transport_failure(plan, st, a, budgets)
         await plan.apply(conn)
-        return {"dispatch_id": dispatch_id, "missing": missing, "groups": [_group_answer(states[g]) for g in sorted(states)]}
+        return {"dispatch_id": dispatch_id, "missing": lost_ids, "groups": [_group_answer(states[g]) for g in sorted(states)]}
 
 
 async def finalize(engine: AsyncEngine, run_id: str, group_ids: Sequence[str]) -> dict[str, Any]:

@@ -87,6 +87,15 @@ async def create_run(engine: AsyncEngine, run_id: str, checkpoint_root: str, con
     return _row(r), token
 
 
+async def rotate_token(engine: AsyncEngine, run_id: str) -> str:
+    """A new run token (the old one stops working); for a trainer that lost the one it was given."""
+    token = new_run_token()
+    async with engine.begin() as conn:
+        await lock_run(conn, run_id, for_update=True, allow_closed=True)
+        await conn.execute(text("UPDATE runs SET token_hash = :h WHERE run_id = :r"), {"r": run_id, "h": hash_token(token)})
+    return token
+
+
 async def get_run(conn: AsyncConnection, run_id: str) -> RunRow:
     r = (await conn.execute(text(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = :r"), {"r": run_id})).first()
     if r is None:
