@@ -1,0 +1,92 @@
+"""Shared pieces of the benchmarks: an embedded Postgres in a temp dir and a coordinator process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
+Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True)
+
+ADMIN = "bench-admin-token"
+
+
+class Postgres:
+    def __init__(self) -> None:
+        from checkpoint_coordinator.ledger.db import migrate, start_embedded
+
+        self.dir = Path(tempfile.mkdtemp(prefix="ckptc-bench-"))
+        self.emb = start_embedded(self.dir)
+        self.url = self.emb.url
+        migrate(self.url)
+
+    def close(self) -> None:
+        self.emb.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Coordinator:
+    """``ckpt-coordinator serve`` as a process, with its peak RSS sampled while it runs."""
+
+    def __init__(self, database_url: str, **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "checkpoint_coordinator.cli", "serve", "--port", str(self.port), "--no-migrate"],
+            env={**os.environ, "CKPTC_DATABASE_URL": database_url, "CKPTC_ADMIN_TOKEN": ADMIN, "CKPTC_LOG_LEVEL": "WARNING",
+                 "CKPTC_MAX_BODY_BYTES": str(64 * 1024 * 1024), **env},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        else:
+            raise RuntimeError("coordinator did not start")
+        self.peak_rss = 0
+        self.rss_samples: list[int] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+
+    def _sample(self) -> None:
+        p = psutil.Process(self.proc.pid)
+        while not self._stop.is_set():
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                return
+            self.rss_samples.append(rss)
+            self.peak_rss = max(self.peak_rss, rss)
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def mib(n: float) -> str:
+    return f"{n / (1024 * 1024):.0f} MiB"
