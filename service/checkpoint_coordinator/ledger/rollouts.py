@@ -656,24 +656,27 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             raise BatchRefused(bad)
         await plan.apply(conn)
         cohort_sealed: list[str] = []
+        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed"]
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = sorted(touched_groups)
             cohorts = [g for g in touched if granularity(groups[g].restore_level) == "prompt_group"]
             if cohorts:
-                cohort_sealed = [
-                    r[0]
+                cohort_rows = [
+                    r
                     for r in await fetch(
                         conn,
                         "WITH done AS (SELECT a.group_id FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
                         "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
                         "  GROUP BY a.group_id, g.expected_generations HAVING count(*) FILTER (WHERE a.status = 'returned') = g.expected_generations), "
                         "sealed AS (UPDATE attempts a SET status = 'sealed', ended_at = now() FROM done "
-                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id) "
-                        "SELECT DISTINCT group_id FROM sealed ORDER BY 1",
+                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id) "
+                        "SELECT group_id, array_agg(attempt_id) FROM sealed GROUP BY group_id ORDER BY 1",
                         {"r": run_id, "g": cohorts},
                     )
                 ]
+                cohort_sealed = [r[0] for r in cohort_rows]
+                sealed_ids.extend(aid for r in cohort_rows for aid in r[1])
                 if cohort_sealed:
                     _count_transitions({"sealed": sum(groups[g].expected_generations for g in cohort_sealed)})
             newly_ready = [
@@ -687,6 +690,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 )
             ]
             _count_transitions({"ready": len(newly_ready)})
+        await _forget_restored(conn, run_id, sealed_ids)
         sealed_now = set(cohort_sealed)
         for r in results:
             if r["result"] == "returned" and atts[r["rollout_id"]].group_id in sealed_now:
@@ -697,6 +701,14 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         ready = [r[0] for r in await fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
                                            {"r": run_id, "g": batch_groups})] if batch_groups else []
         return {"rows": results, "ready_groups": ready, "cohorts_sealed": sorted(cohort_sealed)}
+
+
+async def _forget_restored(conn: AsyncConnection, run_id: str, ended_attempt_ids: list[int]) -> None:
+    """A restored rollout is forgotten on Gym once its continued attempt has replied (section 7)."""
+    if ended_attempt_ids:
+        from .restore import forget_restored_on_seal
+
+        await forget_restored_on_seal(conn, run_id, ended_attempt_ids)
 
 
 class _GroupState:
@@ -837,6 +849,7 @@ async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> 
         if bad:
             raise BatchRefused(bad)
         await plan.apply(conn)
+        await _forget_restored(conn, run_id, [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "failed"])
         return {"rows": results, "groups": [_group_answer(states[g]) for g in touched]}
 
 
