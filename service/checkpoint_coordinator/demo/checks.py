@@ -1,0 +1,141 @@
+"""The demo's verdict: was any group lost or trained twice, was any mutation applied twice.
+
+Pure functions over what the run left behind (the trainers' journal and final checkpoint, the
+coordinator's counts, gymsim's resources session histories), so they can be tested on their own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Check", "check_groups", "check_mutations", "check_rewards", "check_capture"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "detail": self.detail}
+
+
+def _sample(items: Iterable[str], n: int = 5) -> str:
+    items = sorted(items)
+    more = f" (+{len(items) - n} more)" if len(items) > n else ""
+    return ", ".join(items[:n]) + more
+
+
+def check_groups(
+    *,
+    expected: Iterable[str],
+    lineage: list[dict[str, Any]],
+    abandoned: Iterable[str],
+    finalize_results: Iterable[tuple[str, str]],
+    coordinator_groups: Mapping[str, int],
+) -> list[Check]:
+    """Every group the data loader handed out is consumed exactly once in the trainer's final
+    lineage (its last checkpoint, which continues the checkpoint the restore went back to), or
+    was explicitly abandoned; and the coordinator agrees."""
+    expected = set(expected)
+    abandoned = set(abandoned)
+    consumed = [c["group_id"] for c in lineage]
+    twice = {g for g, n in Counter(consumed).items() if n > 1}
+    lost = expected - set(consumed) - abandoned
+    unknown = set(consumed) - expected
+    out = [
+        Check(
+            "no group lost",
+            not lost,
+            f"{len(set(consumed))} of {len(expected)} groups consumed, {len(abandoned)} abandoned"
+            + (f"; never consumed nor abandoned: {_sample(lost)}" if lost else ""),
+        ),
+        Check(
+            "no group trained twice",
+            not twice and not unknown,
+            "each consumed group appears once in the final trainer checkpoint"
+            if not twice and not unknown
+            else f"consumed more than once: {_sample(twice)}; not from the data loader: {_sample(unknown)}",
+        ),
+    ]
+    repeats = sorted(g for g, result in finalize_results if result != "finalized")
+    out.append(
+        Check(
+            "every finalize handed a group over for the first time",
+            not repeats,
+            "every finalize answered 'finalized'" if not repeats else f"finalize answered otherwise for {_sample(repeats)}",
+        )
+    )
+    live = {k: v for k, v in coordinator_groups.items() if k not in ("finalized", "abandoned") and v}
+    agree = not live and coordinator_groups.get("finalized", 0) == len(set(consumed)) and coordinator_groups.get("abandoned", 0) == len(abandoned)
+    out.append(
+        Check(
+            "the coordinator agrees",
+            agree,
+            f"ledger groups by status: {dict(sorted(coordinator_groups.items()))}",
+        )
+    )
+    return out
+
+
+def check_mutations(
+    sessions_by_instance: Mapping[str, Mapping[str, Any]],
+    continued: Iterable[Mapping[str, Any]],
+    replies: Mapping[str, Mapping[str, Any]],
+) -> Check:
+    """No (rollout, turn) mutation twice in any resources session of the live Gym instances; each
+    continued episode's session holds every turn exactly once: the saved turns from the
+    checkpoint, then the rest from the continuation."""
+    doubled: list[str] = []
+    sessions = 0
+    for iid, by_key in sessions_by_instance.items():
+        for key, sess in by_key.items():
+            sessions += 1
+            seen = Counter((h.get("rollout_id"), h.get("turn")) for h in sess.get("history", []))
+            doubled.extend(f"{iid}:{key} turn {turn}" for (_, turn), n in seen.items() if n > 1)
+    bad_continued: list[str] = []
+    resumed_mid = 0
+    continued = list(continued)
+    for c in continued:
+        key, iid = c["capture_key"], c["instance_id"]
+        reply = replies.get(key)
+        sess = sessions_by_instance.get(iid, {}).get(key)
+        if reply is None or sess is None:
+            bad_continued.append(f"{key}: {'no sealed row' if reply is None else 'no resources session'}")
+            continue
+        turns = [h.get("turn") for h in sess.get("history", [])]
+        total = int(reply.get("turns_completed", -1))
+        if turns != list(range(total)):
+            bad_continued.append(f"{key}: turns {turns}, expected 0..{total - 1} once each")
+        if (reply.get("resumed_from_turn") or 0) > 0:
+            resumed_mid += 1
+    ok = not doubled and not bad_continued
+    detail = (
+        f"{sessions} resources sessions checked, none with a turn applied twice; {len(continued)} continued episodes "
+        f"each hold every turn once ({resumed_mid} resumed after turn 0)"
+    )
+    if not ok:
+        detail = "; ".join(x for x in (f"doubled: {_sample(doubled)}" if doubled else "", f"continued: {_sample(bad_continued)}" if bad_continued else "") if x)
+    return Check("no mutation applied twice", ok, detail)
+
+
+def check_rewards(lineage: list[dict[str, Any]]) -> Check:
+    """gymsim's reward is the session counter over the turns: a lost or doubled mutation in a
+    row the trainer consumed shows as a reward other than 1."""
+    off = [f"{c['group_id']}: {r}" for c in lineage for r in c.get("rewards", []) if abs(float(r) - 1.0) > 1e-9]
+    n = sum(len(c.get("rewards", [])) for c in lineage)
+    return Check("every consumed row has all its turns once", not off, f"{n} rows, reward 1.0 each" if not off else f"rewards off: {_sample(off)}")
+
+
+def check_capture(reused_missing: list[str], reused: int) -> Check:
+    return Check(
+        "reused siblings come from the data-plane capture",
+        not reused_missing,
+        f"{reused} reused rows found in the snapshot's capture (sha256 verified)"
+        if not reused_missing
+        else f"missing from the capture: {_sample(reused_missing)}",
+    )

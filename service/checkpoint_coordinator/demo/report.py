@@ -1,0 +1,88 @@
+"""The summary table printed at the end of the demo."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["render_summary"]
+
+_DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
+_WHAT = {
+    "reused": "sealed at the cut; kept, result from the data-plane capture",
+    "continued": "Gym-exported turn episode; gym_attempt+1 on its own instance",
+    "restarted": "turn level, no Gym state (sent after the cut); new attempt",
+    "gym_restarted": "turn level on the restart-only instance; new attempt",
+    "rerun": "sibling or prompt_group level; new attempt (whole cohort)",
+    "dispatch": "never sent before the crash; sent as it was",
+}
+
+
+def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append(indent + "  ".join(c.ljust(widths[i]) if i < len(r) - 1 else c for i, c in enumerate(r)).rstrip())
+        if k == 0:
+            out.append(indent + "  ".join("-" * w for w in widths))
+    return out
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    o, g, c, r = s["options"], s["groups"], s["crash"], s["restore"]
+    lines = [
+        "",
+        f"ckpt-coordinator demo: run {s['run_id']} (seed {o['seed']}), {o['steps']} steps x {o['groups']} groups x {o['generations']} siblings",
+        f"  crash in step {c['step']} after snapshot {c['snapshot_id']}: trainer killed with {c['rollouts_in_flight']} rollouts in flight "
+        f"and {c['rows_queued']} queued, gymsim {c['killed_instance']} SIGKILLed",
+    ]
+    if r["refused_not_fresh"]:
+        named = ", ".join(sorted({i for names in r["refused_not_fresh"] for i in names}))
+        lines.append(f"  first restore refused (gym_not_fresh: {named} kept running); restarted it fresh and restored again")
+    if c.get("note"):
+        lines.append(f"  note: {c['note']}")
+    lines += ["", "groups"]
+    lines += _table(
+        [
+            ["expected", "admitted", "finalized", "abandoned", "consumed", "rolled back by the restore"],
+            [str(g["expected"]), str(g["admitted"]), str(g["finalized"]), str(g["abandoned"]), str(g["consumed"]), str(g["rolled_back"])],
+        ]
+    )
+    lines += ["", f"restore {r['restore_id']} from snapshot {r['snapshot_id']} (anchor step {r['anchor_step']}, Gym state installed: {'yes' if r['gym_installed'] else 'no'})"]
+    rows = [["siblings", "count", "meaning"]]
+    for d in _DISPOSITIONS:
+        rows.append([d, str(r["counts"].get(d, 0)), _WHAT[d]])
+    lines += _table(rows)
+    if r.get("continued_by_instance"):
+        lines.append("  continued per instance: " + ", ".join(f"{k} {v}" for k, v in r["continued_by_instance"].items()))
+
+    lines += ["", "snapshots"]
+    rows = [["snapshot", "anchor", "in step", "outcome", "reason", "gym parked"]]
+    for sn in s["snapshots"]:
+        parked = sn.get("gym_parked_seconds")
+        rows.append(
+            [
+                sn["snapshot_id"],
+                str(sn.get("anchor_step")),
+                str(sn.get("taken_in_step") or "-"),
+                str(sn.get("outcome")),
+                str(sn.get("reason") or "-"),
+                f"{parked:.2f}s" if parked is not None else "-",
+            ]
+        )
+    lines += _table(rows)
+    t = s["snapshot_totals"]
+    outcome_text = ", ".join(f"{k} {v}" for k, v in sorted(t["outcomes"].items()))
+    reason_text = ", ".join(f"{k.split(':', 1)[1]} x{v}" for k, v in sorted(t["not_published_reasons"].items()))
+    lines.append(f"  {outcome_text}" + (f" (reasons: {reason_text})" if reason_text else "") + f"; Gym parked {s['gym_parked_seconds']:.2f}s in all")
+
+    sib = s["siblings"]
+    lines += [
+        "",
+        f"rows: {sib['sealed_reports']} sealed, {sib['gym_refusals']} refused by a parked Gym and re-sent, {sib['transport_failures']} failed",
+        "",
+        "checks",
+    ]
+    for ch in s["checks"]:
+        lines.append(f"  [{'ok' if ch['ok'] else 'FAILED'}] {ch['name']}: {ch['detail']}")
+    lines += ["", f"{'OK' if s['ok'] else 'FAILED'} in {s['wall_seconds']:.1f}s"]
+    return "\n".join(lines)
