@@ -1,0 +1,630 @@
+"""Benchmark: the coordinator's own time to take a snapshot of a big run with many episodes in flight.
+
+A run with 200 000 live siblings, of which 10 000 turn-level rollouts are in flight on 4 gymsim
+instances (subprocesses, zero-latency control calls): admitted and dispatched through the API, their
+``/run`` episodes sent by this process over 10 000 concurrent HTTP connections. The other 190 000
+live siblings are built with set-based SQL (sealed with a receipt and a staging key, returned,
+dispatched at sibling / prompt_group level, or never sent; no turn-level row is in flight without a
+Gym episode behind it, so nothing has to drain).
+
+How the episodes are held in flight: every episode's first policy call is answered at once (the
+first N chat calls per instance pass through a zero-second delay fault), it works ``--turn-seconds``,
+writes its resources session, and its second policy call is held by a long delay fault: it waits on
+the policy model, which counts as a turn boundary, so it is exported by every participant (agent
+episode, model staging key, resources session) and never blocks readiness. A long ``turn_seconds``
+alone would not do: an episode inside a turn's work blocks prepare.
+
+Then ``--snapshots`` snapshots go through the real API, the trainer side driven from here (poll,
+barrier, capture file, captured). Reported per snapshot and as medians:
+
+* the phase timings of the snapshot record (gate, prepare, commit, drain, data_plane, resume, total)
+  and ``gym_parked_seconds``;
+* the time the coordinator spent with at least one Gym control call in flight (measured inside the
+  coordinator process by a thin wrapper around ``ControlChannel.post``, union of intervals), and
+  the coordinator's own time = total - trainer's share - Gym calls in flight;
+* the ledger cut: latency of the barrier POST (``ledger.snapshots.take_cut``), and its ratio to a
+  plain ``INSERT ... SELECT`` of the same rows (groups and attempts) into bare tables (no key, no
+  index, no foreign key), measured right after each snapshot;
+* the cost of reading the snapshot row (what the runner polls every 50 ms, twice over, while parked),
+  and of the candidates query (gate phase).
+
+Targets (issue): total coordinator time <= 1.5 s, ledger cut <= 1 s. They are reported, never turned
+into an exit status (the machine is shared); the exit status is 1 only if a snapshot did not publish.
+
+    python bench/snapshot_overhead.py [--live 200000] [--in-flight 10000] [--instances 4] [--snapshots 3]
+                                      [--turn-seconds 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ADMIN, Postgres, free_port, mib  # noqa: E402
+from pending_lookup import build_ledger, create_run, plain_url, vacuum_analyze  # noqa: E402
+
+TOTAL_TARGET_S = 1.5
+CUT_TARGET_S = 1.0
+GROUP_SIZE = 8
+TURNS = 10_000  # never finishes: the episode stays in flight for the whole benchmark
+HOLD_S = 86_400.0
+PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total")
+POLL_S = 0.02  # the trainer's poll of the snapshot record (tests/e2e/harness.py polls as often)
+
+
+# ------------------------------------------------------------------------------------------------
+# The coordinator, with the time it spends in Gym control calls recorded
+
+
+def _serve_timed(port: str, timing_file: str) -> int:
+    """Runs in the coordinator process: ``ckpt-coordinator serve`` with ``ControlChannel.post``
+    wrapped to record every control call (op, start, end on the system-wide monotonic clock)."""
+    from checkpoint_coordinator.cli import main as cli_main
+    from checkpoint_coordinator.gym import channel
+
+    original = channel.ControlChannel.post
+    calls: list[tuple[str, float, float, str]] = []
+    in_flight = [0]
+
+    def dump() -> None:
+        tmp = timing_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(calls, f)
+        os.replace(tmp, timing_file)
+
+    async def post(self: Any, target: Any, op: str, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        in_flight[0] += 1
+        try:
+            return await original(self, target, op, *args, **kwargs)
+        finally:
+            in_flight[0] -= 1
+            calls.append((op, start, time.monotonic(), f"{target.instance_id}/{target.server_name}"))
+            if in_flight[0] == 0:
+                dump()  # once per burst of calls, never while one is in flight
+
+    channel.ControlChannel.post = post  # type: ignore[method-assign]
+    return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
+
+
+class TimedCoordinator:
+    """The coordinator process (as ``_common.Coordinator``), started through ``_serve_timed``."""
+
+    def __init__(self, database_url: str, workdir: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.timing_file = str(workdir / "gym-calls.json")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve-timed-coordinator", str(self.port), self.timing_file],
+            env={**os.environ, "CKPTC_DATABASE_URL": database_url, "CKPTC_ADMIN_TOKEN": ADMIN, "CKPTC_LOG_LEVEL": "WARNING",
+                 "CKPTC_MAX_BODY_BYTES": str(64 * 1024 * 1024)},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}")
+            time.sleep(0.1)
+        else:
+            self.close()
+            raise RuntimeError("coordinator did not start")
+        self._t = threading.Thread(target=self._sample, daemon=True)
+        self._t.start()
+
+    def _sample(self) -> None:
+        p = psutil.Process(self.proc.pid)
+        while not self._stop.is_set():
+            try:
+                self.peak_rss = max(self.peak_rss, p.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(0.05)
+
+    def gym_calls(self) -> list[tuple[str, float, float, str]]:
+        try:
+            return [tuple(c) for c in json.loads(Path(self.timing_file).read_text())]  # type: ignore[misc]
+        except FileNotFoundError:
+            return []
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of the intervals, clipped to [lo, hi]."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                total += cur_e - cur_s  # type: ignore[operator]
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        total += cur_e - cur_s  # type: ignore[operator]
+    return total
+
+
+# ------------------------------------------------------------------------------------------------
+# gymsim instances and the in-flight episodes
+
+
+@contextlib.contextmanager
+def stderr_to(path: Path) -> Any:
+    """Child processes started inside inherit this file as their stderr (gymsim logs every episode
+    it cancels at shutdown; that belongs in a log, not in the report)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def start_gyms(per_instance: list[int], turn_seconds: float, log: Path) -> list[Any]:
+    from gymsim.testing import GymsimInstance, default_instance_config
+
+    gyms: list[Any] = []
+    try:
+        for k, n_eps in enumerate(per_instance):
+            faults = [
+                # the first policy call of each episode is answered at once, the next ones are held
+                {"server_name": "policy_model", "op": "chat", "type": "delay", "seconds": 0.0, "times": max(1, n_eps)},
+                {"server_name": "policy_model", "op": "chat", "type": "delay", "seconds": HOLD_S},
+            ]
+            cfg = default_instance_config(f"bench/replica-{k}", token=f"tok-bench-{k}", turn_seconds=turn_seconds, faults=faults)
+            with stderr_to(log):
+                gyms.append(GymsimInstance.start(cfg, subprocess=True))
+    except BaseException:
+        stop_gyms(gyms)
+        raise
+    return gyms
+
+
+def stop_gyms(gyms: list[Any]) -> None:
+    if not gyms:
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(gyms)) as ex:
+        for f in [ex.submit(g.stop) for g in gyms]:
+            with contextlib.suppress(Exception):
+                f.result()
+
+
+class Episodes:
+    """Concurrent ``/run`` calls over raw HTTP/1.1 connections (an httpx pool of 10 000
+    connections spends its time scanning the pool; a socket per episode is all this needs)."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[None]] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.ended: list[str] = []
+        self.sent = 0
+
+    def start(self, agent_url: str, rows: list[dict[str, Any]], sem: asyncio.Semaphore) -> None:
+        u = httpx.URL(agent_url)
+        for row in rows:
+            body = json.dumps({"_ng_rollout_id": row["rollout_id"], "_ng_attempt_index": row["gym_attempt"],
+                               "task": {"group": row["group_id"], "i": row["generation_index"]}, "turns": TURNS}).encode()
+            head = (f"POST {u.path}/run HTTP/1.1\r\nHost: {u.host}:{u.port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n").encode()
+            self.tasks.append(asyncio.create_task(self._one(u.host, int(u.port or 80), head + body, row["rollout_id"], sem)))
+
+    async def _one(self, host: str, port: int, request: bytes, rollout_id: str, sem: asyncio.Semaphore) -> None:
+        async with sem:  # bounds the connection burst (listen backlogs), not the episodes
+            reader, writer = await asyncio.open_connection(host, port)
+            self.writers.append(writer)
+            writer.write(request)
+            await writer.drain()
+            self.sent += 1
+        status = await reader.readline()
+        # An episode that answers at all has ended (or was refused): it is no longer in flight.
+        self.ended.append(f"{rollout_id}: {status.decode(errors='replace').strip()}")
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for w in self.writers:
+            w.close()
+
+
+async def wait_parked(gyms: list[Any], expected: dict[str, int], episodes: Episodes, timeout: float) -> dict[str, dict[str, int]]:
+    """Until every episode is held at a turn boundary: every first policy call answered (the
+    instance's free passes are used up), no episode working or on the wire, no resources request
+    in flight, and each agent holding exactly its episodes."""
+    deadline = time.monotonic() + timeout
+    last = 0.0
+    async with httpx.AsyncClient(timeout=30) as http:
+        while True:
+            counts, free, in_flight = {}, 0, 0
+            for g in gyms:
+                h = {"Authorization": f"Bearer {g.token}"}
+                r = await http.get(f"{g.servers['workplace_agent']}/ng-control/v1/checkpoint/status", headers=h)
+                r.raise_for_status()
+                counts[g.instance_id] = r.json()["report"]["counts"]
+                r = await http.get(f"{g.servers['calendar_resources']}/ng-control/v1/checkpoint/status", headers=h)
+                r.raise_for_status()
+                in_flight += r.json()["report"]["counts"]["in_flight"]
+                r = await http.get(f"{g.base_url}/admin/faults", headers=h)
+                r.raise_for_status()
+                free += sum(f.get("remaining") or 0 for f in r.json()["faults"] if f.get("seconds") == 0.0)
+            if episodes.ended:
+                raise RuntimeError(f"{len(episodes.ended)} episode(s) ended before the snapshot, e.g. {episodes.ended[:3]}")
+            parked = all(c["at_boundary"] == expected[i] and c["working"] == 0 and c["on_wire"] == 0 for i, c in counts.items())
+            if parked and free == 0 and in_flight == 0:
+                return counts
+            now = time.monotonic()
+            if now > deadline:
+                raise RuntimeError(f"episodes not parked after {timeout:.0f} s: {counts} (expected {expected}), "
+                                   f"{free} first policy calls to come, {in_flight} resources requests in flight")
+            if now - last > 10:
+                total = sum(c["at_boundary"] for c in counts.values())
+                working = sum(c["working"] for c in counts.values())
+                print(f"snapshot_overhead:   {episodes.sent:,} /run sent, {total:,} at a boundary, {working:,} working, "
+                      f"{free:,} first policy calls to come ...", flush=True)
+                last = now
+            await asyncio.sleep(1.0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The benchmark
+
+
+async def admit_and_dispatch(base: str, run_id: str, token: str, gyms: list[Any], in_flight: int) -> dict[str, list[dict[str, Any]]]:
+    """Admit the in-flight groups and dispatch them, group k to instance k mod N, through the API."""
+    h = {"Authorization": f"Bearer {token}"}
+    n_groups = in_flight // GROUP_SIZE
+    by_inst: dict[str, list[dict[str, Any]]] = {g.instance_id: [] for g in gyms}
+    order = [g.instance_id for g in gyms]
+    async with httpx.AsyncClient(base_url=base, timeout=300, headers=h) as c:
+        for start in range(0, n_groups, 1000):
+            body = {"groups": [{"group_id": f"f{k:07d}", "prompt_ref": {"sample_id": k, "task_name": "bench"}, "task_digest": f"sha256:f{k}",
+                                "expected_generations": GROUP_SIZE} for k in range(start, min(start + 1000, n_groups))]}
+            r = await c.post(f"/v1/runs/{run_id}/groups/admit", json=body)
+            r.raise_for_status()
+            for g in r.json()["groups"]:
+                by_inst[order[int(g["group_id"][1:]) % len(order)]].extend(g["rows"])
+        for iid, rows in by_inst.items():
+            for k in range(0, len(rows), 20_000):
+                chunk = rows[k : k + 20_000]
+                r = await c.post(f"/v1/runs/{run_id}/attempts/dispatch",
+                                 json={"dispatch_id": f"live-{iid.replace('/', '-')}-{k}", "instance_id": iid, "rollout_ids": [x["rollout_id"] for x in chunk]})
+                r.raise_for_status()
+    return by_inst
+
+
+async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float) -> dict[str, Any]:
+    """The trainer's side of section 5, timed: request, poll, barrier (the cut), capture, captured."""
+    h = {"Authorization": f"Bearer {token}"}
+    out: dict[str, Any] = {}
+    async with httpx.AsyncClient(base_url=f"{base}/v1/runs/{run_id}", timeout=timeout, headers=h) as c:
+        t_request = time.monotonic()
+        r = await c.post("/snapshots", json={"snapshot_id": sid, "anchor_step": 0})
+        r.raise_for_status()
+        deadline = t_request + timeout
+        trainer_s = 0.0
+        while True:
+            s = (await c.get(f"/snapshots/{sid}")).json()
+            if s["outcome"] is not None:
+                break
+            if s["awaiting"] == "barrier" and "cut_s" not in out:
+                t_seen = time.monotonic()
+                t0 = time.monotonic()
+                b = await c.post(f"/snapshots/{sid}/barrier")
+                t1 = time.monotonic()
+                b.raise_for_status()
+                keys = b.json()["staging_keys"]
+                capture_dir.mkdir(parents=True, exist_ok=True)
+                f = capture_dir / f"{sid}.json"
+                f.write_text(json.dumps(keys))
+                digest = hashlib.sha256(f.read_bytes()).hexdigest()
+                t2 = time.monotonic()
+                cap = await c.post(f"/snapshots/{sid}/captured", json={"reference": {"path": str(f), "digest": digest}})
+                t3 = time.monotonic()
+                cap.raise_for_status()
+                trainer_s = (t0 - t_seen) + (t2 - t1)  # the trainer's own share of the data-plane phase
+                out.update(cut_s=t1 - t0, captured_s=t3 - t2, staging_keys=len(keys), barrier_body_bytes=len(b.content))
+                continue
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"snapshot {sid} still in phase {s['phase']} after {timeout:.0f} s")
+            await asyncio.sleep(POLL_S)
+        t_done = time.monotonic()
+        full = (await c.get(f"/snapshots/{sid}", params={"manifest": "true"})).json()
+    out.update(record=full, t_request=t_request, t_done=t_done, trainer_s=trainer_s)
+    return out
+
+
+def bare_copy(url: str, run_id: str, sid: str) -> tuple[float, int]:
+    """A plain INSERT ... SELECT of the cut's rows (groups and attempts) into bare tables, one
+    transaction, timed with its commit. Returns (seconds, rows)."""
+    import psycopg
+
+    with psycopg.connect(plain_url(url)) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_bare_groups (LIKE snapshot_groups)")
+        conn.execute("CREATE TABLE IF NOT EXISTS bench_bare_attempts (LIKE snapshot_attempts)")
+        conn.execute("TRUNCATE bench_bare_groups, bench_bare_attempts")
+        conn.commit()
+        p = {"r": run_id, "s": sid}
+        t = time.perf_counter()
+        n = conn.execute("INSERT INTO bench_bare_groups SELECT * FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s", p).rowcount
+        n += conn.execute("INSERT INTO bench_bare_attempts SELECT * FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s", p).rowcount
+        conn.commit()
+        return time.perf_counter() - t, n
+
+
+def explain_cut(url: str, run_id: str) -> list[str]:
+    """EXPLAIN ANALYZE of the cut's two copies (rolled back): time and the per-row trigger cost."""
+    import psycopg
+
+    # The statements are take_cut's (ledger/snapshots.py), aimed at a throw-away snapshot id.
+    lines = []
+    with psycopg.connect(plain_url(url)) as conn:
+        conn.execute("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, outcome, reason, owner) "
+                     "VALUES (%(r)s, 'explain', 0, 'aborted', 'aborted', 'bench', 'bench')", {"r": run_id})
+        stmts = {
+            "snapshot_groups": (
+                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
+                "SELECT run_id, 'explain', group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
+                "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
+                "WHERE run_id = %(r)s AND status IN ('generating', 'ready')"
+            ),
+            "snapshot_attempts": (
+                "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
+                "gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
+                "SELECT a.run_id, 'explain', a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
+                "a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
+                "FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
+                "JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+                "WHERE a.run_id = %(r)s AND a.is_current AND g.status IN ('generating', 'ready')"
+            ),
+            "staging keys": (
+                "SELECT DISTINCT k FROM snapshot_attempts, unnest(staging_keys) AS k "
+                "WHERE run_id = %(r)s AND snapshot_id = 'explain' AND status IN ('sealed', 'returned')"
+            ),
+        }
+        for name, sql in stmts.items():
+            plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, {"r": run_id}).fetchone()[0][0]
+            trig = "; ".join(f"{t['Trigger Name']} {t['Time']:.0f} ms x{t['Calls']}" for t in plan.get("Triggers", []))
+            nodes: list[str] = []
+
+            def walk(node: dict[str, Any]) -> None:
+                label = node["Node Type"]
+                if "Index Name" in node:
+                    label += f"({node['Index Name']})"
+                elif "Relation Name" in node and node["Node Type"] != "ModifyTable":
+                    label += f"({node['Relation Name']})"
+                nodes.append(label)
+                for ch in node.get("Plans", []):
+                    walk(ch)
+
+            walk(plan["Plan"])
+            lines.append(f"{name}: {plan['Execution Time']:.0f} ms; plan {' > '.join(nodes)}" + (f"; triggers: {trig}" if trig else ""))
+        conn.rollback()
+    return lines
+
+
+async def read_costs(url: str, run_id: str, sid: str, reps: int) -> dict[str, Any]:
+    """The runner's poll of the snapshot row, and the candidates query of the gate phase."""
+    from sqlalchemy import text
+
+    from checkpoint_coordinator.ledger import snapshots as repo
+    from checkpoint_coordinator.ledger.db import make_async_engine
+
+    engine = make_async_engine(url, pool_size=2)
+    try:
+        polls, cands, narrow = [], [], []
+        for _ in range(reps):
+            t = time.perf_counter()
+            await repo.poll(engine, run_id, sid)
+            polls.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            async with engine.connect() as conn:
+                await conn.execute(text("SELECT outcome, abort_requested, data_plane_ref IS NOT NULL, cut_at FROM snapshots "
+                                        "WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": sid})
+            narrow.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            c = await repo.candidates(engine, run_id)
+            cands.append(time.perf_counter() - t)
+        async with engine.connect() as conn:
+            sizes = (await conn.execute(text("SELECT pg_column_size(gym_manifest), pg_column_size(cut_staging_keys), "
+                                             "octet_length(gym_manifest::text), cardinality(cut_staging_keys) FROM snapshots "
+                                             "WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": sid})).one()
+        return {"poll_s": statistics.median(polls), "narrow_poll_s": statistics.median(narrow), "candidates_s": statistics.median(cands),
+                "candidates": sum(len(v) for v in c.values()), "manifest_stored": sizes[0], "keys_stored": sizes[1],
+                "manifest_text": sizes[2], "keys": sizes[3]}
+    finally:
+        await engine.dispose()
+
+
+def fmt_s(x: float) -> str:
+    return f"{x:.3f} s"
+
+
+async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, gyms: list[Any], workdir: Path) -> int:
+    base = coord.url
+    run_id = "bench-snap"
+    token = create_run(base, run_id, str(workdir / "root"), drain_timeout_s=120, data_plane_timeout_s=600)
+    async with httpx.AsyncClient(base_url=base, timeout=120, headers={"Authorization": f"Bearer {token}"}) as c:
+        r = await c.post(f"/v1/runs/{run_id}/gym-instances", json={"instances": [
+            {"instance_id": g.instance_id, "control_token": g.token, "servers": g.servers} for g in gyms]})
+        r.raise_for_status()
+    bulk_groups = (args.live - args.in_flight) // GROUP_SIZE
+    t = time.perf_counter()
+    build_ledger(pg.url, run_id, bulk_groups, prefix="b", turn_dispatched=False, instances=len(gyms))
+    by_inst = await admit_and_dispatch(base, run_id, token, gyms, args.in_flight)
+    vacuum_analyze(pg.url)
+    print(f"snapshot_overhead: ledger of {args.live:,} live siblings built in {time.perf_counter() - t:.1f} s "
+          f"({bulk_groups * GROUP_SIZE:,} by SQL, {args.in_flight:,} admitted and dispatched through the API)", flush=True)
+
+    episodes = Episodes()
+    sem = asyncio.Semaphore(args.connect_burst)
+    t = time.perf_counter()
+    for g in gyms:
+        episodes.start(g.servers["workplace_agent"], by_inst[g.instance_id], sem)
+    expected = {iid: len(rows) for iid, rows in by_inst.items()}
+    try:
+        counts = await wait_parked(gyms, expected, episodes, args.park_timeout)
+        print(f"snapshot_overhead: {sum(expected.values()):,} episodes in flight, parked at a turn boundary, after "
+              f"{time.perf_counter() - t:.1f} s: " + ", ".join(f"{i} {c['at_boundary']}" for i, c in counts.items()), flush=True)
+
+        results = []
+        for k in range(1, args.snapshots + 1):
+            sid = f"s{k}"
+            res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout)
+            rec = res["record"]
+            if args.show_calls:
+                for o, s0, e0, tgt in coord.gym_calls():
+                    if s0 >= res["t_request"]:
+                        print(f"  call {o:8} {tgt:40} +{s0 - res['t_request']:.3f} {e0 - s0:.3f} s")
+            if rec["outcome"] != "published":
+                print(f"snapshot_overhead: snapshot {sid} ended {rec['outcome']}/{rec['reason']}: {json.dumps(rec['detail'])[:2000]}")
+                return 1
+            calls = [(s, e) for _, s, e, _ in coord.gym_calls()]
+            gym_busy = union_seconds(calls, res["t_request"], res["t_done"])
+            by_op = {}
+            for op in ("prepare", "renew", "commit", "resume"):
+                by_op[op] = union_seconds([(s, e) for o, s, e, _ in coord.gym_calls() if o == op], res["t_request"], res["t_done"])
+            ref_s, ref_rows = bare_copy(pg.url, run_id, sid)
+            pt = rec["phase_timings"]
+            manifest = rec["gym_manifest"]["instances"]
+            exported = sum(len(i["episodes"]) for i in manifest.values())
+            own = pt["total"] - res["trainer_s"] - gym_busy
+            results.append({"sid": sid, "pt": pt, "parked": rec["gym_parked_seconds"], "gym_busy": gym_busy, "by_op": by_op, "own": own,
+                            "coord_total": pt["total"] - res["trainer_s"], "cut": res["cut_s"], "captured": res["captured_s"],
+                            "ref": ref_s, "ref_rows": ref_rows, "exported": exported, "drained": rec["detail"].get("drained"),
+                            "cut_groups": rec["counts"].get("cut_groups"), "cut_siblings": rec["counts"].get("cut_siblings"),
+                            "keys": res["staging_keys"], "body": res["barrier_body_bytes"], "trainer": res["trainer_s"]})
+            x = results[-1]
+            print(f"snapshot_overhead: {sid} published: cut {x['cut_groups']:,} groups + {x['cut_siblings']:,} siblings, "
+                  f"{x['exported']:,} episodes exported, {x['drained']} drained, {x['keys']:,} staging keys")
+            print("snapshot_overhead:   phases " + ", ".join(f"{k} {pt[k]:.3f}" for k in PHASES if k in pt) + f" s; gym_parked_seconds {x['parked']:.3f}")
+            print(f"snapshot_overhead:   Gym control calls in flight {fmt_s(gym_busy)} (" + ", ".join(f"{k} {v:.3f}" for k, v in by_op.items())
+                  + f"); trainer's share {fmt_s(x['trainer'])}; coordinator's own time {fmt_s(own)}")
+            print(f"snapshot_overhead:   ledger cut (barrier POST) {fmt_s(x['cut'])}, captured POST {fmt_s(x['captured'])}; "
+                  f"INSERT ... SELECT of the same {ref_rows:,} rows into bare tables {fmt_s(ref_s)}; ratio {x['cut'] / ref_s:.2f}", flush=True)
+            await wait_parked(gyms, expected, episodes, 120)  # resumed, still in flight, for the next one
+
+        costs = await read_costs(pg.url, run_id, results[-1]["sid"], 20)
+    finally:
+        await episodes.close()
+
+    def m(key: str) -> float:
+        return statistics.median(r[key] for r in results)
+
+    def mp(key: str) -> float:
+        return statistics.median(r["pt"].get(key, 0.0) for r in results)
+
+    n = len(results)
+    print(f"snapshot_overhead: ---- medians over {n} snapshot(s): {args.live:,} live siblings, {args.in_flight:,} in flight on {len(gyms)} instances")
+    print("snapshot_overhead: phase timings " + ", ".join(f"{k} {mp(k):.3f}" for k in PHASES if k in results[0]["pt"]) + " s")
+    print(f"snapshot_overhead: gym_parked_seconds {m('parked'):.3f} s")
+    print(f"snapshot_overhead: Gym control calls in flight {fmt_s(m('gym_busy'))}; trainer's share {fmt_s(m('trainer'))}")
+    print(f"snapshot_overhead: coordinator total (phase total - trainer's share) {fmt_s(m('coord_total'))} "
+          f"[{'within' if m('coord_total') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
+    print(f"snapshot_overhead: coordinator's own time (also minus Gym calls in flight) {fmt_s(m('own'))} "
+          f"[{'within' if m('own') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
+    print(f"snapshot_overhead: ledger cut {fmt_s(m('cut'))} [{'within' if m('cut') <= CUT_TARGET_S else 'over'} target <= {CUT_TARGET_S} s]; "
+          f"INSERT ... SELECT reference {fmt_s(m('ref'))}; ratio cut / reference = {m('cut') / m('ref'):.2f}")
+    print(f"snapshot_overhead: snapshot row read by the runner's polls {costs['poll_s'] * 1000:.1f} ms "
+          f"(manifest {costs['manifest_text'] / 1e6:.1f} MB as text, {costs['keys']:,} cut staging keys, {(costs['manifest_stored'] + costs['keys_stored']) / 1e6:.1f} MB stored) "
+          f"vs {costs['narrow_poll_s'] * 1000:.1f} ms for the columns the polls look at; candidates query {costs['candidates_s'] * 1000:.1f} ms "
+          f"({costs['candidates']:,} candidates)")
+    print(f"snapshot_overhead: coordinator peak RSS {mib(coord.peak_rss)}")
+    summary = {"live": args.live, "in_flight": args.in_flight, "instances": len(gyms), "snapshots": results, "read_costs": costs,
+               "medians": {"coord_total": m("coord_total"), "own": m("own"), "gym_busy": m("gym_busy"), "cut": m("cut"), "ref": m("ref"),
+                           "ratio": m("cut") / m("ref"), "parked": m("parked")}}
+    print("snapshot_overhead: json " + json.dumps(summary, sort_keys=True, default=str))
+    if args.explain:
+        for line in explain_cut(pg.url, run_id):
+            print("snapshot_overhead: cut EXPLAIN ANALYZE " + line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--serve-timed-coordinator"]:
+        return _serve_timed(argv[1], argv[2])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--live", type=int, default=200_000, help="live siblings of the run (multiple of 8)")
+    ap.add_argument("--in-flight", type=int, default=10_000, help="turn-level rollouts in flight in Gym (multiple of 8)")
+    ap.add_argument("--instances", type=int, default=4, help="gymsim instances (one process each)")
+    ap.add_argument("--snapshots", type=int, default=3, help="snapshots taken one after the other (medians reported)")
+    ap.add_argument("--turn-seconds", type=float, default=20.0,
+                    help="gymsim turn work; the /run burst must fit in it for every episode to finish exactly one turn")
+    ap.add_argument("--connect-burst", type=int, default=200, help="/run connections being opened at once")
+    ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
+    ap.add_argument("--snapshot-timeout", type=float, default=600.0)
+    ap.add_argument("--show-calls", action="store_true", help="list every Gym control call of each snapshot with its timing")
+    ap.add_argument("--no-explain", dest="explain", action="store_false", help="skip EXPLAIN ANALYZE of the cut's statements")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.live, args.in_flight, args.instances, args.snapshots, args.turn_seconds, args.explain = 4000, 160, 2, 1, 1.0, False
+    if args.live % GROUP_SIZE or args.in_flight % GROUP_SIZE or not 0 < args.in_flight <= args.live:
+        ap.error("--live and --in-flight must be multiples of 8 with 0 < in-flight <= live")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
+    workdir = Path(tempfile.mkdtemp(prefix="ckptc-bench-snap-"))
+    pg = coord = None
+    gyms: list[Any] = []
+    try:
+        pg = Postgres()
+        coord = TimedCoordinator(pg.url, workdir)
+        # group k goes to instance k mod N (admit_and_dispatch)
+        per_instance = [len(range(k, args.in_flight // GROUP_SIZE, args.instances)) * GROUP_SIZE for k in range(args.instances)]
+        gyms = start_gyms(per_instance, args.turn_seconds, workdir / "gymsim.log")
+        return asyncio.run(run(args, pg, coord, gyms, workdir))
+    except BaseException:
+        log = workdir / "gymsim.log"
+        if log.exists():
+            tail = log.read_text(errors="replace")[-4000:]
+            print(f"snapshot_overhead: failed; last lines of the gymsim log:\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        stop_gyms(gyms)
+        if coord is not None:
+            coord.close()
+        if pg is not None:
+            pg.close()
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
