@@ -1,0 +1,166 @@
+"""``ckpt-coordinator demo``: the whole crash-and-restore story as the user runs it, plus its
+command line and the checks that decide its exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from checkpoint_coordinator.demo import build_parser
+from checkpoint_coordinator.demo.checks import check_groups, check_mutations, check_rewards
+from checkpoint_coordinator.demo.runner import pids_alive
+from checkpoint_coordinator.demo.trainer import DataLoader, recovery_config
+
+DEMO = [sys.executable, "-m", "checkpoint_coordinator.demo"]
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*DEMO, *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_survives_the_crash_and_shows_every_disposition(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    proc = _run(["--steps", "2", "--groups", "4", "--seed", "3", "--quiet", "--json-summary", str(out)], timeout=280)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+    s = json.loads(out.read_text())
+
+    assert s["ok"] is True
+    failed = [c for c in s["checks"] if not c["ok"]]
+    assert not failed, failed
+    names = {c["name"] for c in s["checks"]}
+    assert {"no group lost", "no group trained twice", "no mutation applied twice"} <= names
+
+    # The restore answer shows every kind of sibling the crash was arranged for.
+    d = s["dispositions"]
+    assert d["reused"] > 0 and d["continued"] > 0 and d["restarted"] > 0, d
+    assert s["restore"]["gym_installed"] is True
+    assert sum(s["restore"]["continued_by_instance"].values()) == d["continued"]
+    # Gym restores only into fresh servers: the instance that kept running is the only one a
+    # refusal may name (the demo then restarts it and restores again).
+    assert all(names == ["math/replica-1"] for names in s["restore"]["refused_not_fresh"])
+
+    # Every group of both steps was handed to the trainer exactly once, across the crash.
+    g = s["groups"]
+    assert g["expected"] == 8 and g["consumed"] == 8 and g["finalized"] == 8 and g["abandoned"] == 0
+    assert s["crash"]["step"] == 2 and s["restore"]["anchor_step"] == 1
+
+    # Snapshots: published ones, and the one that lost to a train step, with its reason.
+    outcomes = s["snapshot_totals"]["outcomes"]
+    assert outcomes.get("published", 0) >= 3
+    assert s["snapshot_totals"]["not_published_reasons"].get("aborted:train_step_committed") == 1
+    assert s["gym_parked_seconds"] > 0
+
+    # The summary table went to stdout; nothing the demo started is left running or on disk.
+    assert "continued" in proc.stdout and "OK in" in proc.stdout
+    assert pids_alive(s["processes"]) == []
+    assert s["workdir"] and not Path(s["workdir"]).exists()
+
+
+def test_help_explains_every_flag() -> None:
+    proc = _run(["--help"], timeout=60)
+    assert proc.returncode == 0
+    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary"):
+        assert flag in proc.stdout
+    assert "Exit status" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "0"], "must be at least 1"),
+        (["--groups", "many"], "not an integer"),
+        (["--timeout", "0"], "--timeout must be positive"),
+    ],
+)
+def test_bad_arguments_fail_cleanly_before_starting_anything(args: list[str], message: str) -> None:
+    proc = _run(args, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_data_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    proc = _run(["--data-dir", str(f)], timeout=60)
+    assert proc.returncode == 2 and "is not a directory" in proc.stderr
+
+
+def test_parser_defaults() -> None:
+    a = build_parser().parse_args([])
+    assert (a.steps, a.groups, a.seed, a.keep, a.quiet, a.data_dir, a.json_summary) == (4, 8, 1, False, False, None, None)
+
+
+# --------------------------------------------------------------------------------------------
+# The pieces the verdict rests on
+
+
+def test_data_loader_is_deterministic_and_mixes_levels() -> None:
+    a, b = DataLoader(7, 8), DataLoader(7, 8)
+    assert a.step(3) == b.step(3) and a.step(3) != DataLoader(8, 8).step(3)
+    kinds = [g.kind for g in a.step(1)]
+    assert kinds.count("turn") == 4 and kinds.count("sibling") == 2 and kinds.count("prompt_group") == 2
+    g = a.step(2)[3]
+    assert a.group(g.group_id) == g and DataLoader.kind_of(g.group_id) == g.kind
+    # Each kind reaches its level through the run's overrides (agent first, then task source).
+    cfg = recovery_config()
+    for grp in a.step(1):
+        spec = grp.spec()
+        level = cfg["agent_target_level_overrides"].get(spec.agent_name) or cfg["task_source_target_level_overrides"].get(spec.task_source) or cfg["target_level"]
+        assert level == grp.level
+
+
+def _lineage(*groups: str) -> list[dict]:
+    return [{"group_id": g, "rewards": [1.0, 1.0]} for g in groups]
+
+
+def test_group_checks_catch_a_lost_and_a_doubled_group() -> None:
+    ok = check_groups(
+        expected=["a", "b", "c"],
+        lineage=_lineage("a", "b"),
+        abandoned=["c"],
+        finalize_results=[("a", "finalized"), ("b", "finalized")],
+        coordinator_groups={"finalized": 2, "abandoned": 1},
+    )
+    assert all(c.ok for c in ok), ok
+    bad = check_groups(
+        expected=["a", "b", "c"],
+        lineage=_lineage("a", "a"),
+        abandoned=[],
+        finalize_results=[("a", "finalized"), ("a", "unchanged")],
+        coordinator_groups={"finalized": 1, "ready": 1},
+    )
+    by_name = {c.name: c for c in bad}
+    assert not by_name["no group lost"].ok and "b, c" in by_name["no group lost"].detail
+    assert not by_name["no group trained twice"].ok and "a" in by_name["no group trained twice"].detail
+    assert not by_name["every finalize handed a group over for the first time"].ok
+    assert not by_name["the coordinator agrees"].ok
+
+
+def test_mutation_check_catches_a_turn_applied_twice_and_a_gap_in_a_continuation() -> None:
+    h = lambda rid, att, turns: [{"rollout_id": rid, "attempt": att, "turn": t} for t in turns]  # noqa: E731
+    sessions = {"i0": {"r1-a1": {"history": h("r1", 0, [0, 1]) + h("r1", 1, [2, 3])}, "r2": {"history": h("r2", 0, [0, 1, 2])}}}
+    continued = [{"capture_key": "r1-a1", "instance_id": "i0"}]
+    replies = {"r1-a1": {"turns_completed": 4, "resumed_from_turn": 2}}
+    good = check_mutations(sessions, continued, replies)
+    assert good.ok and "1 resumed after turn 0" in good.detail
+
+    doubled = {"i0": {**sessions["i0"], "r2": {"history": h("r2", 0, [0, 1, 1, 2])}}}
+    assert not check_mutations(doubled, continued, replies).ok
+    gap = {"i0": {**sessions["i0"], "r1-a1": {"history": h("r1", 0, [0]) + h("r1", 1, [2, 3])}}}
+    bad = check_mutations(gap, continued, replies)
+    assert not bad.ok and "r1-a1" in bad.detail
+    assert not check_mutations(sessions, continued, {}).ok  # a continuation that never sealed
+
+
+def test_reward_check_flags_a_row_with_a_lost_or_doubled_turn() -> None:
+    assert check_rewards(_lineage("a")).ok
+    assert not check_rewards([{"group_id": "a", "rewards": [1.0, 1.25]}]).ok
