@@ -141,11 +141,11 @@ async def test_restore_continues_exported_episodes_on_their_instance(client, adm
         await player.stop()
         sealed = await fetch(scene.engine, "SELECT attempt_id, status FROM attempts WHERE run_id = :r AND rollout_id = ANY(:ids)", r=scene.api.run_id, ids=list(saved))
         assert {x["status"] for x in sealed} == {"sealed"}
-        # Once sealed, the restored rollouts are forgotten on their instance (integrator's seal path calls this).
+        # Once sealed, the restored rollouts are forgotten on their instance: the seal queued it.
         from checkpoint_coordinator.ledger.restore import forget_restored_on_seal
 
         async with scene.engine.begin() as conn:
-            assert await forget_restored_on_seal(conn, scene.api.run_id, [x["attempt_id"] for x in sealed]) == 2
+            assert await forget_restored_on_seal(conn, scene.api.run_id, [x["attempt_id"] for x in sealed]) == 0  # already queued
         forgets = await fetch(scene.engine, "SELECT rollout_id, instance_id FROM outbox_items WHERE run_id = :r AND op = 'forget'", r=scene.api.run_id)
         assert {(f["rollout_id"], f["instance_id"]) for f in forgets} == {(r, iid) for r in saved}
     finally:
@@ -173,10 +173,11 @@ async def test_failed_restore_on_one_instance_turns_every_continuation_into_a_re
                 s = state["servers"][name]
                 assert s["phase"] == "idle" and s["unclaimed"] == [] and s["admission_open"], (iid, name, s)
                 assert s["marks"] == {r: 1 for r in saved[iid]}, (iid, name, s["marks"])
-        # The ledger: old attempts ended, new ones reserved under new ids; the old ones retired.
+        # The ledger: each replaced attempt gave way to a new one, reserved under its new id; the
+        # old ones are retired on their instance.
         live = {x["rollout_id"]: x for x in await fetch(scene.engine, "SELECT * FROM attempts WHERE run_id = :r", r=scene.api.run_id)}
         for old, r in restarted.items():
-            assert live[old]["status"] == "abandoned" and not live[old]["is_current"]
+            assert old not in live
             assert live[r["rollout_id"]]["status"] == "reserved" and live[r["rollout_id"]]["is_current"] and not live[r["rollout_id"]]["gym_owned"]
         retires = await fetch(scene.engine, "SELECT rollout_id, gym_attempt, instance_id FROM outbox_items WHERE run_id = :r AND op = 'retire'", r=scene.api.run_id)
         assert {(x["rollout_id"], x["instance_id"]) for x in retires} >= {(r, iid) for iid, rs in saved.items() for r in rs}

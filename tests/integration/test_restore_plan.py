@@ -284,6 +284,13 @@ async def test_forget_restored_on_seal_queues_one_forget_per_sealed_continuation
     await api.dispatch([r["rollout_id"] for r in rows], INSTANCE)
     await api.seal(cont + [rows[2]])
     ids = [x["attempt_id"] for x in await fetch(engine, "SELECT attempt_id FROM attempts WHERE run_id = :r ORDER BY generation_index", r=api.run_id)]
+    # The seal path already called it, in the seal's transaction.
+    queued = await fetch(engine, "SELECT rollout_id FROM outbox_items WHERE run_id = :r AND op = 'forget' ORDER BY rollout_id", r=api.run_id)
+    assert [q["rollout_id"] for q in queued] == sorted(r["rollout_id"] for r in rows[:2])
+    # Called directly (as if the seal had not), it queues one forget per sealed continuation.
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM outbox_items WHERE run_id = :r"), {"r": api.run_id})
+        await conn.execute(text("UPDATE attempts SET retirement = 'none' WHERE run_id = :r"), {"r": api.run_id})
     async with engine.begin() as conn:
         assert await forget_restored_on_seal(conn, api.run_id, ids) == 2
     async with engine.begin() as conn:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
@@ -82,24 +82,45 @@ async def newest_published(conn: AsyncConnection, run_id: str, max_step: int | N
 # The cut
 
 
-_GROUP_SQL = (
+_GROUP_SQL_FULL = (
     "SELECT group_id, restore_level, expected_generations, group_attempt, status, task_digest, prompt_ref, "
     "agent_name, task_source, target_step, weight_version, data_attempts_used "
     "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
 )
-# Rows come back as plain tuples of CutAttempt's twelve fields. The plan decides on the first
-# eight; the detailed form also carries what reused rows and the NeMo RL export show (staging
-# keys, rewards), which the rewind copies in SQL and so never needs to read.
-_ATT_SQL_PLAN = (
-    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, "
-    "'{}'::text[], row_attempts_used, NULL::float8, false "
-    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
+_GROUP_SQL_PLAN = (
+    "SELECT group_id, restore_level, expected_generations, group_attempt, status "
+    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s"
 )
+# A plan reads only the first eight fields of an attempt: fetch those (in the primary key's order,
+# no sort) and pad the rest in Python, which is cheaper than having the driver build them.
+_ATT_SQL_PLAN = (
+    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status "
+    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY attempt_id"
+)
+_ATT_PAD = ((), 0, None, False)
 _ATT_SQL_FULL = (
     "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, "
     "COALESCE(staging_keys, '{}'::text[]), row_attempts_used, reward, COALESCE(mask_sample, false) "
     "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
 )
+_NO_PROMPT = PromptRef("", "")
+
+
+class PlanGroup(NamedTuple):
+    """A cut group with only what the plan reads filled in (same attribute names as
+    :class:`CutGroup`); a million-sibling cut has 125 000 of them."""
+
+    group_id: str
+    restore_level: str
+    expected_generations: int
+    group_attempt: int
+    status: str
+    task_digest: str = ""
+    prompt_ref: PromptRef = _NO_PROMPT
+    agent_name: str | None = None
+    task_source: str | None = None
+    target_step: int | None = None
+    weight_version: str | None = None
 
 
 @dataclass(frozen=True)
@@ -121,11 +142,17 @@ async def _fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> lis
 async def load_cut(
     conn: AsyncConnection, run_id: str, snapshot_id: str, *, detailed: bool = False
 ) -> tuple[Cut, dict[str, GroupExtra]]:
+    """The cut of a snapshot. ``detailed``: every field (reused rows' staging keys, rewards,
+    prompt locators; the export needs them); otherwise only what the plan reads."""
     params = {"r": run_id, "s": snapshot_id}
-    grows = await _fetch(conn, _GROUP_SQL, params)
-    groups = []
     extras: dict[str, GroupExtra] = {}
-    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in grows:
+    if not detailed:
+        groups: list[Any] = [PlanGroup(*g) for g in await _fetch(conn, _GROUP_SQL_PLAN, params)]
+        pad = _ATT_PAD
+        attempts: Sequence[Any] = [a + pad for a in await _fetch(conn, _ATT_SQL_PLAN, params)]
+        return Cut(groups=groups, attempts=attempts), extras
+    groups = []
+    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in await _fetch(conn, _GROUP_SQL_FULL, params):
         pref = pref or {}
         groups.append(
             CutGroup(
@@ -143,9 +170,7 @@ async def load_cut(
             )
         )
         extras[gid] = GroupExtra(dau, wv)
-    attempts: Sequence[Any] = await _fetch(conn, _ATT_SQL_FULL if detailed else _ATT_SQL_PLAN, params)
-    if detailed:
-        attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in attempts]
+    attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in await _fetch(conn, _ATT_SQL_FULL, params)]
     return Cut(groups=groups, attempts=attempts), extras
 
 
@@ -370,13 +395,57 @@ _ENDED_BEFORE_CUT = (
     "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
 )
 
+# The target state of a cut attempt: as in the cut, or continued (``p.id`` set: Gym attempt
+# N+1, reserved, Gym-owned, no result yet).
+_TARGET = (
+    "SELECT sa.attempt_id, sa.group_id, sa.generation_index, sa.rollout_id, p.id IS NOT NULL AS cont, "
+    "CASE WHEN p.id IS NOT NULL THEN 'reserved' ELSE sa.status END AS status, true AS is_current, sa.gym_instance_id, "
+    "sa.gym_attempt + CASE WHEN p.id IS NOT NULL THEN 1 ELSE 0 END AS gym_attempt, sa.group_attempt, sa.refusals, "
+    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.receipt END AS receipt, "
+    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.reward END AS reward, "
+    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.mask_sample END AS mask_sample, "
+    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.staging_keys END AS staging_keys, "
+    "sa.gym_owned OR p.id IS NOT NULL AS gym_owned "
+    "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:cid AS bigint[])) AS p(id) ON p.id = sa.attempt_id "
+)
+
 
 async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter) -> RewindReport:
+    """The steps of :func:`apply_restore`.
+
+    Rewriting every attempt of a million-sibling cut would cost a million row versions, so the
+    rewind writes only what can differ from the cut: the rows the plan changes (continued,
+    replaced), the rows of groups the live ledger changed after the cut, and what the cut does
+    not know. A cut group is *touched* when, after the cut, its group row changed, it got an
+    attempt the cut does not know, or one of its never-sent rows reached Gym. That is exhaustive
+    because every live change of section 4 does one of these: admit and transport or data
+    failures mint attempts, dispatch moves a reserved row out of ``reserved``, seal/return/refuse
+    only act on rows the cut knows as dispatched (which the plan always continues or replaces),
+    finalize and abandon change the group. A restore applied after the cut breaks that
+    reasoning, so then every cut group counts as touched.
+    """
     r, s = run.run_id, rw.snapshot_id
     p = {"r": r, "s": s}
     report = RewindReport(epoch=run.epoch + 1)
     bumped = set(rw.bumped_groups)
     retire = list(rw.retire)
+    # A snapshot's tables are often only moments old when a restore reads them, before any
+    # ANALYZE: the planner then takes a million-row join for a one-row one and picks a nested
+    # loop, quadratic. Every join here is a bulk join, for which hash and merge joins (linear)
+    # are right whatever the estimates say; give them room to stay in memory.
+    await conn.execute(text("SET LOCAL enable_nestloop = off"))
+    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    everything = bool(
+        (
+            await conn.execute(
+                text(
+                    "SELECT EXISTS (SELECT 1 FROM restores x, snapshots sn WHERE x.run_id = :r AND x.state = 'applied' "
+                    "AND sn.run_id = :r AND sn.snapshot_id = :s AND x.ended_at >= COALESCE(sn.cut_at, sn.published_at, sn.created_at))"
+                ),
+                p,
+            )
+        ).scalar()
+    )
 
     # 1. Rows sent under their old identity whose attempt reached Gym after the cut.
     rows = (
@@ -393,7 +462,9 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         )
     ).all()
     cohort_groups: set[str] = set()
+    touched: set[str] = set()
     for x in rows:
+        touched.add(x.group_id)
         if x.live_status == "dispatched" and x.retirement == "none":
             retire.append(RetireItem(x.live_instance, x.rollout_id, x.live_gym_attempt, x.attempt_id))
         if x.restore_level == "prompt_group":
@@ -422,8 +493,8 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         bumped |= cohort_groups
         report.bumped_after_cut = sorted(cohort_groups)
 
-    # 2. Live attempts the cut does not know (admitted or replaced after it): they leave the
-    #    ledger; any that may still run in Gym is retired first.
+    # 2. Live attempts the cut does not know (admitted or replaced after it), except the
+    #    history of groups that had ended before the cut (see step 4).
     await conn.execute(
         text(
             "CREATE TEMP TABLE restore_unknown ON COMMIT DROP AS "
@@ -434,14 +505,13 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         ),
         p,
     )
-    # ... except the history of groups that had ended before the cut (see step 4).
     await conn.execute(
-        text(
-            "DELETE FROM restore_unknown u USING prompt_groups g WHERE g.run_id = :r AND g.group_id = u.group_id "
-            f"AND {_ENDED_BEFORE_CUT}"
-        ),
+        text(f"DELETE FROM restore_unknown u USING prompt_groups g WHERE g.run_id = :r AND g.group_id = u.group_id AND {_ENDED_BEFORE_CUT}"),
         p,
     )
+    await conn.execute(text("ANALYZE restore_unknown"))
+    touched.update((await conn.execute(text("SELECT DISTINCT group_id FROM restore_unknown"))).scalars())
+    # ... any of them that may still run in Gym is retired first (and the plan's retires).
     report.retires_queued = await _queue_retires(conn, r, retire)
 
     # 3. Continued rollouts keep their id: an old retire (or the forget that follows it) queued
@@ -470,7 +540,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         )
     ).rowcount
 
-    # 5. The rest of the unknown attempts end (kept as history, no longer current).
+    # 5. The unknown attempts of the remaining groups end (kept as history, no longer current).
     report.attempts_ended = (
         await conn.execute(
             text(
@@ -481,28 +551,41 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         )
     ).rowcount
 
-    # 6. Groups as in the cut (cohorts that rerun at group_attempt + 1).
-    inserted_groups = (
+    # 6. Groups as in the cut (cohorts that rerun at group_attempt + 1): changed ones rewritten,
+    #    missing ones (removed by an earlier restore, or an imported cut) inserted.
+    gparams = {**p, "bumped": sorted(bumped)}
+    gsrc = (
+        "SELECT sg.*, sg.group_attempt + CASE WHEN b.g IS NULL THEN 0 ELSE 1 END AS target_attempt FROM snapshot_groups sg "
+        "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sg.group_id WHERE sg.run_id = :r AND sg.snapshot_id = :s"
+    )
+    changed = (
+        await conn.execute(
+            text(
+                "UPDATE prompt_groups g SET group_attempt = t.target_attempt, data_attempts_used = t.data_attempts_used, "
+                "status = t.status, ended_at = CASE WHEN t.status IN ('finalized', 'abandoned') THEN COALESCE(g.ended_at, now()) END "
+                f"FROM ({gsrc}) t WHERE g.run_id = :r AND g.group_id = t.group_id AND "
+                "(g.group_attempt, g.data_attempts_used, g.status) IS DISTINCT FROM (t.target_attempt, t.data_attempts_used, t.status) "
+                "RETURNING g.group_id"
+            ),
+            gparams,
+        )
+    ).scalars().all()
+    new_groups = (
         await conn.execute(
             text(
                 "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
                 "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status, ended_at) "
-                "SELECT :r, sg.group_id, sg.prompt_ref, sg.task_digest, sg.task_source, sg.agent_name, sg.restore_level, "
-                "sg.expected_generations, sg.target_step, sg.weight_version, sg.group_attempt + CASE WHEN b.g IS NULL THEN 0 ELSE 1 END, "
-                "sg.data_attempts_used, sg.status, CASE WHEN sg.status IN ('finalized', 'abandoned') THEN now() END "
-                "FROM snapshot_groups sg LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sg.group_id "
-                "WHERE sg.run_id = :r AND sg.snapshot_id = :s "
-                "ON CONFLICT (run_id, group_id) DO UPDATE SET group_attempt = EXCLUDED.group_attempt, "
-                "data_attempts_used = EXCLUDED.data_attempts_used, status = EXCLUDED.status, "
-                "ended_at = CASE WHEN EXCLUDED.status IN ('finalized', 'abandoned') THEN COALESCE(prompt_groups.ended_at, now()) END "
-                "WHERE (prompt_groups.group_attempt, prompt_groups.data_attempts_used, prompt_groups.status) "
-                "IS DISTINCT FROM (EXCLUDED.group_attempt, EXCLUDED.data_attempts_used, EXCLUDED.status) "
-                "RETURNING group_id, (xmax = 0) AS inserted"
+                "SELECT :r, t.group_id, t.prompt_ref, t.task_digest, t.task_source, t.agent_name, t.restore_level, "
+                "t.expected_generations, t.target_step, t.weight_version, t.target_attempt, t.data_attempts_used, t.status, "
+                f"CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() END FROM ({gsrc}) t "
+                "WHERE NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = :r AND g.group_id = t.group_id) RETURNING group_id"
             ),
-            {**p, "bumped": sorted(bumped)},
+            gparams,
         )
-    ).all()
-    new_groups = [x.group_id for x in inserted_groups if x.inserted]
+    ).scalars().all()
+    touched.update(changed)
+    touched.update(new_groups)
+    touched |= bumped
 
     # 7. Siblings as in the cut (a rerunning cohort starts its row budgets again).
     if new_groups:
@@ -512,97 +595,85 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
                 "SELECT :r, sa.group_id, sa.generation_index, sa.row_attempts_used FROM snapshot_attempts sa "
                 "WHERE sa.run_id = :r AND sa.snapshot_id = :s AND sa.group_id = ANY(:g) ON CONFLICT DO NOTHING"
             ),
-            {**p, "g": new_groups},
+            {**p, "g": sorted(new_groups)},
         )
-    await conn.execute(
-        text(
-            "UPDATE siblings sb SET row_attempts_used = t.n FROM ("
-            "SELECT sa.group_id, sa.generation_index, CASE WHEN b.g IS NULL THEN sa.row_attempts_used ELSE 0 END AS n "
-            "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
-            "WHERE sa.run_id = :r AND sa.snapshot_id = :s) t "
-            "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
-            "AND sb.row_attempts_used <> t.n"
-        ),
-        {**p, "bumped": sorted(bumped)},
-    )
+    scope = "" if everything else "AND sa.group_id = ANY(:touched) "
+    tparams = {**p, "touched": sorted(touched), "bumped": sorted(bumped)}
+    if everything or touched:
+        await conn.execute(
+            text(
+                "UPDATE siblings sb SET row_attempts_used = t.n FROM ("
+                "SELECT sa.group_id, sa.generation_index, CASE WHEN b.g IS NULL THEN sa.row_attempts_used ELSE 0 END AS n "
+                "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
+                f"WHERE sa.run_id = :r AND sa.snapshot_id = :s {scope}) t "
+                "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
+                "AND sb.row_attempts_used <> t.n"
+            ),
+            tparams,
+        )
 
-    # 8. The cut's attempts: as they were, continued ('C') or replaced ('N') by a new attempt.
-    n_new = len(rw.new_old_ids)
-    new_ids: list[int] = []
-    if n_new:
-        new_ids = list(
-            (
-                await conn.execute(
-                    text("SELECT nextval(pg_get_serial_sequence('attempts', 'attempt_id')) FROM generate_series(1, :n)"), {"n": n_new}
-                )
-            ).scalars()
+    # 8. The cut's attempts. Replaced ones are deleted: their replacement (step 9) is the
+    #    sibling's attempt from now on, and a deleted row costs far less than a rewritten one
+    #    (their rollout ids live on in the retires queued above and the restore's answer).
+    if rw.new_old_ids:
+        await conn.execute(
+            text("DELETE FROM attempts a USING unnest(CAST(:nid AS bigint[])) AS n(id) WHERE a.attempt_id = n.id AND a.run_id = :r"),
+            {"r": r, "nid": rw.new_old_ids},
         )
-    codes_ids = rw.continued_ids + rw.new_old_ids
-    codes = ["C"] * len(rw.continued_ids) + ["N"] * n_new
-    repl: list[int | None] = [None] * len(rw.continued_ids) + new_ids
-    target = (
-        "SELECT sa.attempt_id, sa.group_id, sa.generation_index, sa.rollout_id, p.code, p.new_id, "
-        "CASE p.code WHEN 'C' THEN 'reserved' WHEN 'N' THEN CASE WHEN sa.status IN ('reserved', 'dispatched', 'returned') "
-        "THEN 'abandoned' ELSE sa.status END ELSE sa.status END AS status, "
-        "p.code IS DISTINCT FROM 'N' AS is_current, sa.gym_instance_id, "
-        "sa.gym_attempt + CASE WHEN p.code = 'C' THEN 1 ELSE 0 END AS gym_attempt, sa.group_attempt, sa.refusals, "
-        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.receipt END AS receipt, "
-        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.reward END AS reward, "
-        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.mask_sample END AS mask_sample, "
-        "CASE WHEN p.code = 'C' THEN NULL ELSE sa.staging_keys END AS staging_keys, "
-        "sa.gym_owned OR COALESCE(p.code = 'C', false) AS gym_owned "
-        "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:pid AS bigint[]), CAST(:pcode AS text[]), CAST(:pnew AS bigint[])) "
-        "AS p(id, code, new_id) ON p.id = sa.attempt_id WHERE sa.run_id = :r AND sa.snapshot_id = :s"
-    )
-    params = {**p, "pid": codes_ids, "pcode": codes, "pnew": repl}
+    # Continued rows, and the rows of touched groups, back to their target state (only those
+    # that differ are written).
+    params = {**tparams, "cid": rw.continued_ids, "nid": rw.new_old_ids}
+    which = "" if everything else "AND (p.id IS NOT NULL OR sa.group_id = ANY(:touched)) "
+    target = f"{_TARGET} WHERE sa.run_id = :r AND sa.snapshot_id = :s {which}"
     report.attempts_rewritten = (
         await conn.execute(
             text(
                 "UPDATE attempts a SET status = t.status, is_current = t.is_current, gym_instance_id = t.gym_instance_id, "
                 "gym_attempt = t.gym_attempt, group_attempt = t.group_attempt, refusals = t.refusals, receipt = t.receipt, "
                 "reward = t.reward, mask_sample = t.mask_sample, staging_keys = t.staging_keys, gym_owned = t.gym_owned, "
-                "replaced_by_attempt_id = COALESCE(t.new_id, a.replaced_by_attempt_id), "
-                "retirement = CASE WHEN t.code = 'C' THEN 'none' ELSE a.retirement END, "
+                "retirement = CASE WHEN t.cont THEN 'none' ELSE a.retirement END, "
                 "dispatch_id = CASE WHEN t.status = 'reserved' THEN NULL ELSE a.dispatch_id END, "
                 "ended_at = CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN COALESCE(a.ended_at, now()) END "
                 f"FROM ({target}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
                 "(a.status, a.is_current, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.refusals, a.receipt, a.reward, "
                 "a.mask_sample, a.staging_keys, a.gym_owned) IS DISTINCT FROM (t.status, t.is_current, t.gym_instance_id, "
                 "t.gym_attempt, t.group_attempt, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, t.gym_owned) "
-                "OR t.new_id IS NOT NULL OR (t.code = 'C' AND a.retirement <> 'none') "
-                "OR (t.status = 'reserved' AND a.dispatch_id IS NOT NULL))"
+                "OR (t.cont AND a.retirement <> 'none') OR (t.status = 'reserved' AND a.dispatch_id IS NOT NULL))"
             ),
             params,
         )
     ).rowcount
-    # Cut attempts missing from the live ledger (an imported snapshot, or groups an earlier
-    # restore removed) come back as rows of their own; replaced ones only as their replacement.
-    report.attempts_inserted = (
-        await conn.execute(
-            text(
-                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
-                "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
-                f"SELECT t.attempt_id, :r, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
-                "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
-                "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
-                f"FROM ({target}) t WHERE t.code IS DISTINCT FROM 'N' AND NOT EXISTS "
-                "(SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)"
-            ),
-            params,
-        )
-    ).rowcount
+    # Cut attempts missing from the live ledger (their group was removed by an earlier restore,
+    # or the cut was imported) come back as rows of their own, unless replaced. Only touched
+    # groups can miss attempts.
+    if everything or touched:
+        report.attempts_inserted = (
+            await conn.execute(
+                text(
+                    "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
+                    "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
+                    "SELECT t.attempt_id, :r, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
+                    "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
+                    "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
+                    f"FROM ({_TARGET} WHERE sa.run_id = :r AND sa.snapshot_id = :s {scope}) t "
+                    "LEFT JOIN unnest(CAST(:nid AS bigint[])) AS n(id) ON n.id = t.attempt_id WHERE n.id IS NULL "
+                    "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)"
+                ),
+                params,
+            )
+        ).rowcount
 
     # 9. New attempts (restarted, gym_restarted, rerun) under their new rollout ids.
-    if n_new:
+    if rw.new_old_ids:
         await conn.execute(
             text(
-                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, group_attempt) "
-                "SELECT id, :r, g, i, ro, ga FROM unnest(CAST(:id AS bigint[]), CAST(:g AS text[]), CAST(:i AS int[]), "
-                "CAST(:ro AS text[]), CAST(:ga AS int[])) AS t(id, g, i, ro, ga)"
+                "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
+                "SELECT :r, g, i, ro, ga FROM unnest(CAST(:g AS text[]), CAST(:i AS int[]), CAST(:ro AS text[]), CAST(:ga AS int[])) "
+                "AS t(g, i, ro, ga)"
             ),
-            {"r": r, "id": new_ids, "g": rw.new_groups, "i": rw.new_indexes, "ro": rw.new_rollouts, "ga": rw.new_group_attempts},
+            {"r": r, "g": rw.new_groups, "i": rw.new_indexes, "ro": rw.new_rollouts, "ga": rw.new_group_attempts},
         )
-        report.attempts_inserted += n_new
+        report.attempts_inserted += len(rw.new_old_ids)
 
     # 10. Fencing: every writer of the old epoch is refused from now on; the gate reopens.
     await conn.execute(
@@ -617,7 +688,9 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
 async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem]) -> int:
     """Retire items for the unknown live attempts that may still run in Gym (``restore_unknown``)
     and for ``extra``; an attempt that ran on no known instance is retired on every instance. A
-    retire already queued for the same rollout (at this attempt or later) is not queued again."""
+    retire already queued for the same rollout (at this attempt or later) is not queued again.
+    Only attempts that stay in the ledger (the unknown ones) record ``retire_pending``; the
+    others are the cut's, which the rewind deletes (replaced) or resets."""
     res = await conn.execute(
         text(
             "WITH items AS ("
@@ -635,7 +708,8 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
             "AND o.state = 'pending' AND o.op = 'retire' AND o.instance_id = i.instance_id AND o.rollout_id = i.rollout_id "
             "AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
             "), upd AS ("
-            "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT attempt_id FROM ins) i "
+            "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT i.attempt_id FROM ins i "
+            "JOIN restore_unknown u ON u.attempt_id = i.attempt_id) i "
             "WHERE a.attempt_id = i.attempt_id AND a.run_id = :r AND a.retirement = 'none' RETURNING 1"
             ") SELECT count(*) FROM ins"
         ),
