@@ -164,7 +164,7 @@ REFUSALS = [
     (4, _mut("groups.0.restore_level", "prefix"), "document.groups[0].restore_level", "legacy_ledger_invalid"),
     (4, _mut("groups.0.attempts.2.rollout_id", "gturn-r1"), "document.groups[0].attempts[2].rollout_id", "legacy_ledger_invalid"),
     (4, _mut("groups.0.attempts.2.rollout_id", "x-a3"), "document.groups[0].attempts[2].rollout_id", "legacy_ledger_invalid"),
-    (4, _mut("groups.0.expected_generations", 4), "document.groups[0].expected_generations", "legacy_ledger_invalid"),
+    (4, _mut("groups.0.expected_generations", 4), "document.groups[0].attempts", "legacy_ledger_invalid"),
     (4, _mut("groups.0.attempts.1.status", "running"), "document.groups[0].attempts[1].status", "legacy_ledger_invalid"),
     (4, _mut("groups.0.attempts.0.reward", "high"), "document.groups[0].attempts[0].reward", "legacy_ledger_invalid"),
     (4, _mut("groups.1.attempts.0.status", "returned"), "document.groups[1].attempts[0].status", "legacy_ledger_invalid"),

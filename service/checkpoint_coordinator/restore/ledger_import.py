@@ -15,7 +15,7 @@ from ..ledger import restore as repo
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from .errors import LedgerImportRefused, SnapshotNotFound
-from .legacy_ledger import export_legacy_ledger, load_legacy_ledger
+from ..domain.legacy_ledger import export_legacy_ledger, load_legacy_ledger
 
 
 def document_digest(document: Any) -> str:
