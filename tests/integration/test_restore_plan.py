@@ -303,3 +303,27 @@ async def test_forget_restored_on_seal_queues_one_forget_per_sealed_continuation
     )
     states = await fetch(engine, "SELECT generation_index, retirement FROM attempts WHERE run_id = :r ORDER BY generation_index", r=api.run_id)
     assert [s["retirement"] for s in states] == ["forget_pending", "forget_pending", "none"]
+
+
+async def test_restore_after_an_earlier_restore_rewrites_every_row_that_differs(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    """Once a restore was applied after a snapshot's cut, the live ledger may differ from that cut
+    anywhere (a continuation keeps its attempt id), so a later restore from it compares every row."""
+    from sqlalchemy import text
+
+    api = await new_run(client, admin)
+    rows = (await api.admit(group_body("g1", 2), group_body("g2", 1)))["groups"]
+    g1, g2 = rows[0]["rows"], rows[1]["rows"]
+    await api.dispatch([g1[0]["rollout_id"], g2[0]["rollout_id"]])
+    await api.seal([g1[0], g2[0]])
+    await publish_snapshot(app.state.engine, api.run_id, "s1")
+    await api.post("/restores", {"restore_id": "r1", "with_gym_state": False})
+    # What another restore could leave behind without minting an attempt or touching the group.
+    async with app.state.engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE attempts SET status = 'reserved', receipt = NULL, gym_attempt = 0, gym_owned = true WHERE rollout_id = :r"),
+            {"r": g2[0]["rollout_id"]},
+        )
+    ans = await api.post("/restores", {"restore_id": "r2", "with_gym_state": False})
+    assert ans["counts"]["reused"] == 2
+    live = await fetch(app.state.engine, "SELECT status, receipt, gym_owned FROM attempts WHERE rollout_id = :r", r=g2[0]["rollout_id"])
+    assert live == [{"status": "sealed", "receipt": {"rollout_id": g2[0]["capture_key"]}, "gym_owned": False}]

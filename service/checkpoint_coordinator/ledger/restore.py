@@ -395,18 +395,17 @@ _ENDED_BEFORE_CUT = (
     "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
 )
 
-# The target state of a cut attempt: as in the cut, or continued (``p.id`` set: Gym attempt
-# N+1, reserved, Gym-owned, no result yet).
+# The target state of a cut attempt (``restore_focus``): as in the cut, or continued (``cont``:
+# Gym attempt N+1, reserved, Gym-owned, no result yet).
 _TARGET = (
-    "SELECT sa.attempt_id, sa.group_id, sa.generation_index, sa.rollout_id, p.id IS NOT NULL AS cont, "
-    "CASE WHEN p.id IS NOT NULL THEN 'reserved' ELSE sa.status END AS status, true AS is_current, sa.gym_instance_id, "
-    "sa.gym_attempt + CASE WHEN p.id IS NOT NULL THEN 1 ELSE 0 END AS gym_attempt, sa.group_attempt, sa.refusals, "
-    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.receipt END AS receipt, "
-    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.reward END AS reward, "
-    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.mask_sample END AS mask_sample, "
-    "CASE WHEN p.id IS NOT NULL THEN NULL ELSE sa.staging_keys END AS staging_keys, "
-    "sa.gym_owned OR p.id IS NOT NULL AS gym_owned "
-    "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:cid AS bigint[])) AS p(id) ON p.id = sa.attempt_id "
+    "SELECT f.attempt_id, f.group_id, f.generation_index, f.rollout_id, f.cont, "
+    "CASE WHEN f.cont THEN 'reserved' ELSE f.status END AS status, true AS is_current, f.gym_instance_id, "
+    "f.gym_attempt + CASE WHEN f.cont THEN 1 ELSE 0 END AS gym_attempt, f.group_attempt, f.refusals, "
+    "CASE WHEN f.cont THEN NULL ELSE f.receipt END AS receipt, "
+    "CASE WHEN f.cont THEN NULL ELSE f.reward END AS reward, "
+    "CASE WHEN f.cont THEN NULL ELSE f.mask_sample END AS mask_sample, "
+    "CASE WHEN f.cont THEN NULL ELSE f.staging_keys END AS staging_keys, "
+    "f.gym_owned OR f.cont AS gym_owned FROM restore_focus f"
 )
 
 
@@ -587,7 +586,28 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     touched.update(new_groups)
     touched |= bumped
 
-    # 7. Siblings as in the cut (a rerunning cohort starts its row budgets again).
+    # 7. The cut rows the rest works on: continued rows and the rows of touched groups (every
+    #    row when a restore was applied after the cut), in a small analyzed table so that the
+    #    steps below look attempts and siblings up by key instead of scanning the run.
+    await conn.execute(
+        text(
+            "CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT sa.attempt_id, sa.group_id, sa.generation_index, "
+            "sa.row_attempts_used, sa.rollout_id, sa.gym_instance_id, sa.gym_attempt, sa.group_attempt, sa.status, sa.refusals, "
+            "sa.receipt, sa.reward, sa.mask_sample, sa.staging_keys, sa.gym_owned, p.id IS NOT NULL AS cont, "
+            "b.g IS NOT NULL AS bumped FROM snapshot_attempts sa "
+            "LEFT JOIN unnest(CAST(:cid AS bigint[])) AS p(id) ON p.id = sa.attempt_id "
+            "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
+            "WHERE sa.run_id = :r AND sa.snapshot_id = :s "
+            + ("" if everything else "AND (p.id IS NOT NULL OR sa.group_id = ANY(:touched))")
+        ),
+        {**p, "cid": rw.continued_ids, "bumped": sorted(bumped), "touched": sorted(touched)},
+    )
+    await conn.execute(text("CREATE UNIQUE INDEX ON restore_focus (attempt_id)"))
+    await conn.execute(text("ANALYZE restore_focus"))
+    # From here every join starts at restore_focus, whose size the planner now knows.
+    await conn.execute(text("SET LOCAL enable_nestloop = on"))
+
+    # 8. Siblings as in the cut (a rerunning cohort starts its row budgets again).
     if new_groups:
         await conn.execute(
             text(
@@ -597,22 +617,17 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             ),
             {**p, "g": sorted(new_groups)},
         )
-    scope = "" if everything else "AND sa.group_id = ANY(:touched) "
-    tparams = {**p, "touched": sorted(touched), "bumped": sorted(bumped)}
-    if everything or touched:
-        await conn.execute(
-            text(
-                "UPDATE siblings sb SET row_attempts_used = t.n FROM ("
-                "SELECT sa.group_id, sa.generation_index, CASE WHEN b.g IS NULL THEN sa.row_attempts_used ELSE 0 END AS n "
-                "FROM snapshot_attempts sa LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
-                f"WHERE sa.run_id = :r AND sa.snapshot_id = :s {scope}) t "
-                "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
-                "AND sb.row_attempts_used <> t.n"
-            ),
-            tparams,
-        )
+    await conn.execute(
+        text(
+            "UPDATE siblings sb SET row_attempts_used = t.n FROM (SELECT f.group_id, f.generation_index, "
+            "CASE WHEN f.bumped THEN 0 ELSE f.row_attempts_used END AS n FROM restore_focus f) t "
+            "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
+            "AND sb.row_attempts_used <> t.n"
+        ),
+        p,
+    )
 
-    # 8. The cut's attempts. Replaced ones are deleted: their replacement (step 9) is the
+    # 9. The cut's attempts. Replaced ones are deleted: their replacement (step 10) is the
     #    sibling's attempt from now on, and a deleted row costs far less than a rewritten one
     #    (their rollout ids live on in the retires queued above and the restore's answer).
     if rw.new_old_ids:
@@ -620,11 +635,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             text("DELETE FROM attempts a USING unnest(CAST(:nid AS bigint[])) AS n(id) WHERE a.attempt_id = n.id AND a.run_id = :r"),
             {"r": r, "nid": rw.new_old_ids},
         )
-    # Continued rows, and the rows of touched groups, back to their target state (only those
-    # that differ are written).
-    params = {**tparams, "cid": rw.continued_ids, "nid": rw.new_old_ids}
-    which = "" if everything else "AND (p.id IS NOT NULL OR sa.group_id = ANY(:touched)) "
-    target = f"{_TARGET} WHERE sa.run_id = :r AND sa.snapshot_id = :s {which}"
+    # The focus rows back to their target state (only those that differ are written).
     report.attempts_rewritten = (
         await conn.execute(
             text(
@@ -634,36 +645,34 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
                 "retirement = CASE WHEN t.cont THEN 'none' ELSE a.retirement END, "
                 "dispatch_id = CASE WHEN t.status = 'reserved' THEN NULL ELSE a.dispatch_id END, "
                 "ended_at = CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN COALESCE(a.ended_at, now()) END "
-                f"FROM ({target}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
+                f"FROM ({_TARGET}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
                 "(a.status, a.is_current, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.refusals, a.receipt, a.reward, "
                 "a.mask_sample, a.staging_keys, a.gym_owned) IS DISTINCT FROM (t.status, t.is_current, t.gym_instance_id, "
                 "t.gym_attempt, t.group_attempt, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, t.gym_owned) "
                 "OR (t.cont AND a.retirement <> 'none') OR (t.status = 'reserved' AND a.dispatch_id IS NOT NULL))"
             ),
-            params,
+            p,
         )
     ).rowcount
     # Cut attempts missing from the live ledger (their group was removed by an earlier restore,
     # or the cut was imported) come back as rows of their own, unless replaced. Only touched
     # groups can miss attempts.
-    if everything or touched:
-        report.attempts_inserted = (
-            await conn.execute(
-                text(
-                    "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
-                    "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
-                    "SELECT t.attempt_id, :r, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
-                    "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
-                    "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
-                    f"FROM ({_TARGET} WHERE sa.run_id = :r AND sa.snapshot_id = :s {scope}) t "
-                    "LEFT JOIN unnest(CAST(:nid AS bigint[])) AS n(id) ON n.id = t.attempt_id WHERE n.id IS NULL "
-                    "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)"
-                ),
-                params,
-            )
-        ).rowcount
+    report.attempts_inserted = (
+        await conn.execute(
+            text(
+                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
+                "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
+                "SELECT t.attempt_id, :r, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
+                "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
+                "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
+                f"FROM ({_TARGET}) t LEFT JOIN unnest(CAST(:nid AS bigint[])) AS n(id) ON n.id = t.attempt_id WHERE n.id IS NULL "
+                "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)"
+            ),
+            {"r": r, "nid": rw.new_old_ids},
+        )
+    ).rowcount
 
-    # 9. New attempts (restarted, gym_restarted, rerun) under their new rollout ids.
+    # 10. New attempts (restarted, gym_restarted, rerun) under their new rollout ids.
     if rw.new_old_ids:
         await conn.execute(
             text(
@@ -675,7 +684,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         )
         report.attempts_inserted += len(rw.new_old_ids)
 
-    # 10. Fencing: every writer of the old epoch is refused from now on; the gate reopens.
+    # 11. Fencing: every writer of the old epoch is refused from now on; the gate reopens.
     await conn.execute(
         text(
             "UPDATE runs SET epoch = epoch + 1, restored_from_rollout_snapshot = :s, gate_snapshot_id = NULL WHERE run_id = :r"
