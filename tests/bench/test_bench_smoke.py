@@ -1,0 +1,116 @@
+"""Smoke tests of the benchmarks: each runs at a tiny size (--quick), prints its figures, exits 0,
+and leaves no process behind (embedded PostgreSQL, coordinator, gymsim), also when stopped
+half-way. No timing is asserted: the figures only mean something at full size."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """A short private TMPDIR (PostgreSQL's socket path must stay under ~100 bytes, which
+    pytest's own temporary directories do not leave room for)."""
+    d = Path(tempfile.mkdtemp(prefix="ckb-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    # Every process the benchmark starts inherits this TMPDIR, so leftovers can be found by it.
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    return {**os.environ, "TMPDIR": str(tmp_path), "XDG_RUNTIME_DIR": str(run), "PYTHONUNBUFFERED": "1"}
+
+
+def _leftovers(tmpdir: str) -> list[str]:
+    found = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if p.environ().get("TMPDIR") == tmpdir:
+                found.append(f"{p.pid} {p.info['name']} {' '.join(p.cmdline())[:200]}")
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _assert_no_leftovers(tmpdir: str) -> None:
+    deadline = time.monotonic() + 20  # processes told to stop may take a moment to be reaped
+    while (left := _leftovers(tmpdir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+def _run(script: str, tmp_path: Path, *args: str) -> str:
+    env = _env(tmp_path)
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    _assert_no_leftovers(env["TMPDIR"])
+    return proc.stdout
+
+
+@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py"])
+def test_help(script: str) -> None:
+    out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "--quick" in out.stdout and "Target" in out.stdout
+
+
+def test_pending_lookup_quick(tmp_path: Path) -> None:
+    out = _run("pending_lookup.py", tmp_path, "--quick")
+    for name in ("pending_attempts", "still_pending", "HTTP pending", r"scan \(SQL filter\)", r"scan \(Python filter\)"):
+        assert re.search(rf"pending_lookup:\s+{name}\s+[\d.]+ ms\s+scan/this = +[\d.]+x", out), (name, out)
+    assert re.search(r"ratio scan / pending_attempts = [\d.]+, scan / still_pending = [\d.]+", out), out
+    assert re.search(r"drain ratio [\d,]+ / [\d,]+ live = [\d.]+ interleaved", out), out
+    assert "plan of pending_attempts: " in out and "json {" in out
+
+
+def test_snapshot_overhead_quick(tmp_path: Path) -> None:
+    out = _run("snapshot_overhead.py", tmp_path, "--quick")
+    assert re.search(r"s1 published: cut [\d,]+ groups \+ 4,000 siblings, 160 episodes exported, 0 drained", out), out
+    assert re.search(r"phase timings gate [\d.]+, prepare [\d.]+, commit [\d.]+, drain [\d.]+, data_plane [\d.]+, resume [\d.]+, total [\d.]+ s", out), out
+    assert re.search(r"gym_parked_seconds [\d.]+ s", out), out
+    assert re.search(r"Gym control calls in flight [\d.]+ s", out), out
+    assert re.search(r"coordinator's own time \(also minus Gym calls in flight\) [\d.]+ s", out), out
+    assert re.search(r"ledger cut [\d.]+ s .*INSERT \.\.\. SELECT reference [\d.]+ s; ratio cut / reference = [\d.]+", out), out
+
+
+@pytest.mark.parametrize(("script", "after"), [("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of")])
+def test_stopped_half_way_leaves_nothing(tmp_path: Path, script: str, after: str) -> None:
+    env = _env(tmp_path)
+    proc = subprocess.Popen([sys.executable, str(BENCH / script), "--quick"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if after in line:
+                break
+        else:
+            pytest.fail("".join(seen))
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    _assert_no_leftovers(env["TMPDIR"])
