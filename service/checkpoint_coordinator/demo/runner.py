@@ -514,7 +514,7 @@ class Demo:
                     f"trainer {t.incarnation}: step {t.step}/{self.opts.steps}",
                     f"sealed {bar(p['sealed'], p['rows'], 12)} {p['sealed']}/{p['rows']}",
                     f"groups admitted {len(j.admitted)}, finalized {finalized}",
-                    f"snapshots {published} published, {lost} not" + (", 1 running" if running else ""),
+                    f"snapshots {published} ok {lost} lost" + (" 1 running" if running else ""),
                     f"{p['in_flight']} running, {p['queued']} queued",
                 ]
             )

@@ -186,8 +186,6 @@ class SnapshotRecord:
     outcome: str | None = None
     reason: str | None = None
     gym_parked_seconds: float | None = None
-    # Rows waiting in the trainer's queues (reserved in the ledger) when the ledger was cut.
-    reserved_at_cut: frozenset[str] = frozenset()
     detail: Any = None
 
     @property
@@ -301,7 +299,7 @@ class DataPlaneLock:
 
 @dataclass
 class _Ticket:
-    """A row to send: its identity, and the instance it goes to (pinned for continuations)."""
+    """A row to send: its identity, and the instance it goes to."""
 
     group_id: str
     index: int
@@ -309,7 +307,6 @@ class _Ticket:
     capture_key: str
     gym_attempt: int
     instance_id: str
-    pinned: bool
 
 
 @dataclass
@@ -407,9 +404,6 @@ class Trainer:
             "queued": sum(len(q) for q in self._queues.values()),
         }
 
-    def queued_rollouts(self) -> frozenset[str]:
-        return frozenset(t.rollout_id for q in self._queues.values() for t in q)
-
     def queued_rows(self) -> list[tuple[str, int, str]]:
         """(group id, generation index, instance id) of every row waiting to be dispatched."""
         return [(t.group_id, t.index, t.instance_id) for q in self._queues.values() for t in q]
@@ -444,20 +438,18 @@ class Trainer:
 
     def _instance_for(self, group_id: str, index: int) -> str:
         # Siblings alternate between instances, so every group has rows on each of them.
-        g = self.groups.get(group_id)
-        base = int(group_id.rsplit("-", 1)[-1]) if g is not None else 0
+        suffix = group_id.rsplit("-", 1)[-1]
+        base = int(suffix) if suffix.isdigit() else 0
         return self.instances[(base + index) % len(self.instances)]
 
-    def _enqueue(self, row: SendRow | Any, *, front: bool = False) -> None:
-        pinned = row.instance_id is not None and getattr(row, "disposition", None) == "continued"
-        iid = row.instance_id if pinned else self._instance_for(row.group_id, row.generation_index)
+    def _enqueue(self, row: SendRow | Any) -> None:
+        """Queue a row from an answer (admit, failure, restore) for its instance: a continuation
+        goes back to the instance holding its Gym state, anything else where it fits."""
+        continued = row.instance_id is not None and getattr(row, "disposition", None) == "continued"
+        iid = row.instance_id if continued else self._instance_for(row.group_id, row.generation_index)
         if iid not in self._queues:
             raise TrainerError(f"row {row.rollout_id} must go to Gym instance {iid!r}, which this trainer does not know")
-        t = _Ticket(row.group_id, row.generation_index, row.rollout_id, row.capture_key or row.rollout_id, row.gym_attempt, iid, pinned)
-        if front:
-            self._queues[iid].insert(0, t)
-        else:
-            self._queues[iid].append(t)
+        self._queues[iid].append(_Ticket(row.group_id, row.generation_index, row.rollout_id, row.capture_key or row.rollout_id, row.gym_attempt, iid))
 
     # ------------------------------------------------------------------ the loop
 
@@ -553,18 +545,14 @@ class Trainer:
         rec = rec or self._new_snapshot_record(step, anchor, label)
         self.journal.changed()
 
-        @contextlib.asynccontextmanager
-        async def barrier() -> AsyncIterator[None]:
-            async with self._dp.exclusive():
-                rec.reserved_at_cut = self.queued_rollouts()
-                yield
-
         try:
             snap = await self.client.snapshot(
                 anchor,
                 capture=lambda keys: self._capture(rec, keys),
                 snapshot_id=rec.snapshot_id,
-                barrier=barrier,
+                # The data-plane barrier: no seal half-done and no training while cut and
+                # capture happen, so the capture holds exactly what the ledger cut has sealed.
+                barrier=self._dp.exclusive,
                 poll_interval=0.05,
                 timeout=self.snapshot_timeout,
             )
