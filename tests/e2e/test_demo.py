@@ -16,7 +16,9 @@ from checkpoint_coordinator.demo.checks import check_groups, check_mutations, ch
 from checkpoint_coordinator.demo.runner import pids_alive
 from checkpoint_coordinator.demo.trainer import DataLoader, recovery_config
 
-DEMO = [sys.executable, "-m", "checkpoint_coordinator.demo"]
+# Through the console script's module, as `ckpt-coordinator demo -- ARGS` (the `--` hands the
+# options to the demo's own parser).
+DEMO = [sys.executable, "-m", "checkpoint_coordinator.cli", "demo", "--"]
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

