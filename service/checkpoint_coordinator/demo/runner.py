@@ -90,6 +90,8 @@ class Demo:
     started_at: float = field(default_factory=time.monotonic)
     journal: Journal = field(default_factory=Journal)
     trainer: Trainer | None = None
+    run_id: str | None = None
+    admin_token: str = ""
     _phase: str = "setup"
     _temp_base: bool = False
     _generation: dict[str, int] = field(default_factory=dict)
