@@ -8,12 +8,12 @@ __all__ = ["render_summary"]
 
 _DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
 _WHAT = {
-    "reused": "sealed at the cut; kept, result from the data-plane capture",
-    "continued": "Gym-exported turn episode; gym_attempt+1 on its own instance",
-    "restarted": "turn level, no Gym state (sent after the cut); new attempt",
-    "gym_restarted": "turn level on the restart-only instance; new attempt",
-    "rerun": "sibling or prompt_group level; new attempt (whole cohort)",
-    "dispatch": "never sent before the crash; sent as it was",
+    "reused": "sealed at the cut: kept, result read from the data-plane capture",
+    "continued": "turn episode exported by Gym: gym_attempt+1 on its own instance",
+    "restarted": "turn level, ran without saved Gym state (e.g. sent after the cut): new attempt",
+    "gym_restarted": "turn episode Gym could not save (restart-only server): new attempt",
+    "rerun": "sibling or prompt_group level: new attempt (a prompt_group: its whole cohort)",
+    "dispatch": "never sent before the crash: sent under its own id",
 }
 
 
