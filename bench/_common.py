@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
-Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True)
+from checkpoint_coordinator.ledger.db import ensure_runtime_dir  # noqa: E402
+
+ensure_runtime_dir()
 
 ADMIN = "bench-admin-token"
 

@@ -16,8 +16,9 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
-Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True)
+from checkpoint_coordinator.ledger.db import ensure_runtime_dir  # noqa: E402
+
+ensure_runtime_dir()
 
 ADMIN_TOKEN = "test-admin-token-0123456789"
 

