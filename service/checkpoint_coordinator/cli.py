@@ -137,17 +137,15 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command == "gymsim":
-        from gymsim.cli import main as gymsim_main
-
-        return gymsim_main(args.args)
-    extra = getattr(args, "extra_module", None)
-    if extra:
+    # Commands that own their arguments get them untouched: argparse's REMAINDER would drop an
+    # option such as --steps or --help that comes first.
+    delegated = {"gymsim": "gymsim.cli", **{name: mod for name, mod, _ in _extra_commands()}}
+    if argv and argv[0] in delegated:
         import importlib
 
-        return int(importlib.import_module(extra).main(args.args) or 0)
+        return int(importlib.import_module(delegated[argv[0]]).main(argv[1:]) or 0)
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
         settings = Settings()
     except Exception as e:  # pydantic ValidationError: say which variable, never a traceback
