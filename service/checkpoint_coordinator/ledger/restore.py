@@ -434,6 +434,19 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # are right whatever the estimates say; give them room to stay in memory.
     await conn.execute(text("SET LOCAL enable_nestloop = off"))
     await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    # The cut must still be there (retention may delete old snapshots) and stay for the whole
+    # transaction: rewinding to a vanished cut would empty the ledger.
+    still = (
+        await conn.execute(
+            text("SELECT outcome FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR SHARE"), p
+        )
+    ).scalar()
+    if still != "published":
+        raise Conflict(
+            f"snapshot {s!r} is no longer a published snapshot of run {r!r} (removed by retention?); restore another one",
+            code="snapshot_gone",
+            snapshot_id=s,
+        )
     everything = bool(
         (
             await conn.execute(

@@ -33,7 +33,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.config import RecoveryConfig
 from ..domain.cut import Cut
-from ..domain.errors import CutError, DomainError, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
+from ..domain.errors import CutError, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
 from ..domain.gym_manifest import GymManifest, dump_gym_manifest, load_gym_manifest
 from ..domain.restore_plan import (
     Disposition,
