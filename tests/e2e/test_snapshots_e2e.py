@@ -196,3 +196,15 @@ async def test_trainer_reports_failed_capture(client, admin, app, gyms, tmp_path
         assert all(x["phase"] == "idle" for x in g.state()["servers"].values() if x.get("participant"))
     late = await client.post("/v1/runs/run-1/snapshots/s1/captured", json={"reference": {"path": "/x", "digest": "d"}}, headers=api.h)
     assert late.status_code == 409 and late.json()["code"] == "snapshot_not_awaiting"
+
+
+async def test_no_snapshot_while_a_restore_runs(client, admin, app, gyms) -> None:  # type: ignore[no-untyped-def]
+    from sqlalchemy import text
+
+    api = await _setup(client, admin, app, gyms)
+    async with app.state.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state) VALUES ('run-1', 'r1', 'sx', 'running', true)")
+        )
+    r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    assert r.status_code == 409 and r.json()["code"] == "restore_in_progress" and r.json()["restore_id"] == "r1"

@@ -135,6 +135,10 @@ async def request(engine: AsyncEngine, run_id: str, snapshot_id: str, anchor_ste
                 f"anchor step {anchor_step} is older than the newest announced train step {newest}",
                 code="snapshot_anchor_stale", newest_train_step=newest,
             )
+        restoring = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
+        if restoring is not None:
+            # A snapshot taken while the ledger is being rewound would cut a half-restored run.
+            raise Conflict(f"restore {restoring!r} of this run is in progress", code="restore_in_progress", restore_id=restoring)
         other = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
         if other is not None:
             raise Conflict(f"snapshot {other!r} of this run is still in progress", code="snapshot_in_progress", snapshot_id=other)
