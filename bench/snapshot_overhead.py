@@ -32,7 +32,7 @@ Targets (issue): total coordinator time <= 1.5 s, ledger cut <= 1 s. They are re
 into an exit status (the machine is shared); the exit status is 1 only if a snapshot did not publish.
 
     python bench/snapshot_overhead.py [--live 200000] [--in-flight 10000] [--instances 4] [--snapshots 3]
-                                      [--turn-seconds 20] [--quick]
+                                      [--turn-seconds 30] [--quick]
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ from pending_lookup import build_ledger, create_run, plain_url, vacuum_analyze  
 TOTAL_TARGET_S = 1.5
 CUT_TARGET_S = 1.0
 GROUP_SIZE = 8
+# gymsim's agent reaches the policy model through one httpx pool of 2 000 connections per
+# instance; a held policy call keeps its connection, and past 2 000 the queued calls make httpcore
+# rescan the pool per queued request on every event (O(queued x connections)): with 2 500 episodes
+# per instance it stopped answering for 15 minutes. So an instance holds at most 2 000.
+GYMSIM_MAX_PER_INSTANCE = 2_000
 TURNS = 10_000  # never finishes: the episode stays in flight for the whole benchmark
 HOLD_S = 86_400.0
 PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total")
@@ -269,20 +274,34 @@ async def wait_parked(gyms: list[Any], expected: dict[str, int], episodes: Episo
     in flight, and each agent holding exactly its episodes."""
     deadline = time.monotonic() + timeout
     last = 0.0
-    async with httpx.AsyncClient(timeout=30) as http:
+    total = sum(expected.values())
+    while episodes.sent < total and not episodes.ended:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {episodes.sent:,} of {total:,} /run calls sent after {timeout:.0f} s")
+        if time.monotonic() - last > 10:
+            print(f"snapshot_overhead:   {episodes.sent:,} /run sent ...", flush=True)
+            last = time.monotonic()
+        await asyncio.sleep(0.5)
+    async with httpx.AsyncClient(timeout=120) as http:
         while True:
             counts, free, in_flight = {}, 0, 0
-            for g in gyms:
-                h = {"Authorization": f"Bearer {g.token}"}
-                r = await http.get(f"{g.servers['workplace_agent']}/ng-control/v1/checkpoint/status", headers=h)
-                r.raise_for_status()
-                counts[g.instance_id] = r.json()["report"]["counts"]
-                r = await http.get(f"{g.servers['calendar_resources']}/ng-control/v1/checkpoint/status", headers=h)
-                r.raise_for_status()
-                in_flight += r.json()["report"]["counts"]["in_flight"]
-                r = await http.get(f"{g.base_url}/admin/faults", headers=h)
-                r.raise_for_status()
-                free += sum(f.get("remaining") or 0 for f in r.json()["faults"] if f.get("seconds") == 0.0)
+            try:
+                for g in gyms:
+                    h = {"Authorization": f"Bearer {g.token}"}
+                    r = await http.get(f"{g.servers['workplace_agent']}/ng-control/v1/checkpoint/status", headers=h)
+                    r.raise_for_status()
+                    counts[g.instance_id] = r.json()["report"]["counts"]
+                    r = await http.get(f"{g.servers['calendar_resources']}/ng-control/v1/checkpoint/status", headers=h)
+                    r.raise_for_status()
+                    in_flight += r.json()["report"]["counts"]["in_flight"]
+                    r = await http.get(f"{g.base_url}/admin/faults", headers=h)
+                    r.raise_for_status()
+                    free += sum(f.get("remaining") or 0 for f in r.json()["faults"] if f.get("seconds") == 0.0)
+            except httpx.TimeoutException:
+                # an instance still busy taking its episodes in: ask again
+                if time.monotonic() > deadline:
+                    raise
+                continue
             if episodes.ended:
                 raise RuntimeError(f"{len(episodes.ended)} episode(s) ended before the snapshot, e.g. {episodes.ended[:3]}")
             parked = all(c["at_boundary"] == expected[i] and c["working"] == 0 and c["on_wire"] == 0 for i, c in counts.items())
@@ -293,9 +312,9 @@ async def wait_parked(gyms: list[Any], expected: dict[str, int], episodes: Episo
                 raise RuntimeError(f"episodes not parked after {timeout:.0f} s: {counts} (expected {expected}), "
                                    f"{free} first policy calls to come, {in_flight} resources requests in flight")
             if now - last > 10:
-                total = sum(c["at_boundary"] for c in counts.values())
+                parked_n = sum(c["at_boundary"] for c in counts.values())
                 working = sum(c["working"] for c in counts.values())
-                print(f"snapshot_overhead:   {episodes.sent:,} /run sent, {total:,} at a boundary, {working:,} working, "
+                print(f"snapshot_overhead:   {episodes.sent:,} /run sent, {parked_n:,} at a boundary, {working:,} working, "
                       f"{free:,} first policy calls to come ...", flush=True)
                 last = now
             await asyncio.sleep(1.0)
@@ -439,6 +458,31 @@ def explain_cut(url: str, run_id: str) -> list[str]:
     return lines
 
 
+async def direct_cut(url: str, run_id: str, manifest: dict[str, Any]) -> tuple[float, int]:
+    """``take_cut`` called in this process on a snapshot record set up in phase data_plane with the
+    same Gym manifest: the ledger function alone, without HTTP, the JSON answer or the runner's
+    polling beside it. The record is deleted afterwards (with its cut). Returns (seconds, keys)."""
+    from sqlalchemy import text
+
+    from checkpoint_coordinator.ledger import snapshots as repo
+    from checkpoint_coordinator.ledger.db import make_async_engine
+
+    engine = make_async_engine(url, pool_size=2)
+    p = {"r": run_id, "s": "direct-cut"}
+    try:
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, gym_manifest) "
+                                    "VALUES (:r, :s, 0, 'data_plane', 'bench', CAST(:m AS jsonb))"), {**p, "m": json.dumps(manifest)})
+        t = time.perf_counter()
+        row = await repo.take_cut(engine, run_id, "direct-cut")
+        dt = time.perf_counter() - t
+        return dt, len(row.cut_staging_keys or [])
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text("DELETE FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)
+        await engine.dispose()
+
+
 async def read_costs(url: str, run_id: str, sid: str, reps: int) -> dict[str, Any]:
     """The runner's poll of the snapshot row, and the candidates query of the gate phase."""
     from sqlalchemy import text
@@ -521,13 +565,14 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
             for op in ("prepare", "renew", "commit", "resume"):
                 by_op[op] = union_seconds([(s, e) for o, s, e, _ in coord.gym_calls() if o == op], res["t_request"], res["t_done"])
             ref_s, ref_rows = bare_copy(pg.url, run_id, sid)
+            direct_s, _ = await direct_cut(pg.url, run_id, rec["gym_manifest"])
             pt = rec["phase_timings"]
             manifest = rec["gym_manifest"]["instances"]
             exported = sum(len(i["episodes"]) for i in manifest.values())
             own = pt["total"] - res["trainer_s"] - gym_busy
             results.append({"sid": sid, "pt": pt, "parked": rec["gym_parked_seconds"], "gym_busy": gym_busy, "by_op": by_op, "own": own,
                             "coord_total": pt["total"] - res["trainer_s"], "cut": res["cut_s"], "captured": res["captured_s"],
-                            "ref": ref_s, "ref_rows": ref_rows, "exported": exported, "drained": rec["detail"].get("drained"),
+                            "ref": ref_s, "ref_rows": ref_rows, "direct": direct_s, "exported": exported, "drained": rec["detail"].get("drained"),
                             "cut_groups": rec["counts"].get("cut_groups"), "cut_siblings": rec["counts"].get("cut_siblings"),
                             "keys": res["staging_keys"], "body": res["barrier_body_bytes"], "trainer": res["trainer_s"]})
             x = results[-1]
@@ -537,7 +582,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
             print(f"snapshot_overhead:   Gym control calls in flight {fmt_s(gym_busy)} (" + ", ".join(f"{k} {v:.3f}" for k, v in by_op.items())
                   + f"); trainer's share {fmt_s(x['trainer'])}; coordinator's own time {fmt_s(own)}")
             print(f"snapshot_overhead:   ledger cut (barrier POST) {fmt_s(x['cut'])}, captured POST {fmt_s(x['captured'])}; "
-                  f"INSERT ... SELECT of the same {ref_rows:,} rows into bare tables {fmt_s(ref_s)}; ratio {x['cut'] / ref_s:.2f}", flush=True)
+                  f"INSERT ... SELECT of the same {ref_rows:,} rows into bare tables {fmt_s(ref_s)}; ratio {x['cut'] / ref_s:.2f}; "
+                  f"take_cut called in-process {fmt_s(direct_s)} (ratio {direct_s / ref_s:.2f})", flush=True)
             await wait_parked(gyms, expected, episodes, 120)  # resumed, still in flight, for the next one
 
         costs = await read_costs(pg.url, run_id, results[-1]["sid"], 20)
@@ -561,6 +607,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
           f"[{'within' if m('own') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
     print(f"snapshot_overhead: ledger cut {fmt_s(m('cut'))} [{'within' if m('cut') <= CUT_TARGET_S else 'over'} target <= {CUT_TARGET_S} s]; "
           f"INSERT ... SELECT reference {fmt_s(m('ref'))}; ratio cut / reference = {m('cut') / m('ref'):.2f}")
+    print(f"snapshot_overhead: take_cut called in this process (no HTTP, no JSON answer, no runner polling beside it) {fmt_s(m('direct'))}; "
+          f"ratio to the reference = {m('direct') / m('ref'):.2f}")
     print(f"snapshot_overhead: snapshot row read by the runner's polls {costs['poll_s'] * 1000:.1f} ms "
           f"(manifest {costs['manifest_text'] / 1e6:.1f} MB as text, {costs['keys']:,} cut staging keys, {(costs['manifest_stored'] + costs['keys_stored']) / 1e6:.1f} MB stored) "
           f"vs {costs['narrow_poll_s'] * 1000:.1f} ms for the columns the polls look at; candidates query {costs['candidates_s'] * 1000:.1f} ms "
@@ -568,7 +616,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
     print(f"snapshot_overhead: coordinator peak RSS {mib(coord.peak_rss)}")
     summary = {"live": args.live, "in_flight": args.in_flight, "instances": len(gyms), "snapshots": results, "read_costs": costs,
                "medians": {"coord_total": m("coord_total"), "own": m("own"), "gym_busy": m("gym_busy"), "cut": m("cut"), "ref": m("ref"),
-                           "ratio": m("cut") / m("ref"), "parked": m("parked")}}
+                           "ratio": m("cut") / m("ref"), "parked": m("parked"),
+                           "direct": m("direct"), "direct_ratio": m("direct") / m("ref")}}
     print("snapshot_overhead: json " + json.dumps(summary, sort_keys=True, default=str))
     if args.explain:
         for line in explain_cut(pg.url, run_id):
@@ -583,9 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--live", type=int, default=200_000, help="live siblings of the run (multiple of 8)")
     ap.add_argument("--in-flight", type=int, default=10_000, help="turn-level rollouts in flight in Gym (multiple of 8)")
-    ap.add_argument("--instances", type=int, default=4, help="gymsim instances (one process each)")
+    ap.add_argument("--instances", type=int, default=4,
+                    help="gymsim instances (one process each); raised to hold at most %d episodes per instance" % GYMSIM_MAX_PER_INSTANCE)
     ap.add_argument("--snapshots", type=int, default=3, help="snapshots taken one after the other (medians reported)")
-    ap.add_argument("--turn-seconds", type=float, default=20.0,
+    ap.add_argument("--turn-seconds", type=float, default=30.0,
                     help="gymsim turn work; the /run burst must fit in it for every episode to finish exactly one turn")
     ap.add_argument("--connect-burst", type=int, default=200, help="/run connections being opened at once")
     ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
@@ -598,6 +648,11 @@ def main(argv: list[str] | None = None) -> int:
         args.live, args.in_flight, args.instances, args.snapshots, args.turn_seconds, args.explain = 4000, 160, 2, 1, 1.0, False
     if args.live % GROUP_SIZE or args.in_flight % GROUP_SIZE or not 0 < args.in_flight <= args.live:
         ap.error("--live and --in-flight must be multiples of 8 with 0 < in-flight <= live")
+    need = -(-(args.in_flight // GROUP_SIZE) // (GYMSIM_MAX_PER_INSTANCE // GROUP_SIZE))
+    if need > args.instances:
+        print(f"snapshot_overhead: note: {args.in_flight:,} episodes in flight need {need} gymsim instances "
+              f"(at most {GYMSIM_MAX_PER_INSTANCE:,} parked episodes each); using {need} instead of {args.instances}", flush=True)
+        args.instances = need
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
     workdir = Path(tempfile.mkdtemp(prefix="ckptc-bench-snap-"))
     pg = coord = None

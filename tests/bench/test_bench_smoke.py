@@ -91,6 +91,7 @@ def test_snapshot_overhead_quick(tmp_path: Path) -> None:
     assert re.search(r"Gym control calls in flight [\d.]+ s", out), out
     assert re.search(r"coordinator's own time \(also minus Gym calls in flight\) [\d.]+ s", out), out
     assert re.search(r"ledger cut [\d.]+ s .*INSERT \.\.\. SELECT reference [\d.]+ s; ratio cut / reference = [\d.]+", out), out
+    assert re.search(r"take_cut called in this process .* [\d.]+ s; ratio to the reference = [\d.]+", out), out
 
 
 @pytest.mark.parametrize(("script", "after"), [("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of")])
