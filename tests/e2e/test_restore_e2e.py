@@ -23,7 +23,7 @@ IDS = ("math/replica-0", "math/replica-1")
 
 
 def _start(iid: str) -> GymsimInstance:
-    config = default_instance_config(iid, token=f"tok-{iid[-1]}", turn_seconds=0.05, lease_grace_seconds=10)
+    config = default_instance_config(iid, token=f"tok-{iid[-1]}", turn_seconds=0.1, lease_grace_seconds=10)
     return GymsimInstance.start(config, subprocess=True)
 
 
@@ -59,7 +59,16 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
             tag = iid[-1]
             await trainer.admit_and_dispatch([group_body(f"t{tag}{k}", 2) for k in range(3)], iid)
             await trainer.admit_and_dispatch([group_body(f"s{tag}", 2, agent_name="sib_agent")], iid)
-        await asyncio.sleep(0.2)  # a few turns done everywhere
+        # Wait until every instance has long episodes a few turns in, however loaded the machine.
+        async with asyncio.timeout(30):
+            while True:
+                mid = []
+                for iid in IDS:
+                    sessions = (await _state(gyms[iid], "/admin/resources/calendar_resources/sessions"))["sessions"]
+                    mid.append(sum(2 <= len(x["history"]) < TURNS - 2 for k, x in sessions.items() if k.startswith("t")))
+                if all(n >= 2 for n in mid):
+                    break
+                await asyncio.sleep(0.02)
         snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
         assert snap["outcome"] == "published", snap
         manifest = (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]
