@@ -136,3 +136,34 @@ def admin_headers() -> dict[str, str]:
 @pytest.fixture
 def admin() -> dict[str, str]:
     return admin_headers()
+
+
+# --- gymsim harness (participant conformance and gymsim's own tests) ----------------------------
+
+
+@pytest.fixture(scope="session")
+def instance_cache():  # type: ignore[no-untyped-def]
+    from gymsim.conformance import InstanceCache
+
+    cache = InstanceCache()
+    yield cache
+    cache.close()
+
+
+@pytest.fixture
+async def start(instance_cache):  # type: ignore[no-untyped-def]
+    """Factory: `await start(**config_overrides)` or `await start(config=dict)` gives a Harness.
+
+    Instances are reused across tests (reset between them), so a test never sees another's state."""
+    from gymsim.conformance import HarnessPool
+
+    pool = HarnessPool(instance_cache)
+    yield pool.start
+    await pool.close()
+
+
+@pytest.fixture
+def ckdir(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from gymsim.conformance import checkpoint_dirs
+
+    return checkpoint_dirs(tmp_path)
