@@ -13,6 +13,9 @@ status) are asked about. Timed, interleaved in random order, median of ``--reps`
 * ``pending_attempts``: the ledger function, in this process (same engine settings as the service);
 * ``still_pending``: the drain's lookup of the same 100 as (rollout_id, gym_attempt) keys;
 * ``HTTP pending``: the endpoint on a coordinator process (adds the HTTP round trip and auth);
+* for the analysis: ``SELECT 1`` through the same engine (the fixed cost of any ledger read: pool
+  pre-ping, implicit BEGIN, ROLLBACK), and the lookup's statement on an autocommit connection
+  without pre-ping; plus PostgreSQL's own time per query (EXPLAIN ANALYZE);
 * reference ``scan (SQL filter)``: the same question answered by reading every attempt of the run
   and filtering in SQL (index scans disabled, so PostgreSQL reads the run's attempts);
 * reference ``scan (Python filter)``: read every live attempt of the run (current, in a generating
@@ -249,6 +252,9 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
         sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=True,
         connect_args={"options": "-c enable_indexscan=off -c enable_bitmapscan=off -c enable_indexonlyscan=off"},
     )
+    # What the lookup costs on a connection that skips the pool's pre-ping and the implicit
+    # BEGIN/ROLLBACK around a single read: the same statement, two round trips fewer.
+    lean = create_async_engine(sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
     http = httpx.AsyncClient(base_url=coord_url, timeout=60, headers={"Authorization": f"Bearer {token}"})
     try:
         sample = await pick(engine, run_id, asked, only_dispatched=False)
@@ -272,23 +278,28 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
             async with noindex.connect() as conn:
                 return sorted((await conn.execute(text(LOOKUP_SQL), {"r": run_id, "ids": ids})).scalars().all())
 
+        async def lean_lookup() -> list[str]:
+            async with lean.connect() as conn:
+                return sorted((await conn.execute(text(LOOKUP_SQL), {"r": run_id, "ids": ids})).scalars().all())
+
         async def scan_python() -> list[str]:
             async with engine.connect() as conn:
                 rows = (await conn.execute(text(SCAN_SQL), {"r": run_id})).all()
             return sorted(r[0] for r in rows if r[0] in wanted and r[2] == "dispatched")
 
         # Every method gives the same answer (a benchmark of a wrong answer proves nothing).
-        answers = {"lookup": await lookup(), "http": await over_http(), "scan_sql": await scan_sql(), "scan_python": await scan_python(),
-                   "drain": sorted(k[0] for k in await drain())}
+        answers = {"lookup": await lookup(), "http": await over_http(), "lean": await lean_lookup(), "scan_sql": await scan_sql(),
+                   "scan_python": await scan_python(), "drain": sorted(k[0] for k in await drain())}
         for name, got in answers.items():
             assert got == expect, (name, len(got), len(expect))
+
         async def floor() -> None:
             async with engine.connect() as conn:
                 await conn.execute(text("SELECT 1"))
 
         times = await interleaved(
             {"pending_attempts": lookup, "still_pending": drain, "HTTP pending": over_http, "scan (SQL filter)": scan_sql,
-             "SELECT 1 (floor)": floor},
+             "SELECT 1 (floor)": floor, "lookup, lean connection": lean_lookup},
             reps,
         )
         # Reading 200 000 rows into Python is two orders of magnitude slower still; a few
@@ -301,6 +312,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
         await http.aclose()
         await engine.dispose()
         await noindex.dispose()
+        await lean.dispose()
 
 
 async def measure_drain(pg_url: str, runs: dict[int, str], pending_n: int, reps: int) -> dict[int, list[float]]:
@@ -381,16 +393,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pending_lookup: run of {res['live']:,} live attempts; {res['asked']} asked, {res['pending']} of them pending")
         print(f"pending_lookup: wall time per call seen by the caller, median of {args.reps} interleaved repetitions "
               f"({args.slow_reps} for the Python scan):")
-        for name in ("pending_attempts", "still_pending", "HTTP pending", "scan (SQL filter)", "scan (Python filter)", "SELECT 1 (floor)"):
-            print(f"pending_lookup:   {name:<22} {ms(tm[name]):>12}   scan/this = {ref / tm[name]:8.1f}x")
+        for name in ("pending_attempts", "still_pending", "HTTP pending", "scan (SQL filter)", "scan (Python filter)", "SELECT 1 (floor)",
+                     "lookup, lean connection"):
+            print(f"pending_lookup:   {name:<24} {ms(tm[name]):>12}   scan/this = {ref / tm[name]:8.1f}x")
         r_lookup, r_drain, r_http = ref / tm["pending_attempts"], ref / tm["still_pending"], ref / tm["HTTP pending"]
         print(f"pending_lookup: ratio scan / pending_attempts = {r_lookup:.1f}, scan / still_pending = {r_drain:.1f} "
               f"(target >= {LOOKUP_TARGET:g}; reference = the cheaper scan, {ms(ref)}); scan / HTTP pending = {r_http:.1f}")
+        print(f"pending_lookup: the same lookup on an autocommit connection without pool pre-ping: scan / lookup = "
+              f"{ref / tm['lookup, lean connection']:.1f} (the fixed cost per call is round trips, not the lookup)")
         params = {"r": main_run, "ids": res["ids"]}
         srv = server_times(pg.url, params, max(5, args.reps // 10))
         print("pending_lookup: PostgreSQL's own time (EXPLAIN ANALYZE planning + execution, median):")
         for name, t_ms in srv.items():
-            print(f"pending_lookup:   {name:<22} {t_ms:9.3f} ms   scan/this = {srv['scan (SQL filter)'] / t_ms:8.1f}x")
+            print(f"pending_lookup:   {name:<24} {t_ms:9.3f} ms   scan/this = {srv['scan (SQL filter)'] / t_ms:8.1f}x")
         print("pending_lookup: plan of pending_attempts: " + plan_summary(pg.url, PG_SQL["pending_attempts"], params))
         print("pending_lookup: plan of still_pending:    " + plan_summary(pg.url, PG_SQL["still_pending"], params))
 
@@ -419,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = min(r_lookup, r_drain) >= LOOKUP_TARGET and ratio_il <= DRAIN_TARGET
         print(f"pending_lookup: {'targets met' if ok else 'TARGET MISSED'}" + ("" if check else " (not checked: --quick / --no-check)"))
         summary = {"live": res["live"], "asked": res["asked"], "pending": res["pending"], "medians_ms": {k: v * 1000 for k, v in tm.items()},
-                   "server_ms": srv,
+                   "server_ms": srv, "ratio_lean": ref / tm["lookup, lean connection"],
                    "ratio_lookup": r_lookup, "ratio_still_pending": r_drain, "ratio_http": r_http,
                    "drain_ms": {s: med(both[s]) * 1000 for s in sizes}, "drain_ratio": ratio_il, "drain_ratio_sequential": ratio_seq}
         print("pending_lookup: json " + json.dumps(summary, sort_keys=True))
