@@ -1,8 +1,11 @@
 """Benchmark: the coordinator's own time to take a snapshot of a big run with many episodes in flight.
 
-A run with 200 000 live siblings, of which 10 000 turn-level rollouts are in flight on 4 gymsim
+A run with 200 000 live siblings, of which 10 000 turn-level rollouts are in flight on gymsim
 instances (subprocesses, zero-latency control calls): admitted and dispatched through the API, their
-``/run`` episodes sent by this process over 10 000 concurrent HTTP connections. The other 190 000
+``/run`` episodes sent by this process over 10 000 concurrent HTTP connections. The issue asks for 4
+instances; one gymsim instance holds at most 2 000 parked episodes (its agent reaches the policy
+model through one httpx pool of 2 000 connections, and a held call keeps its connection), so
+10 000 take 5 instances, and ``--in-flight 8000`` is the largest count 4 instances hold. The other 190 000
 live siblings are built with set-based SQL (sealed with a receipt and a staging key, returned,
 dispatched at sibling / prompt_group level, or never sent; no turn-level row is in flight without a
 Gym episode behind it, so nothing has to drain).
@@ -69,6 +72,7 @@ GROUP_SIZE = 8
 # rescan the pool per queued request on every event (O(queued x connections)): with 2 500 episodes
 # per instance it stopped answering for 15 minutes. So an instance holds at most 2 000.
 GYMSIM_MAX_PER_INSTANCE = 2_000
+GYMSIM_NICE = 10
 TURNS = 10_000  # never finishes: the episode stays in flight for the whole benchmark
 HOLD_S = 86_400.0
 PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total")
@@ -215,6 +219,8 @@ def start_gyms(per_instance: list[int], turn_seconds: float, log: Path) -> list[
             cfg = default_instance_config(f"bench/replica-{k}", token=f"tok-bench-{k}", turn_seconds=turn_seconds, faults=faults)
             with stderr_to(log):
                 gyms.append(GymsimInstance.start(cfg, subprocess=True))
+            with contextlib.suppress(psutil.Error, AttributeError):
+                psutil.Process(gyms[-1]._process.pid).nice(GYMSIM_NICE)
     except BaseException:
         stop_gyms(gyms)
         raise
@@ -318,6 +324,18 @@ async def wait_parked(gyms: list[Any], expected: dict[str, int], episodes: Episo
                       f"{free:,} first policy calls to come ...", flush=True)
                 last = now
             await asyncio.sleep(1.0)
+
+
+async def gymsim_idle_cpu(gyms: list[Any], seconds: float) -> float:
+    """CPU the gymsim processes use while nothing happens (cores, summed), sampled over ``seconds``."""
+    procs = []
+    for g in gyms:
+        with contextlib.suppress(psutil.Error, AttributeError):
+            procs.append(psutil.Process(g._process.pid))
+    for p in procs:
+        p.cpu_percent(None)
+    await asyncio.sleep(seconds)
+    return sum(p.cpu_percent(None) for p in procs) / 100.0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -546,6 +564,10 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
         counts = await wait_parked(gyms, expected, episodes, args.park_timeout)
         print(f"snapshot_overhead: {sum(expected.values()):,} episodes in flight, parked at a turn boundary, after "
               f"{time.perf_counter() - t:.1f} s: " + ", ".join(f"{i} {c['at_boundary']}" for i, c in counts.items()), flush=True)
+        busy = await gymsim_idle_cpu(gyms, 3.0)
+        print(f"snapshot_overhead: gymsim processes while their episodes are parked: {busy:.0%} of a core in all "
+              f"(every held episode wakes once a second); they run at nice {GYMSIM_NICE} so that this does not take "
+              f"the coordinator's or PostgreSQL's CPU", flush=True)
 
         results = []
         for k in range(1, args.snapshots + 1):
