@@ -178,7 +178,7 @@ class SnapshotRunner:
                 s = await repo.poll(self.engine, run_id, sid)
                 if s.abort_requested:
                     raise _Aborted(s.abort_requested)
-                if s.data_plane_ref is not None:
+                if s.captured:
                     # The cut is taken; GymSave resumes Gym as soon as this hook returns.
                     await repo.set_phase(self.engine, run_id, sid, "resume")
                     return
