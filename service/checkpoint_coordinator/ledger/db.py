@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 log = logging.getLogger(__name__)
 
 DATABASE_NAME = "ckpt_coordinator"
+
+
+def dump_json(v: Any) -> str:
+    """The ledger's one JSON form for values bound as jsonb: compact, with sorted keys, so equal
+    documents compare equal when a repeat is checked against what was stored."""
+    return json.dumps(v, separators=(",", ":"), sort_keys=True)
 
 
 def sqlalchemy_url(url: str) -> str:

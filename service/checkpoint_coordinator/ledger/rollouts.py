@@ -24,6 +24,7 @@ from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
+from .db import dump_json
 from .runs import RunRow, lock_run
 
 def _hex() -> str:
@@ -333,7 +334,7 @@ class _Plan:
                 select_cols.append(c)
                 if _COL_TYPES[c] == "jsonb":
                     # Arrays of JSON travel as text[]; staging keys become a text[] column again.
-                    params[c] = [None if ch[c] is None else _json(ch[c]) for _, ch in items]
+                    params[c] = [None if ch[c] is None else dump_json(ch[c]) for _, ch in items]
                     casts.append(f"%({c})s::text[]")
                     if c == "staging_keys":
                         sets.append(f"{c} = CASE WHEN t.{c} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(t.{c}::jsonb)) END")
@@ -372,12 +373,6 @@ _COL_TYPES = {
     "gym_owned": "boolean",
     "replaced_by_attempt_id": "bigint",
 }
-
-
-def _json(v: Any) -> str:
-    import json
-
-    return json.dumps(v, separators=(",", ":"), sort_keys=True)
 
 
 def _count_transitions(transitions: dict[str, int]) -> None:
@@ -465,7 +460,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                 {
                     "r": run_id,
                     "g": [g.group_id for g in new],
-                    "pr": [_json(g.prompt_ref) for g in new],
+                    "pr": [dump_json(g.prompt_ref) for g in new],
                     "td": [g.task_digest for g in new],
                     "ts": [g.task_source for g in new],
                     "an": [g.agent_name for g in new],

@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..errors import Conflict, NotFound, RunClosed
+from .db import dump_json
 
 TOKEN_PREFIX = "ckptc_run_"
 
@@ -79,7 +80,7 @@ async def create_run(engine: AsyncEngine, run_id: str, checkpoint_root: str, con
                         f"INSERT INTO runs (run_id, config, checkpoint_root, token_hash) "
                         f"VALUES (:run_id, CAST(:config AS jsonb), :root, :th) RETURNING {_RUN_COLS}"
                     ),
-                    {"run_id": run_id, "config": _json(config), "root": checkpoint_root, "th": hash_token(token)},
+                    {"run_id": run_id, "config": dump_json(config), "root": checkpoint_root, "th": hash_token(token)},
                 )
             ).one()
     except IntegrityError as e:
@@ -164,9 +165,3 @@ async def lock_run(
 
         raise Fenced(f"run {run_id!r} moved to epoch {run.epoch} (request was for {expect_epoch})", epoch=run.epoch)
     return run
-
-
-def _json(v: Any) -> str:
-    import json
-
-    return json.dumps(v, separators=(",", ":"), sort_keys=True)

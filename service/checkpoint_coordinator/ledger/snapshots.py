@@ -7,7 +7,6 @@ snapshot tables in one ``INSERT ... SELECT`` per table.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -17,6 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..errors import Conflict, CoordinatorError, NotFound
+from .db import dump_json
 from .runs import lock_run
 
 TERMINAL = ("published", "failed", "aborted")
@@ -104,7 +104,7 @@ def _iso(t: datetime | None) -> str | None:
 
 
 def _j(v: Any) -> str | None:
-    return None if v is None else json.dumps(v, separators=(",", ":"), sort_keys=True)
+    return None if v is None else dump_json(v)
 
 
 async def get(conn: AsyncConnection, run_id: str, snapshot_id: str, *, for_update: bool = False) -> SnapshotRow:
