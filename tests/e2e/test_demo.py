@@ -166,3 +166,18 @@ def test_mutation_check_catches_a_turn_applied_twice_and_a_gap_in_a_continuation
 def test_reward_check_flags_a_row_with_a_lost_or_doubled_turn() -> None:
     assert check_rewards(_lineage("a")).ok
     assert not check_rewards([{"group_id": "a", "rewards": [1.0, 1.25]}]).ok
+
+
+def test_pids_alive_tells_our_process_from_one_that_reused_its_pid() -> None:
+    import psutil
+
+    me = os.getpid()
+    born = psutil.Process(me).create_time()
+    # Recorded with its start time: the same process is ours, still running.
+    assert pids_alive({"coordinator": me, "gymsim": [], "started": {str(me): born}}) == [me]
+    # The pid now belongs to a process that started at another time: not ours.
+    assert pids_alive({"coordinator": me, "gymsim": [], "started": {str(me): born - 60}}) == []
+    # Recorded as already ended (no start time while others have one): a later holder is not ours.
+    assert pids_alive({"coordinator": 1 << 22, "gymsim": [me], "started": {str(1 << 22): 1.0}}) == []
+    # A summary without start times falls back to the pid alone.
+    assert pids_alive({"coordinator": me, "gymsim": []}) == [me]

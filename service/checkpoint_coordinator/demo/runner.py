@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import shutil
 import tempfile
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from ckpt_client import AsyncCoordinatorClient, GymInstance, RestorePlan
 
 from .checks import Check, check_capture, check_groups, check_mutations, check_rewards
@@ -522,11 +522,21 @@ class Demo:
             )
 
     def pids(self) -> dict[str, Any]:
-        return {
+        """The pids of everything started, with the start time of those still running: pids are
+        reused (pid_max is often 32 768 and every database connection forks a backend), so a pid
+        alone cannot say later whether *our* process still runs."""
+        out: dict[str, Any] = {
             "postgres": self.pg.pid if self.pg else None,
             "coordinator": self.coordinator.pid if self.coordinator else None,
             "gymsim": [g.pid for g in [*self.stopped_gyms, *self.gyms.values()] if g.pid is not None],
         }
+        started: dict[str, float] = {}
+        for pid in [out["postgres"], out["coordinator"], *out["gymsim"]]:
+            t = _create_time(pid)
+            if t is not None:
+                started[str(pid)] = t
+        out["started"] = started
+        return out
 
     def cleanup(self) -> list[str]:
         """Stop everything that was started (newest first); returns what could not be stopped."""
@@ -587,17 +597,37 @@ def _missing_dispositions(plan: RestorePlan, loader: DataLoader) -> tuple[list[s
     return missing, queued_turn
 
 
+def _create_time(pid: int | None) -> float | None:
+    """When a running process started (None when it does not run or is a zombie)."""
+    if not pid:
+        return None
+    try:
+        p = psutil.Process(int(pid))
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(p.create_time())
+    except (psutil.Error, ValueError):
+        return None
+
+
 def pids_alive(pids: dict[str, Any]) -> list[int]:
-    """The pids of a summary's processes that still run (for tests)."""
+    """The pids of a summary's processes that still run (for tests).
+
+    A pid counts only while the process holding it is the one the summary recorded (same start
+    time): a pid freed by our process and taken by another is not ours left running. Processes
+    that had already ended when the summary was taken are judged by pid alone."""
+    started: dict[str, float] = pids.get("started") or {}
     alive = []
     for pid in [pids.get("postgres"), pids.get("coordinator"), *(pids.get("gymsim") or [])]:
         if not pid:
             continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        now = _create_time(pid)
+        if now is None:
             continue
-        except PermissionError:
-            pass
+        then = started.get(str(pid))
+        if then is not None and abs(now - then) > 0.05:
+            continue  # the pid was reused by another process
+        if then is None and started:
+            continue  # it had already ended when recorded: this is a later process
         alive.append(int(pid))
     return alive
