@@ -425,53 +425,49 @@ def bare_copy(url: str, run_id: str, sid: str) -> tuple[float, int]:
 
 
 def explain_cut(url: str, run_id: str) -> list[str]:
-    """EXPLAIN ANALYZE of the cut's two copies (rolled back): time and the per-row trigger cost."""
+    """EXPLAIN ANALYZE of take_cut's statement (rolled back) with take_cut's settings: its total,
+    each copy with its plan, and any per-row trigger."""
     import psycopg
 
-    # The statements are take_cut's (ledger/snapshots.py), aimed at a throw-away snapshot id.
+    from checkpoint_coordinator.ledger.snapshots import _CUT_SQL
+
+    sql = _CUT_SQL.replace(":r", "%(r)s").replace(":s", "%(s)s")
     lines = []
     with psycopg.connect(plain_url(url)) as conn:
-        conn.execute("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, outcome, reason, owner) "
-                     "VALUES (%(r)s, 'explain', 0, 'aborted', 'aborted', 'bench', 'bench')", {"r": run_id})
-        stmts = {
-            "snapshot_groups": (
-                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-                "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-                "SELECT run_id, 'explain', group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
-                "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
-                "WHERE run_id = %(r)s AND status IN ('generating', 'ready')"
-            ),
-            "snapshot_attempts": (
-                "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
-                "gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
-                "SELECT a.run_id, 'explain', a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
-                "a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
-                "FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
-                "JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-                "WHERE a.run_id = %(r)s AND a.is_current AND g.status IN ('generating', 'ready')"
-            ),
-            "staging keys": (
-                "SELECT DISTINCT k FROM snapshot_attempts, unnest(staging_keys) AS k "
-                "WHERE run_id = %(r)s AND snapshot_id = 'explain' AND status IN ('sealed', 'returned')"
-            ),
-        }
-        for name, sql in stmts.items():
-            plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, {"r": run_id}).fetchone()[0][0]
-            trig = "; ".join(f"{t['Trigger Name']} {t['Time']:.0f} ms x{t['Calls']}" for t in plan.get("Triggers", []))
-            nodes: list[str] = []
+        conn.execute("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) "
+                     "VALUES (%(r)s, 'explain', 0, 'data_plane', 'bench')", {"r": run_id})
+        conn.execute("SET LOCAL enable_nestloop = off")
+        conn.execute("SET LOCAL work_mem = '64MB'")
+        plan = conn.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + sql, {"r": run_id, "s": "explain"}).fetchone()[0][0]
+        trig = "; ".join(f"{t['Trigger Name']} {t['Time']:.0f} ms x{t['Calls']}" for t in plan.get("Triggers", []))
+        lines.append(f"cut statement: {plan['Execution Time']:.0f} ms" + (f"; triggers: {trig}" if trig else ""))
 
-            def walk(node: dict[str, Any]) -> None:
-                label = node["Node Type"]
-                if "Index Name" in node:
-                    label += f"({node['Index Name']})"
-                elif "Relation Name" in node and node["Node Type"] != "ModifyTable":
-                    label += f"({node['Relation Name']})"
-                nodes.append(label)
+        def label(node: dict[str, Any]) -> str:
+            out = node["Node Type"]
+            if "Index Name" in node:
+                out += f"({node['Index Name']})"
+            elif "Relation Name" in node and node["Node Type"] != "ModifyTable":
+                out += f"({node['Relation Name']})"
+            return out
+
+        def walk(node: dict[str, Any]) -> None:
+            if node["Node Type"] == "ModifyTable" and node.get("Operation") == "Insert":
+                nodes: list[str] = []
+
+                def sub(n: dict[str, Any]) -> None:
+                    nodes.append(label(n))
+                    for ch in n.get("Plans", []):
+                        sub(ch)
+
                 for ch in node.get("Plans", []):
-                    walk(ch)
+                    sub(ch)
+                lines.append(f"{node['Relation Name']} copy: {node['Actual Total Time']:.0f} ms, of which its SELECT "
+                             f"{node['Plans'][0]['Actual Total Time']:.0f} ms; plan {' > '.join(nodes)}")
+                return
+            for ch in node.get("Plans", []):
+                walk(ch)
 
-            walk(plan["Plan"])
-            lines.append(f"{name}: {plan['Execution Time']:.0f} ms; plan {' > '.join(nodes)}" + (f"; triggers: {trig}" if trig else ""))
+        walk(plan["Plan"])
         conn.rollback()
     return lines
 
@@ -498,6 +494,8 @@ async def direct_cut(url: str, run_id: str, manifest: dict[str, Any]) -> tuple[f
     finally:
         async with engine.begin() as conn:
             await conn.execute(text("DELETE FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)
+            # The cut tables have no foreign key to snapshots: their rows go explicitly.
+            await repo.delete_cut_rows(conn, run_id, ["direct-cut"])
         await engine.dispose()
 
 

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 14:38:50.656419
+Create Date: 2026-11-30 16:44:47.390732
 """
 from __future__ import annotations
 
@@ -33,6 +33,43 @@ def upgrade() -> None:
     sa.CheckConstraint("state IN ('open', 'closed')", name=op.f('ck_runs_state')),
     sa.CheckConstraint('epoch >= 1', name=op.f('ck_runs_epoch')),
     sa.PrimaryKeyConstraint('run_id', name=op.f('pk_runs'))
+    )
+    op.create_table('snapshot_attempts',
+    sa.Column('run_id', sa.Text(), nullable=False),
+    sa.Column('snapshot_id', sa.Text(), nullable=False),
+    sa.Column('attempt_id', sa.BigInteger(), nullable=False),
+    sa.Column('group_id', sa.Text(), nullable=False),
+    sa.Column('generation_index', sa.Integer(), nullable=False),
+    sa.Column('row_attempts_used', sa.Integer(), nullable=False),
+    sa.Column('rollout_id', sa.Text(), nullable=False),
+    sa.Column('gym_instance_id', sa.Text(), nullable=True),
+    sa.Column('gym_attempt', sa.Integer(), nullable=False),
+    sa.Column('group_attempt', sa.Integer(), nullable=False),
+    sa.Column('status', sa.Text(), nullable=False),
+    sa.Column('refusals', sa.Integer(), nullable=False),
+    sa.Column('receipt', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
+    sa.Column('reward', sa.Float(), nullable=True),
+    sa.Column('mask_sample', sa.Boolean(), nullable=True),
+    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
+    sa.Column('gym_owned', sa.Boolean(), nullable=False),
+    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'attempt_id', name=op.f('pk_snapshot_attempts'))
+    )
+    op.create_table('snapshot_groups',
+    sa.Column('run_id', sa.Text(), nullable=False),
+    sa.Column('snapshot_id', sa.Text(), nullable=False),
+    sa.Column('group_id', sa.Text(), nullable=False),
+    sa.Column('prompt_ref', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
+    sa.Column('task_digest', sa.Text(), nullable=False),
+    sa.Column('task_source', sa.Text(), nullable=True),
+    sa.Column('agent_name', sa.Text(), nullable=True),
+    sa.Column('restore_level', sa.Text(), nullable=False),
+    sa.Column('expected_generations', sa.Integer(), nullable=False),
+    sa.Column('target_step', sa.BigInteger(), nullable=True),
+    sa.Column('weight_version', sa.Text(), nullable=True),
+    sa.Column('group_attempt', sa.Integer(), nullable=False),
+    sa.Column('data_attempts_used', sa.Integer(), nullable=False),
+    sa.Column('status', sa.Text(), nullable=False),
+    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_groups'))
     )
     op.create_table('gym_instances',
     sa.Column('run_id', sa.Text(), nullable=False),
@@ -174,45 +211,6 @@ def upgrade() -> None:
     sa.ForeignKeyConstraint(['run_id', 'group_id'], ['prompt_groups.run_id', 'prompt_groups.group_id'], name=op.f('fk_siblings_run_id_group_id_prompt_groups'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('run_id', 'group_id', 'generation_index', name=op.f('pk_siblings'))
     )
-    op.create_table('snapshot_attempts',
-    sa.Column('run_id', sa.Text(), nullable=False),
-    sa.Column('snapshot_id', sa.Text(), nullable=False),
-    sa.Column('attempt_id', sa.BigInteger(), nullable=False),
-    sa.Column('group_id', sa.Text(), nullable=False),
-    sa.Column('generation_index', sa.Integer(), nullable=False),
-    sa.Column('row_attempts_used', sa.Integer(), nullable=False),
-    sa.Column('rollout_id', sa.Text(), nullable=False),
-    sa.Column('gym_instance_id', sa.Text(), nullable=True),
-    sa.Column('gym_attempt', sa.Integer(), nullable=False),
-    sa.Column('group_attempt', sa.Integer(), nullable=False),
-    sa.Column('status', sa.Text(), nullable=False),
-    sa.Column('refusals', sa.Integer(), nullable=False),
-    sa.Column('receipt', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
-    sa.Column('reward', sa.Float(), nullable=True),
-    sa.Column('mask_sample', sa.Boolean(), nullable=True),
-    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
-    sa.Column('gym_owned', sa.Boolean(), nullable=False),
-    sa.ForeignKeyConstraint(['run_id', 'snapshot_id'], ['snapshots.run_id', 'snapshots.snapshot_id'], name=op.f('fk_snapshot_attempts_run_id_snapshot_id_snapshots'), ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'attempt_id', name=op.f('pk_snapshot_attempts'))
-    )
-    op.create_table('snapshot_groups',
-    sa.Column('run_id', sa.Text(), nullable=False),
-    sa.Column('snapshot_id', sa.Text(), nullable=False),
-    sa.Column('group_id', sa.Text(), nullable=False),
-    sa.Column('prompt_ref', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
-    sa.Column('task_digest', sa.Text(), nullable=False),
-    sa.Column('task_source', sa.Text(), nullable=True),
-    sa.Column('agent_name', sa.Text(), nullable=True),
-    sa.Column('restore_level', sa.Text(), nullable=False),
-    sa.Column('expected_generations', sa.Integer(), nullable=False),
-    sa.Column('target_step', sa.BigInteger(), nullable=True),
-    sa.Column('weight_version', sa.Text(), nullable=True),
-    sa.Column('group_attempt', sa.Integer(), nullable=False),
-    sa.Column('data_attempts_used', sa.Integer(), nullable=False),
-    sa.Column('status', sa.Text(), nullable=False),
-    sa.ForeignKeyConstraint(['run_id', 'snapshot_id'], ['snapshots.run_id', 'snapshots.snapshot_id'], name=op.f('fk_snapshot_groups_run_id_snapshot_id_snapshots'), ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_groups'))
-    )
     op.create_table('attempts',
     sa.Column('attempt_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
     sa.Column('run_id', sa.Text(), nullable=False),
@@ -255,8 +253,6 @@ def downgrade() -> None:
     op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_index('ix_attempts_dispatch', table_name='attempts', postgresql_where=sa.text('dispatch_id IS NOT NULL'))
     op.drop_table('attempts')
-    op.drop_table('snapshot_groups')
-    op.drop_table('snapshot_attempts')
     op.drop_table('siblings')
     op.drop_table('gym_participants')
     op.drop_table('train_steps')
@@ -270,5 +266,7 @@ def downgrade() -> None:
     op.drop_index('ix_outbox_items_due', table_name='outbox_items', postgresql_where=sa.text("state = 'pending'"))
     op.drop_table('outbox_items')
     op.drop_table('gym_instances')
+    op.drop_table('snapshot_groups')
+    op.drop_table('snapshot_attempts')
     op.drop_table('runs')
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path as FsPath
 from typing import Any, Literal
 
@@ -83,17 +84,19 @@ async def get_snapshot(
     request: Request, snapshot_id: str = SnapshotIdPath, manifest: bool = Query(False, description="include the Gym manifest"), caller: Caller = Depends(require_run_access)
 ) -> dict[str, Any]:
     async with request.app.state.engine.connect() as conn:
-        return (await repo.get(conn, caller.run_id, snapshot_id)).public(with_manifest=manifest)
+        return (await repo.get(conn, caller.run_id, snapshot_id, with_manifest=manifest)).public(with_manifest=manifest)
 
 
-@router.post("/snapshots/{snapshot_id}/barrier", operation_id="snapshot_barrier_held")
-async def barrier_held(request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.post("/snapshots/{snapshot_id}/barrier", operation_id="snapshot_barrier_held", response_model=dict[str, Any])
+async def barrier_held(request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> Any:
     """The trainer holds its data-plane barrier: the coordinator takes the ledger cut and answers
     the staging keys that must exist in the capture. 409 `snapshot_not_awaiting` when too early or aborted."""
     row = await repo.take_cut(request.app.state.engine, caller.run_id, snapshot_id)
     out = row.public()
     out["staging_keys"] = row.cut_staging_keys or []
-    return out
+    # Tens of thousands of keys: serialized once with json.dumps, not walked by FastAPI's
+    # encoder first (4x slower, on the event loop the runner and other requests share).
+    return Response(json.dumps(out, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(), media_type="application/json")
 
 
 @router.post("/snapshots/{snapshot_id}/captured", operation_id="snapshot_data_plane_captured")

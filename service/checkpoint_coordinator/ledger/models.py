@@ -269,12 +269,10 @@ class SnapshotGroup(Base):
     """Immutable copy of a live prompt group at a snapshot's ledger cut."""
 
     __tablename__ = "snapshot_groups"
-    __table_args__ = (
-        PrimaryKeyConstraint("run_id", "snapshot_id", "group_id"),
-        ForeignKeyConstraint(
-            ["run_id", "snapshot_id"], ["snapshots.run_id", "snapshots.snapshot_id"], ondelete="CASCADE"
-        ),
-    )
+    # No foreign key to ``snapshots``: its per-row trigger was a quarter of the cut's copy. The
+    # rows are written only by the cut (and the import) in the transaction that holds their
+    # snapshot row FOR UPDATE, and deleted with it by retention (``ledger.snapshots.end``).
+    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "group_id"),)
     run_id: Mapped[str] = mapped_column(Text)
     snapshot_id: Mapped[str] = mapped_column(Text)
     group_id: Mapped[str] = mapped_column(Text)
@@ -295,12 +293,8 @@ class SnapshotAttempt(Base):
     """Immutable copy of a sibling and its current attempt at a snapshot's ledger cut."""
 
     __tablename__ = "snapshot_attempts"
-    __table_args__ = (
-        PrimaryKeyConstraint("run_id", "snapshot_id", "attempt_id"),
-        ForeignKeyConstraint(
-            ["run_id", "snapshot_id"], ["snapshots.run_id", "snapshots.snapshot_id"], ondelete="CASCADE"
-        ),
-    )
+    # No foreign key to ``snapshots``, see ``SnapshotGroup``.
+    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "attempt_id"),)
     run_id: Mapped[str] = mapped_column(Text)
     snapshot_id: Mapped[str] = mapped_column(Text)
     attempt_id: Mapped[int] = mapped_column(BigInteger)

@@ -26,11 +26,23 @@ class SnapshotNotAwaiting(Conflict):
     code = "snapshot_not_awaiting"
 
 
-_COLS = (
+_BASE_COLS = (
     "snapshot_id, anchor_step, phase, outcome, reason, detail, owner, gym_checkpoint_id, snapshot_dir, phase_timings, "
-    "gym_manifest, cut_staging_keys, data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
+    "data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
     "abort_requested, cut_at, created_at, published_at, ended_at"
 )
+# The Gym manifest (1.3 MB at 10 000 episodes) and the cut's staging keys (~90 000) are read only
+# when they are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``),
+# the manifest on request. Reading them on every status read cost ~120 ms of decoding each.
+_KEYS_WHEN_AWAITING_CAPTURE = (
+    "CASE WHEN outcome IS NULL AND phase = 'data_plane' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
+    "THEN cut_staging_keys END AS cut_staging_keys"
+)
+_COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
+_COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, cut_staging_keys"
+_COLS_FULL = f"{_BASE_COLS}, gym_manifest, cut_staging_keys"
+# Only what ``SnapshotRow`` does not need at all.
+_COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS text[]) AS cut_staging_keys"
 
 
 @dataclass
@@ -107,9 +119,14 @@ def _j(v: Any) -> str | None:
     return None if v is None else dump_json(v)
 
 
-async def get(conn: AsyncConnection, run_id: str, snapshot_id: str, *, for_update: bool = False) -> SnapshotRow:
+async def get(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, *, for_update: bool = False, with_manifest: bool = False, columns: str | None = None
+) -> SnapshotRow:
+    """The snapshot row; ``gym_manifest`` only ``with_manifest``, ``cut_staging_keys`` only when
+    ``public()`` answers them (awaiting capture, or ``with_manifest``)."""
     lock = " FOR UPDATE" if for_update else ""
-    r = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
+    cols = columns or (_COLS_FULL if with_manifest else _COLS)
+    r = (await conn.execute(text(f"SELECT {cols} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
     if r is None:
         raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
     return SnapshotRow(**dict(r._mapping))
@@ -273,10 +290,15 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
 
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotRow:
     """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
-    transaction, and answer the staging keys that must exist. Idempotent."""
+    transaction, and answer the staging keys that must exist. Idempotent.
+
+    One statement does the cut: the two copies, the staging keys (those of the sealed and
+    returned rows just copied, taken from the copy's RETURNING instead of reading it back, and
+    those of the Gym manifest, unnested in the database) and the snapshot row's update. The
+    siblings are joined by hash: planned as a nested loop, their 200 000 index probes were ~1 s."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
         if snap.cut_at is not None and snap.outcome is None:
             return snap
         if snap.outcome is not None or snap.phase != "data_plane":
@@ -293,55 +315,42 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
                 text("UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
             )
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
-        p = {"r": run_id, "s": snapshot_id}
-        ng = (
-            await conn.execute(
-                text(
-                    "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-                    "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-                    "SELECT run_id, :s, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
-                    "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
-                    "WHERE run_id = :r AND status IN ('generating', 'ready')"
-                ),
-                p,
-            )
-        ).rowcount
-        na = (
-            await conn.execute(
-                text(
-                    "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
-                    "gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
-                    "SELECT a.run_id, :s, a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
-                    "a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
-                    "FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
-                    "JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-                    "WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready')"
-                ),
-                p,
-            )
-        ).rowcount
-        sealed_keys = (
-            await conn.execute(
-                text(
-                    "SELECT DISTINCT k FROM snapshot_attempts, unnest(staging_keys) AS k "
-                    "WHERE run_id = :r AND snapshot_id = :s AND status IN ('sealed', 'returned')"
-                ),
-                p,
-            )
-        ).scalars().all()
-        gym_keys = [k for inst in (snap.gym_manifest or {}).get("instances", {}).values() for k in inst.get("staging_keys", [])]
-        keys = sorted(set(sealed_keys) | set(gym_keys))
-        counts = dict(snap.counts or {})
-        counts.update({"cut_groups": ng, "cut_siblings": na})
-        r = (
-            await conn.execute(
-                text(
-                    f"UPDATE snapshots SET cut_at = now(), cut_staging_keys = :k, counts = CAST(:c AS jsonb) WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS}"
-                ),
-                {**p, "k": keys, "c": _j(counts)},
-            )
-        ).one()
+        # Hash joins, and room for them, the keys' sort and the copy's RETURNING in memory.
+        await conn.execute(text("SET LOCAL enable_nestloop = off"))
+        await conn.execute(text("SET LOCAL work_mem = '64MB'"))
+        r = (await conn.execute(text(_CUT_SQL), {"r": run_id, "s": snapshot_id})).one()
         return SnapshotRow(**dict(r._mapping))
+
+
+_CUT_SQL = (
+    "WITH cut_groups AS ("
+    " INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+    " expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
+    " SELECT run_id, :s, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
+    " target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
+    " WHERE run_id = :r AND status IN ('generating', 'ready') RETURNING 1), "
+    "cut_attempts AS ("
+    " INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
+    " gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
+    " SELECT a.run_id, :s, a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
+    " a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
+    " FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
+    " JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+    " WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready') "
+    " RETURNING CASE WHEN status IN ('sealed', 'returned') THEN staging_keys END AS keys), "
+    "manifest_keys AS ("
+    " SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
+    " THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
+    " jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
+    " WHERE sn.run_id = :r AND sn.snapshot_id = :s), "
+    "all_keys AS (SELECT k FROM cut_attempts, unnest(keys) AS k WHERE keys IS NOT NULL UNION ALL SELECT k FROM manifest_keys) "
+    "UPDATE snapshots SET cut_at = now(), "
+    # Sorted by code point, as Python's sorted() did.
+    " cut_staging_keys = (SELECT COALESCE(array_agg(DISTINCT k COLLATE \"C\" ORDER BY k COLLATE \"C\"), '{}') FROM all_keys), "
+    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT count(*) FROM cut_groups), "
+    " 'cut_siblings', (SELECT count(*) FROM cut_attempts)) "
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_WITH_KEYS}"
+)
 
 
 async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reason: str, detail: str | None) -> SnapshotRow:
@@ -349,7 +358,7 @@ async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reas
     Gym and ends it. Refused once the capture was reported: the snapshot is then as good as published."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, allow_closed=True)
-        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_NONE)
         if snap.outcome is not None:
             return snap
         if snap.data_plane_ref is not None:
@@ -369,7 +378,8 @@ async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reas
 async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference: dict[str, Any]) -> SnapshotRow:
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        snap = await get(conn, run_id, snapshot_id, for_update=True)
+        # Neither the staging keys nor the manifest: the answer, once captured, shows neither.
+        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_NONE)
         if snap.data_plane_ref is not None:
             if snap.data_plane_ref != reference:
                 raise Conflict("a different data-plane reference was already reported", code="capture_conflict")
@@ -438,14 +448,26 @@ async def end(
             await conn.execute(text(f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql} WHERE run_id = :r RETURNING consecutive_snapshot_losses"), {"r": run_id})
         ).scalar()
         if outcome == "published":
-            await conn.execute(
-                text(
-                    "DELETE FROM snapshots WHERE run_id = :r AND outcome = 'published' AND snapshot_id NOT IN ("
-                    " SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome = 'published' ORDER BY published_at DESC, snapshot_id DESC LIMIT :k)"
-                ),
-                {"r": run_id, "k": keep_latest_k},
-            )
+            gone = (
+                await conn.execute(
+                    text(
+                        "DELETE FROM snapshots WHERE run_id = :r AND outcome = 'published' AND snapshot_id NOT IN ("
+                        " SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome = 'published' ORDER BY published_at DESC, snapshot_id DESC LIMIT :k) "
+                        "RETURNING snapshot_id"
+                    ),
+                    {"r": run_id, "k": keep_latest_k},
+                )
+            ).scalars().all()
+            if gone:
+                # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
+                await delete_cut_rows(conn, run_id, list(gone))
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
+
+
+async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
+    """Delete the cut of these snapshots, in the caller's transaction (the one deleting the rows)."""
+    for table in ("snapshot_attempts", "snapshot_groups"):
+        await conn.execute(text(f"DELETE FROM {table} WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
 
 
 async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, checkpoint_ref: str | None) -> tuple[dict[str, Any], list[str]]:

@@ -1,0 +1,155 @@
+"""The ledger cut (``ledger.snapshots.take_cut``) and its retention, on a real PostgreSQL.
+
+The cut is one statement (copies, staging keys, snapshot row); the cut tables have no foreign key
+to ``snapshots``, so retention deletes their rows itself. Status reads leave out the Gym manifest
+and answer the staging keys only while the snapshot awaits its capture.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from checkpoint_coordinator.ledger import snapshots as repo
+from checkpoint_coordinator.ledger.db import make_async_engine
+
+RUN = "run-cut"
+
+
+@pytest.fixture
+async def engine(database_url: str) -> Any:
+    eng = make_async_engine(database_url, pool_size=2)
+    async with eng.begin() as conn:
+        await conn.execute(text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES (:r, '{}', '/tmp', 'x')"), {"r": RUN})
+        # g1 generating (4 siblings: sealed, returned, dispatched, reserved + a replaced attempt),
+        # g2 ready, g3 finalized (not live: not in the cut).
+        for gid, status in (("g1", "generating"), ("g2", "ready"), ("g3", "finalized")):
+            await conn.execute(
+                text(
+                    "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, restore_level, expected_generations, status) "
+                    "VALUES (:r, :g, CAST(:p AS jsonb), 'sha256:' || :g, 'turn', 4, :st)"
+                ),
+                {"r": RUN, "g": gid, "p": json.dumps({"sample_id": gid}), "st": status},
+            )
+            await conn.execute(
+                text("INSERT INTO siblings (run_id, group_id, generation_index, row_attempts_used) SELECT :r, :g, i, i FROM generate_series(0, 3) i"),
+                {"r": RUN, "g": gid},
+            )
+        rows = [
+            ("g1", 0, "sealed", ["tq/b", "tq/a"], True),
+            ("g1", 1, "returned", ["tq/a", "tq/c"], True),
+            ("g1", 2, "dispatched", None, True),
+            ("g1", 3, "reserved", None, True),
+            ("g1", 3, "failed", ["tq/old"], False),  # replaced attempt: not current, not cut
+            ("g2", 0, "sealed", ["tq/\u00e9"], True),
+            ("g2", 1, "sealed", ["tq/Z"], True),
+            ("g2", 2, "sealed", None, True),
+            ("g2", 3, "sealed", None, True),
+            ("g3", 0, "sealed", ["tq/gone"], True),
+        ]
+        for gid, i, st, keys, current in rows:
+            await conn.execute(
+                text(
+                    "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, status, is_current, staging_keys, receipt) "
+                    "VALUES (:r, :g, :i, :ro, :st, :cur, :k, CAST(:rc AS jsonb))"
+                ),
+                {"r": RUN, "g": gid, "i": i, "ro": f"{gid}-{i}-{st}", "st": st, "cur": current, "k": keys,
+                 "rc": json.dumps({"rollout_id": f"{gid}-{i}"}) if keys else None},
+            )
+    try:
+        yield eng
+    finally:
+        await eng.dispose()
+
+
+MANIFEST = {"instances": {"math/replica-0": {"staging_keys": ["model/x", "tq/a"], "episodes": []}, "math/replica-1": {"episodes": []}}}
+
+
+async def _data_plane(engine: Any, sid: str, manifest: dict[str, Any] | None = MANIFEST) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, gym_manifest, counts) "
+                 "VALUES (:r, :s, 0, 'data_plane', 'test', CAST(:m AS jsonb), '{\"candidates\": 3}')"),
+            {"r": RUN, "s": sid, "m": json.dumps(manifest) if manifest is not None else None},
+        )
+
+
+async def _rows(engine: Any, sql: str, **p: Any) -> list[Any]:
+    async with engine.connect() as conn:
+        return list((await conn.execute(text(sql), {"r": RUN, **p})).all())
+
+
+async def test_cut_copies_live_rows_and_answers_sorted_distinct_keys(engine: Any) -> None:
+    await _data_plane(engine, "s1")
+    row = await repo.take_cut(engine, RUN, "s1")
+    expected = sorted({"tq/b", "tq/a", "tq/c", "tq/\u00e9", "tq/Z", "model/x"})
+    assert row.cut_staging_keys == expected
+    assert row.cut_at is not None and row.awaiting == "capture"
+    assert row.counts == {"candidates": 3, "cut_groups": 2, "cut_siblings": 8}
+    assert row.gym_manifest is None  # not re-read to answer the barrier
+    groups = await _rows(engine, "SELECT group_id, status FROM snapshot_groups WHERE run_id = :r AND snapshot_id = 's1' ORDER BY 1")
+    assert [tuple(g) for g in groups] == [("g1", "generating"), ("g2", "ready")]
+    atts = await _rows(
+        engine,
+        "SELECT sa.group_id, sa.generation_index, sa.status, sa.row_attempts_used, sa.staging_keys, sa.receipt FROM snapshot_attempts sa "
+        "WHERE run_id = :r AND snapshot_id = 's1' ORDER BY 1, 2",
+    )
+    assert [(a.group_id, a.generation_index, a.status, a.row_attempts_used) for a in atts] == [
+        ("g1", 0, "sealed", 0), ("g1", 1, "returned", 1), ("g1", 2, "dispatched", 2), ("g1", 3, "reserved", 3),
+        ("g2", 0, "sealed", 0), ("g2", 1, "sealed", 1), ("g2", 2, "sealed", 2), ("g2", 3, "sealed", 3),
+    ]
+    assert atts[0].staging_keys == ["tq/b", "tq/a"] and atts[0].receipt == {"rollout_id": "g1-0"}
+
+    # Idempotent: the same keys, no second copy.
+    again = await repo.take_cut(engine, RUN, "s1")
+    assert again.cut_staging_keys == expected and again.cut_at == row.cut_at
+    n = await _rows(engine, "SELECT count(*) FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 's1'")
+    assert n[0][0] == 8
+
+    # Status reads: keys while awaiting the capture, the manifest only on request.
+    async with engine.connect() as conn:
+        got = await repo.get(conn, RUN, "s1")
+        full = await repo.get(conn, RUN, "s1", with_manifest=True)
+    assert got.public()["staging_keys"] == expected and "gym_manifest" not in got.public()
+    assert full.public(with_manifest=True)["gym_manifest"] == MANIFEST
+    done = await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
+    assert done.awaiting is None and "staging_keys" not in done.public()
+    async with engine.connect() as conn:
+        after = await repo.get(conn, RUN, "s1")
+        full = await repo.get(conn, RUN, "s1", with_manifest=True)
+    assert after.cut_staging_keys is None and "staging_keys" not in after.public()
+    assert full.public(with_manifest=True)["staging_keys"] == expected
+
+
+async def test_cut_without_manifest_and_without_keys(engine: Any) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE attempts SET staging_keys = NULL WHERE run_id = :r"), {"r": RUN})
+    await _data_plane(engine, "s1", manifest=None)
+    row = await repo.take_cut(engine, RUN, "s1")
+    assert row.cut_staging_keys == []
+    assert row.counts["cut_siblings"] == 8
+
+
+async def test_retention_deletes_the_cut_rows_of_removed_snapshots(engine: Any) -> None:
+    for sid in ("s1", "s2", "s3"):
+        await _data_plane(engine, sid)
+        await repo.take_cut(engine, RUN, sid)
+        await repo.captured(engine, RUN, sid, {"path": f"/d/{sid}", "digest": "sha256:0"})
+        await repo.end(engine, RUN, sid, "published", "ok", keep_latest_k=2)
+    left = await _rows(engine, "SELECT snapshot_id FROM snapshots WHERE run_id = :r ORDER BY 1")
+    assert [r[0] for r in left] == ["s2", "s3"]
+    for table in ("snapshot_groups", "snapshot_attempts"):
+        per = await _rows(engine, f"SELECT snapshot_id, count(*) FROM {table} WHERE run_id = :r GROUP BY 1 ORDER BY 1")
+        assert [r[0] for r in per] == ["s2", "s3"], table
+
+
+async def test_cut_refused_after_newer_train_step(engine: Any) -> None:
+    await _data_plane(engine, "s1")
+    await repo.announce_train_step(engine, RUN, 5, None)
+    with pytest.raises(repo.SnapshotNotAwaiting):
+        await repo.take_cut(engine, RUN, "s1")
+    n = await _rows(engine, "SELECT count(*) FROM snapshot_attempts WHERE run_id = :r")
+    assert n[0][0] == 0
