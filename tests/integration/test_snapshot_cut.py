@@ -146,6 +146,24 @@ async def test_retention_deletes_the_cut_rows_of_removed_snapshots(engine: Any) 
         assert [r[0] for r in per] == ["s2", "s3"], table
 
 
+async def test_a_snapshot_lost_after_its_cut_leaves_no_cut_rows(engine: Any) -> None:
+    # s1 published (its cut is what a restore reads), s2 cut and then lost (the trainer's data
+    # plane failed): only s1's copy stays; s2's row stays as history with its reason.
+    await _data_plane(engine, "s1")
+    await repo.take_cut(engine, RUN, "s1")
+    await repo.captured(engine, RUN, "s1", {"path": "/d/s1", "digest": "sha256:0"})
+    await repo.end(engine, RUN, "s1", "published", "ok")
+    await _data_plane(engine, "s2")
+    await repo.take_cut(engine, RUN, "s2")
+    row, _ = await repo.end(engine, RUN, "s2", "failed", "data_plane_failed")
+    assert row.outcome == "failed" and row.cut_at is not None
+    for table in ("snapshot_groups", "snapshot_attempts"):
+        per = await _rows(engine, f"SELECT snapshot_id, count(*) FROM {table} WHERE run_id = :r GROUP BY 1 ORDER BY 1")
+        assert [r[0] for r in per] == ["s1"], table
+    left = await _rows(engine, "SELECT snapshot_id, outcome, reason FROM snapshots WHERE run_id = :r ORDER BY 1")
+    assert [tuple(r) for r in left] == [("s1", "published", "ok"), ("s2", "failed", "data_plane_failed")]
+
+
 async def test_cut_refused_after_newer_train_step(engine: Any) -> None:
     await _data_plane(engine, "s1")
     await repo.announce_train_step(engine, RUN, 5, None)

@@ -461,6 +461,11 @@ async def end(
             if gone:
                 # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
                 await delete_cut_rows(conn, run_id, list(gone))
+        elif r.cut_at is not None:
+            # Only a published snapshot is ever restored from or exported: the cut of a failed or
+            # aborted one (a data-plane failure after the barrier, a lost resume) would otherwise
+            # stay forever, a copy of every live row per loss. The snapshot row stays, for history.
+            await delete_cut_rows(conn, run_id, [snapshot_id])
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 
