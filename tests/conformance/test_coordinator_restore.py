@@ -177,10 +177,21 @@ async def _take_snapshot(directory: str) -> Snapshot:
 @pytest.fixture(scope="module")
 def snap(tmp_path_factory: pytest.TempPathFactory) -> Snapshot:
     """One snapshot for the whole module: restores only read it (tamperers take a copy)."""
-    directory = str(tmp_path_factory.mktemp("restore") / "snap")
-    # A fresh loop in a worker thread: a module-scoped fixture must not borrow a test's loop.
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, _take_snapshot(directory)).result(60)
+    # Episodes last 5 turns of 0.3 s so that the continuations the tests run finish quickly; on a
+    # loaded machine one can end before the save reaches it and is then missing from the manifest.
+    # Every test here relies on the saved set below, so a save that missed an episode is taken
+    # again (fresh instances, fresh directory) rather than handing the tests another snapshot.
+    wanted = {iid: sorted(keys) for iid, (_, keys) in SNAPSHOT_PLAN.items() if iid != "math/replica-2"}
+    saved: dict[str, list[str]] = {}
+    for _ in range(3):
+        directory = str(tmp_path_factory.mktemp("restore") / "snap")
+        # A fresh loop in a worker thread: a module-scoped fixture must not borrow a test's loop.
+        with ThreadPoolExecutor(1) as pool:
+            taken = pool.submit(asyncio.run, _take_snapshot(directory)).result(60)
+        saved = {iid: sorted(e["rollout_id"] for e in taken.manifest["instances"][iid]["episodes"]) for iid in wanted}
+        if saved == wanted:
+            return taken
+    raise AssertionError(f"three saves in a row missed episodes: saved {saved}, wanted {wanted}")
 
 
 def fresh_instances(
