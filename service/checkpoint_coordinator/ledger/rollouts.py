@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import to_json
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -39,8 +40,29 @@ def resolve_level(config: dict[str, Any], agent_name: str | None, task_source: s
     return levels.resolve_level(load_recovery_config(config), agent_name, task_source).value
 
 
+def _level_resolver(config: dict[str, Any]) -> Callable[[str | None, str | None], str]:
+    """resolve_level for one batch: the run's config is validated once, not once per group, and
+    each (agent, task source) pair is resolved once."""
+    cfg = load_recovery_config(config)
+    seen: dict[tuple[str | None, str | None], str] = {}
+
+    def resolve(agent_name: str | None, task_source: str | None) -> str:
+        key = (agent_name, task_source)
+        level = seen.get(key)
+        if level is None:
+            level = seen[key] = levels.resolve_level(cfg, agent_name, task_source).value
+        return level
+
+    return resolve
+
+
+_GRANULARITY = {lv.value: levels.live_granularity(lv).value for lv in levels.RestoreLevel}
+
+
 def granularity(level: str) -> str:
-    return levels.live_granularity(levels.RestoreLevel(level)).value
+    # A dict lookup: it is asked once per row of every batch.
+    g = _GRANULARITY.get(level)
+    return g if g is not None else levels.live_granularity(levels.RestoreLevel(level)).value
 
 
 @dataclass(frozen=True)
@@ -323,36 +345,23 @@ class _Plan:
     async def _apply_attempt_updates(self, conn: AsyncConnection) -> None:
         if not self.status_updates:
             return
-        # Group updates by the set of columns they touch, one UPDATE ... FROM unnest per shape.
+        # Group updates by the set of columns they touch, one UPDATE per shape. The rows travel as
+        # one JSON document (serialised in one native call) that PostgreSQL unpacks with
+        # jsonb_to_recordset: no per-row JSON dump of receipts, no per-element array dumping.
         by_shape: dict[tuple[str, ...], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
         for aid, ch in self.status_updates.items():
             by_shape[tuple(sorted(ch))].append((aid, ch))
         for cols, items in by_shape.items():
-            params: dict[str, Any] = {"ids": [aid for aid, _ in items]}
-            select_cols, sets, casts = ["id"], [], []
-            for c in cols:
-                select_cols.append(c)
-                if _COL_TYPES[c] == "jsonb":
-                    # Arrays of JSON travel as text[]; staging keys become a text[] column again.
-                    params[c] = [None if ch[c] is None else dump_json(ch[c]) for _, ch in items]
-                    casts.append(f"%({c})s::text[]")
-                    if c == "staging_keys":
-                        sets.append(f"{c} = CASE WHEN t.{c} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(t.{c}::jsonb)) END")
-                    else:
-                        sets.append(f"{c} = t.{c}::jsonb")
-                else:
-                    params[c] = [ch[c] for _, ch in items]
-                    casts.append(f"%({c})s::{_COL_TYPES[c]}[]")
-                    sets.append(f"{c} = t.{c}")
-            extra = ""
+            doc = to_json([{"id": aid, **ch} for aid, ch in items]).decode()
+            sets = [f"{c} = t.{c}" for c in cols]
             if "status" in cols:
-                extra = ", ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END"
-                extra += ", dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END"
+                sets.append("ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END")
+                sets.append("dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END")
+            record = ", ".join(["id bigint", *(f"{c} {_COL_TYPES[c]}" for c in cols)])
             await execute(
                 conn,
-                f"UPDATE attempts a SET {', '.join(sets)}{extra} FROM unnest(%(ids)s::bigint[], {', '.join(casts)}) "
-                f"AS t({', '.join(select_cols)}) WHERE a.attempt_id = t.id",
-                params,
+                f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id",
+                {"doc": doc},
             )
 
 
@@ -369,7 +378,7 @@ _COL_TYPES = {
     "receipt": "jsonb",
     "reward": "float8",
     "mask_sample": "boolean",
-    "staging_keys": "jsonb",
+    "staging_keys": "text[]",
     "gym_owned": "boolean",
     "replaced_by_attempt_id": "bigint",
 }
@@ -447,7 +456,8 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         if refused:
             raise BatchRefused(refused)
         new = [g for g in groups if g.group_id not in existing]
-        levels = {g.group_id: resolve_level(run.config, g.agent_name, g.task_source) for g in new}
+        resolve = _level_resolver(run.config)
+        levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
         minted: dict[str, list[AttemptRow]] = defaultdict(list)
         if new:
             await execute(
@@ -651,7 +661,10 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             raise BatchRefused(bad)
         await plan.apply(conn)
         cohort_sealed: list[str] = []
-        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed"]
+        # Only restored continuations (Gym-owned) can owe a forget (section 7); the others are not
+        # worth sending to that query.
+        owned = {a.attempt_id for a in atts.values() if a.gym_owned}
+        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed" and aid in owned]
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = sorted(touched_groups)
@@ -665,8 +678,8 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                         "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
                         "  GROUP BY a.group_id, g.expected_generations HAVING count(*) FILTER (WHERE a.status = 'returned') = g.expected_generations), "
                         "sealed AS (UPDATE attempts a SET status = 'sealed', ended_at = now() FROM done "
-                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id) "
-                        "SELECT group_id, array_agg(attempt_id) FROM sealed GROUP BY group_id ORDER BY 1",
+                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id, a.gym_owned) "
+                        "SELECT group_id, coalesce(array_agg(attempt_id) FILTER (WHERE gym_owned), '{}') FROM sealed GROUP BY group_id ORDER BY 1",
                         {"r": run_id, "g": cohorts},
                     )
                 ]
