@@ -248,8 +248,10 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
     engine = make_async_engine(pg_url, pool_size=2)
     # The reference scan filtered in SQL: the same question with index scans off, so PostgreSQL
     # reads the run's attempts and filters them (the "scan the run's live attempts" baseline).
+    # On a lean connection (autocommit, no pre-ping) like the service's reads, so the ratio compares
+    # the work, not connection overheads of one side only.
     noindex = create_async_engine(
-        sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=True,
+        sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=False, isolation_level="AUTOCOMMIT",
         connect_args={"options": "-c enable_indexscan=off -c enable_bitmapscan=off -c enable_indexonlyscan=off"},
     )
     # What the lookup costs on a connection that skips the pool's pre-ping and the implicit

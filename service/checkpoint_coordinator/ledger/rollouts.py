@@ -10,7 +10,6 @@ typed 409 naming each refused row.
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +24,7 @@ from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
-from .db import dump_json
+from .db import dump_json, execute, fetch, read_rows
 from .runs import RunRow, lock_run
 
 def _hex() -> str:
@@ -93,37 +92,6 @@ class BatchRefused(Conflict):
             rows=rows[:1000],
             refused_count=len(rows),
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Driver-level access for the bulk paths: binary parameters (arrays of thousands of ids dump far
-# faster than as text) and plain tuples back (no per-row mapping objects). Same transaction as
-# the SQLAlchemy connection it is taken from.
-
-
-async def _driver(conn: AsyncConnection) -> Any:
-    raw = await conn.get_raw_connection()
-    return raw.driver_connection
-
-
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-
-
-def _binary(sql: str) -> str:
-    # %(name)b: send every parameter in binary; text-format arrays escape each element in Python.
-    return _PLACEHOLDER.sub(r"%(\1)b", sql)
-
-
-async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    cur = (await _driver(conn)).cursor(binary=True)
-    await cur.execute(_binary(sql), params)
-    return await cur.fetchall()
-
-
-async def execute(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> int:
-    cur = (await _driver(conn)).cursor(binary=True)
-    await cur.execute(_binary(sql), params)
-    return cur.rowcount
 
 
 # --------------------------------------------------------------------------------------------
@@ -1045,14 +1013,12 @@ async def pending_outbox(engine: AsyncEngine, run_id: str, *, limit: int, after:
 async def pending_attempts(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) -> list[str]:
     """Which of these attempts are still pending (dispatched, current)? Index lookups only:
     the cost follows the number asked about, never the number of live rollouts."""
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text("SELECT rollout_id FROM attempts WHERE run_id = :r AND rollout_id = ANY(:ids) AND is_current AND status = 'dispatched'"),
-                {"r": run_id, "ids": list(rollout_ids)},
-            )
-        ).scalars().all()
-    return sorted(rows)
+    rows = await read_rows(
+        engine,
+        "SELECT rollout_id FROM attempts WHERE run_id = %(r)s AND rollout_id = ANY(%(ids)s) AND is_current AND status = 'dispatched'",
+        {"r": run_id, "ids": list(rollout_ids)},
+    )
+    return sorted(r[0] for r in rows)
 
 
 # --------------------------------------------------------------------------------------------
