@@ -184,7 +184,10 @@ _ATT_SQL = (
 
 
 async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, AttemptRow]:
-    rows = await fetch(conn, _ATT_SQL + "WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
+    """The named attempts, without their sibling's ``row_attempts_used`` (left 0): dispatch, seal
+    and refusal never read it, and a failure takes it from the current attempts of its locked
+    group. Saves a primary-key probe into ``siblings`` per row of every batch."""
+    rows = await fetch(conn, f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
     return {r[3]: AttemptRow(*r) for r in rows}
 
 
