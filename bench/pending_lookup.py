@@ -14,8 +14,9 @@ status) are asked about. Timed, interleaved in random order, median of ``--reps`
 * ``still_pending``: the drain's lookup of the same 100 as (rollout_id, gym_attempt) keys;
 * ``HTTP pending``: the endpoint on a coordinator process (adds the HTTP round trip and auth);
 * for the analysis: ``SELECT 1`` through the same engine (the fixed cost of any ledger read: pool
-  pre-ping, implicit BEGIN, ROLLBACK), and the lookup's statement on an autocommit connection
-  without pre-ping; plus PostgreSQL's own time per query (EXPLAIN ANALYZE);
+  checkout, one round trip), the lookup's statement through SQLAlchemy ``text()`` on an autocommit
+  connection, and ``still_pending``'s statement through ``ledger.db.read_rows`` (the driver-level
+  read path ``pending_attempts`` uses); plus PostgreSQL's own time per query (EXPLAIN ANALYZE);
 * reference ``scan (SQL filter)``: the same question answered by reading every attempt of the run
   and filtering in SQL (index scans disabled, so PostgreSQL reads the run's attempts);
 * reference ``scan (Python filter)``: read every live attempt of the run (current, in a generating
@@ -243,13 +244,15 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
     from sqlalchemy.ext.asyncio import create_async_engine
 
     from checkpoint_coordinator.ledger import rollouts, snapshots
-    from checkpoint_coordinator.ledger.db import make_async_engine, sqlalchemy_url
+    from checkpoint_coordinator.ledger.db import make_async_engine, read_rows, sqlalchemy_url
 
     engine = make_async_engine(pg_url, pool_size=2)
     # The reference scan filtered in SQL: the same question with index scans off, so PostgreSQL
     # reads the run's attempts and filters them (the "scan the run's live attempts" baseline).
+    # On a lean connection (autocommit, no pre-ping) like the service's reads, so the ratio compares
+    # the work, not connection overheads of one side only.
     noindex = create_async_engine(
-        sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=True,
+        sqlalchemy_url(pg_url), pool_size=1, pool_pre_ping=False, isolation_level="AUTOCOMMIT",
         connect_args={"options": "-c enable_indexscan=off -c enable_bitmapscan=off -c enable_indexonlyscan=off"},
     )
     # What the lookup costs on a connection that skips the pool's pre-ping and the implicit
@@ -268,6 +271,12 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
 
         async def drain() -> set[tuple[str, int]]:
             return await snapshots.still_pending(engine, run_id, keys)
+
+        async def drain_read_rows() -> set[tuple[str, int]]:
+            # still_pending's own statement through ledger.db.read_rows (driver-level, binary
+            # parameters, autocommit): what still_pending would cost on the lookup's read path.
+            rows = await read_rows(engine, PG_SQL["still_pending"].replace("CAST(%(ids)s AS text[])", "%(ids)s::text[]"), {"r": run_id, "ids": ids})
+            return {(r[0], r[1]) for r in rows} & set(keys)
 
         async def over_http() -> list[str]:
             r = await http.post(f"/v1/runs/{run_id}/attempts/pending", json={"rollout_ids": ids})
@@ -289,7 +298,8 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
 
         # Every method gives the same answer (a benchmark of a wrong answer proves nothing).
         answers = {"lookup": await lookup(), "http": await over_http(), "lean": await lean_lookup(), "scan_sql": await scan_sql(),
-                   "scan_python": await scan_python(), "drain": sorted(k[0] for k in await drain())}
+                   "scan_python": await scan_python(), "drain": sorted(k[0] for k in await drain()),
+                   "drain_read_rows": sorted(k[0] for k in await drain_read_rows())}
         for name, got in answers.items():
             assert got == expect, (name, len(got), len(expect))
 
@@ -299,7 +309,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
 
         times = await interleaved(
             {"pending_attempts": lookup, "still_pending": drain, "HTTP pending": over_http, "scan (SQL filter)": scan_sql,
-             "SELECT 1 (floor)": floor, "lookup, lean connection": lean_lookup},
+             "SELECT 1 (floor)": floor, "lookup, lean connection": lean_lookup, "still_pending via read_rows": drain_read_rows},
             reps,
         )
         # Reading 200 000 rows into Python is two orders of magnitude slower still; a few
@@ -394,18 +404,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pending_lookup: wall time per call seen by the caller, median of {args.reps} interleaved repetitions "
               f"({args.slow_reps} for the Python scan):")
         for name in ("pending_attempts", "still_pending", "HTTP pending", "scan (SQL filter)", "scan (Python filter)", "SELECT 1 (floor)",
-                     "lookup, lean connection"):
-            print(f"pending_lookup:   {name:<24} {ms(tm[name]):>12}   scan/this = {ref / tm[name]:8.1f}x")
+                     "lookup, lean connection", "still_pending via read_rows"):
+            print(f"pending_lookup:   {name:<28} {ms(tm[name]):>12}   scan/this = {ref / tm[name]:8.1f}x")
         r_lookup, r_drain, r_http = ref / tm["pending_attempts"], ref / tm["still_pending"], ref / tm["HTTP pending"]
         print(f"pending_lookup: ratio scan / pending_attempts = {r_lookup:.1f}, scan / still_pending = {r_drain:.1f} "
               f"(target >= {LOOKUP_TARGET:g}; reference = the cheaper scan, {ms(ref)}); scan / HTTP pending = {r_http:.1f}")
-        print(f"pending_lookup: the same lookup on an autocommit connection without pool pre-ping: scan / lookup = "
-              f"{ref / tm['lookup, lean connection']:.1f} (the fixed cost per call is round trips, not the lookup)")
+        print(f"pending_lookup: the same lookup through SQLAlchemy text() on an autocommit connection without pool pre-ping: scan / lookup = "
+              f"{ref / tm['lookup, lean connection']:.1f}; still_pending's statement through ledger.db.read_rows: "
+              f"{ref / tm['still_pending via read_rows']:.1f}")
         params = {"r": main_run, "ids": res["ids"]}
         srv = server_times(pg.url, params, max(5, args.reps // 10))
         print("pending_lookup: PostgreSQL's own time (EXPLAIN ANALYZE planning + execution, median):")
         for name, t_ms in srv.items():
-            print(f"pending_lookup:   {name:<24} {t_ms:9.3f} ms   scan/this = {srv['scan (SQL filter)'] / t_ms:8.1f}x")
+            print(f"pending_lookup:   {name:<28} {t_ms:9.3f} ms   scan/this = {srv['scan (SQL filter)'] / t_ms:8.1f}x")
         print("pending_lookup: plan of pending_attempts: " + plan_summary(pg.url, PG_SQL["pending_attempts"], params))
         print("pending_lookup: plan of still_pending:    " + plan_summary(pg.url, PG_SQL["still_pending"], params))
 
@@ -435,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pending_lookup: {'targets met' if ok else 'TARGET MISSED'}" + ("" if check else " (not checked: --quick / --no-check)"))
         summary = {"live": res["live"], "asked": res["asked"], "pending": res["pending"], "medians_ms": {k: v * 1000 for k, v in tm.items()},
                    "server_ms": srv, "ratio_lean": ref / tm["lookup, lean connection"],
+                   "ratio_still_pending_read_rows": ref / tm["still_pending via read_rows"],
                    "ratio_lookup": r_lookup, "ratio_still_pending": r_drain, "ratio_http": r_http,
                    "drain_ms": {s: med(both[s]) * 1000 for s in sizes}, "drain_ratio": ratio_il, "drain_ratio_sequential": ratio_seq}
         print("pending_lookup: json " + json.dumps(summary, sort_keys=True))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
             from .background import start_background
 
             await start_background(app)
+            _tune_gc()
             yield
         finally:
             from .background import stop_background
@@ -61,6 +63,18 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     # Outermost, so the body limit's 413 answers are counted too.
     install_http_metrics(app)
     return app
+
+
+def _tune_gc() -> None:
+    """A batch call allocates hundreds of thousands of short-lived objects (rows, dicts, models);
+    with CPython's default thresholds (a young collection every 700 allocations) those trigger
+    full collections that walk every object of the process, several times per batch: they were a
+    large share of the coordinator's CPU per 8 000-row seal. Collect young objects every 50 000
+    allocations instead, and leave what startup created (modules, routes, schemas) out of every
+    later collection."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 10)
 
 
 def _feature_routers() -> list[Any]:

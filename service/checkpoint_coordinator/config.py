@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     outbox_poll_s: float = Field(default=1.0, gt=0)
     outbox_max_backoff_s: float = Field(default=60.0, gt=0)
     gate_retry_after_s: float = Field(default=1.0, gt=0)
+    run_token_cache_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long an accepted run token's stored hash is reused for later requests (0: read it every time). "
+        "A rotation through this process takes effect at once; through another replica within this time.",
+    )
     background_workers: bool = Field(default=True, description="Run the outbox and lease workers in this process.")
 
     @field_validator("database_url", mode="before")

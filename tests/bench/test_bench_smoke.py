@@ -67,7 +67,7 @@ def _run(script: str, tmp_path: Path, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py"])
+@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py", "ledger_ingest.py"])
 def test_help(script: str) -> None:
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -81,6 +81,16 @@ def test_pending_lookup_quick(tmp_path: Path) -> None:
     assert re.search(r"ratio scan / pending_attempts = [\d.]+, scan / still_pending = [\d.]+", out), out
     assert re.search(r"drain ratio [\d,]+ / [\d,]+ live = [\d.]+ interleaved", out), out
     assert "plan of pending_attempts: " in out and "json {" in out
+    assert re.search(r"pending_lookup:\s+still_pending via read_rows\s+[\d.]+ ms", out), out
+
+
+def test_ledger_ingest_quick(tmp_path: Path) -> None:
+    out = _run("ledger_ingest.py", tmp_path, "--quick")
+    assert re.search(r"ledger_ingest: 3200 siblings, 9600 transitions in [\d.]+ s = [\d,]+ transitions/s", out), out
+    assert re.search(r"ledger_ingest: COPY of 3200 rows into a bare table = [\d,]+ rows/s", out), out
+    assert re.search(r"ledger_ingest: ratio = [\d.]+ \(target >= 0.15\)", out), out
+    assert re.search(r"CPU during the [\d.]+ s: coordinator [\d.]+ s, PostgreSQL [\d.]+ s, benchmark client [\d.]+ s", out), out
+    assert re.search(r"service peak RSS \d+ MiB", out), out
 
 
 def test_snapshot_overhead_quick(tmp_path: Path) -> None:

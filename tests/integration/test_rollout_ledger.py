@@ -296,3 +296,37 @@ async def test_admin_rotates_a_lost_run_token(client, admin) -> None:  # type: i
     new = {"Authorization": f"Bearer {r.json()['run_token']}"}
     assert (await client.get("/v1/runs/run-1", headers=new)).status_code == 200
     assert (await client.get("/v1/runs/run-1", headers=run.h)).status_code == 403
+
+
+async def test_seal_payload_with_awkward_values_is_stored_as_sent(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    """Seal rows reach PostgreSQL as one JSON document (jsonb_to_recordset): staging keys with
+    array and JSON metacharacters, non-ASCII, an empty list, nested receipts, null reward and
+    mask flags all land as sent, and an identical repeat is recognised as unchanged."""
+    from sqlalchemy import text
+
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 3)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    keys = ["a,b", 'q"uote', "{braces}", "back\\slash", "ünïcødé ✓", " spaced ", "NULL", ""]
+    body = {"rows": [
+        {"rollout_id": rows[0]["rollout_id"], "receipt": {"rollout_id": rows[0]["capture_key"], "nested": {"k": [1, 2.5, None, "x,y"]}},
+         "staging_keys": keys, "reward": -0.125, "mask_sample": True},
+        {"rollout_id": rows[1]["rollout_id"], "receipt": {"rollout_id": rows[1]["capture_key"]}, "staging_keys": [], "reward": None},
+        {"rollout_id": rows[2]["rollout_id"], "receipt": {"rollout_id": rows[2]["capture_key"], "z": 1, "a": "é"}, "mask_sample": False},
+    ]}
+    first = await run.post("/attempts/sealed", body)
+    assert [r["result"] for r in first["rows"]] == ["sealed"] * 3 and first["ready_groups"] == ["g1"]
+    again = await run.post("/attempts/sealed", body)
+    assert [r["result"] for r in again["rows"]] == ["unchanged"] * 3
+    async with app.state.engine.connect() as conn:
+        got = {
+            r.rollout_id: r
+            for r in (await conn.execute(text("SELECT rollout_id, receipt, staging_keys, reward, mask_sample, status, ended_at FROM attempts"))).all()
+        }
+    for sent in body["rows"]:
+        row = got[sent["rollout_id"]]
+        assert row.receipt == sent["receipt"] and row.status == "sealed" and row.ended_at is not None
+        assert row.staging_keys == sent.get("staging_keys", [])
+        assert row.reward == sent.get("reward") and row.mask_sample == sent.get("mask_sample")
+    changed = {"rows": [{**body["rows"][0], "staging_keys": keys[:-1]}]}
+    assert (await run.post("/attempts/sealed", changed, 409))["code"] == "seal_conflict"

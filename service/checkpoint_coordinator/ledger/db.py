@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
+import select
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy import create_engine, event, exc, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,134 @@ def redact_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def make_async_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    return create_async_engine(
+# A pooled connection idle for longer than this is checked with one round trip before it is
+# handed out; one in steady use is not (see make_async_engine).
+IDLE_PING_S = 5.0
+# Connections are replaced after this long, so none outlives a proxy's or firewall's idle cut.
+POOL_RECYCLE_S = 1800
+
+
+class LedgerEngine(AsyncEngine):
+    """The service's engine: ``connect()`` hands out autocommit connections, ``begin()`` a READ
+    COMMITTED transaction committed on exit.
+
+    A read on ``connect()`` is then one round trip per statement: no implicit ``BEGIN`` before it
+    and no ``ROLLBACK`` when the connection goes back to the pool. Under READ COMMITTED every
+    statement of a transaction took a fresh snapshot anyway, so a read of several statements sees
+    what it saw before; what it no longer does is hold a row lock (``FOR SHARE``) past its
+    statement, which only a write needs. Every write goes through ``begin()``.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def _regenerate_proxy_for_target(cls, target: Engine, **kw: Any) -> LedgerEngine:
+        return LedgerEngine(target)
+
+    @contextlib.asynccontextmanager
+    async def begin(self) -> AsyncIterator[AsyncConnection]:
+        conn = self.connect()
+        async with conn:
+            # Back to the pool's autocommit default when the connection is returned.
+            await conn.execution_options(isolation_level="READ COMMITTED")
+            async with conn.begin():
+                yield conn
+
+
+def make_async_engine(url: str, *, pool_size: int = 10) -> LedgerEngine:
+    """Pool without a ping on every checkout (a round trip as long as a small indexed read): a
+    connection is pinged only after ``IDLE_PING_S`` idle or when its socket shows the server
+    ended the session (a local check, no round trip). One that dies silently in between fails
+    its statement once, which invalidates it and every older pooled connection (SQLAlchemy's
+    disconnect handling); single-statement reads (:func:`read_rows`) retry once on a fresh one."""
+    sync = create_async_engine(
         sqlalchemy_url(url),
         pool_size=pool_size,
         max_overflow=pool_size,
-        pool_pre_ping=True,
-    )
+        pool_pre_ping=False,
+        pool_recycle=POOL_RECYCLE_S,
+        isolation_level="AUTOCOMMIT",
+    ).sync_engine
+    _ping_when_idle(sync)
+    return LedgerEngine(sync)
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    @event.listens_for(engine.pool, "checkin")
+    def _checkin(dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine.pool, "checkout")
+    def _checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is None:
+            return  # just connected
+        if time.monotonic() - since < IDLE_PING_S and not _readable(dbapi_connection):
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as e:  # the pool replaces the connection and tries again
+            raise exc.DisconnectionError(f"pooled connection failed its ping: {e}") from e
+
+
+def _readable(dbapi_connection: Any) -> bool:
+    """Whether an idle connection's socket has something to read: a server that ends a session
+    (restart, pg_terminate_backend, idle timeout) sends its FATAL message and closes, which shows
+    here without a round trip. A pooled idle connection otherwise has nothing pending."""
+    try:
+        fd = dbapi_connection.driver_connection.pgconn.socket
+        return bool(select.select([fd], [], [], 0)[0])
+    except Exception:
+        return True  # no usable socket: let the ping decide
+
+
+# --------------------------------------------------------------------------------------------
+# Driver-level access for the bulk paths and the hot reads: binary parameters (arrays of
+# thousands of ids dump far faster than as text) and plain tuples back (no per-row mapping
+# objects). Same transaction as the SQLAlchemy connection it is taken from.
+
+
+async def driver_connection(conn: AsyncConnection) -> Any:
+    raw = await conn.get_raw_connection()
+    return raw.driver_connection
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+def _binary(sql: str) -> str:
+    # %(name)b: send every parameter in binary; text-format arrays escape each element in Python.
+    return _PLACEHOLDER.sub(r"%(\1)b", sql)
+
+
+async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    cur = (await driver_connection(conn)).cursor(binary=True)
+    await cur.execute(_binary(sql), params)
+    return await cur.fetchall()
+
+
+async def execute(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> int:
+    cur = (await driver_connection(conn)).cursor(binary=True)
+    await cur.execute(_binary(sql), params)
+    return cur.rowcount
+
+
+async def read_rows(engine: AsyncEngine, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """One read statement on a pooled autocommit connection, binary in and out. A connection
+    found broken (the server restarted, a proxy cut it) is dropped and the read runs once more on
+    a fresh one; a read has no effect to repeat."""
+    import psycopg
+
+    for last in (False, True):
+        async with engine.connect() as conn:
+            try:
+                return await fetch(conn, sql, params)
+            except psycopg.OperationalError:
+                broken = (await driver_connection(conn)).broken
+                await conn.invalidate()
+                if last or not broken:
+                    raise
+    raise AssertionError("unreachable")
 
 
 def migrations_dir() -> Path:

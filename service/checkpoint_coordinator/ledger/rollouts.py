@@ -10,13 +10,13 @@ typed 409 naming each refused row.
 
 from __future__ import annotations
 
-import re
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import to_json
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -24,7 +24,7 @@ from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
-from .db import dump_json
+from .db import dump_json, execute, fetch, read_rows
 from .runs import RunRow, lock_run
 
 def _hex() -> str:
@@ -39,8 +39,29 @@ def resolve_level(config: dict[str, Any], agent_name: str | None, task_source: s
     return levels.resolve_level(load_recovery_config(config), agent_name, task_source).value
 
 
+def _level_resolver(config: dict[str, Any]) -> Callable[[str | None, str | None], str]:
+    """resolve_level for one batch: the run's config is validated once, not once per group, and
+    each (agent, task source) pair is resolved once."""
+    cfg = load_recovery_config(config)
+    seen: dict[tuple[str | None, str | None], str] = {}
+
+    def resolve(agent_name: str | None, task_source: str | None) -> str:
+        key = (agent_name, task_source)
+        level = seen.get(key)
+        if level is None:
+            level = seen[key] = levels.resolve_level(cfg, agent_name, task_source).value
+        return level
+
+    return resolve
+
+
+_GRANULARITY = {lv.value: levels.live_granularity(lv).value for lv in levels.RestoreLevel}
+
+
 def granularity(level: str) -> str:
-    return levels.live_granularity(levels.RestoreLevel(level)).value
+    # A dict lookup: it is asked once per row of every batch.
+    g = _GRANULARITY.get(level)
+    return g if g is not None else levels.live_granularity(levels.RestoreLevel(level)).value
 
 
 @dataclass(frozen=True)
@@ -71,37 +92,6 @@ class BatchRefused(Conflict):
             rows=rows[:1000],
             refused_count=len(rows),
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Driver-level access for the bulk paths: binary parameters (arrays of thousands of ids dump far
-# faster than as text) and plain tuples back (no per-row mapping objects). Same transaction as
-# the SQLAlchemy connection it is taken from.
-
-
-async def _driver(conn: AsyncConnection) -> Any:
-    raw = await conn.get_raw_connection()
-    return raw.driver_connection
-
-
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-
-
-def _binary(sql: str) -> str:
-    # %(name)b: send every parameter in binary; text-format arrays escape each element in Python.
-    return _PLACEHOLDER.sub(r"%(\1)b", sql)
-
-
-async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    cur = (await _driver(conn)).cursor(binary=True)
-    await cur.execute(_binary(sql), params)
-    return await cur.fetchall()
-
-
-async def execute(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> int:
-    cur = (await _driver(conn)).cursor(binary=True)
-    await cur.execute(_binary(sql), params)
-    return cur.rowcount
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +184,10 @@ _ATT_SQL = (
 
 
 async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, AttemptRow]:
-    rows = await fetch(conn, _ATT_SQL + "WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
+    """The named attempts, without their sibling's ``row_attempts_used`` (left 0): dispatch, seal
+    and refusal never read it, and a failure takes it from the current attempts of its locked
+    group. Saves a primary-key probe into ``siblings`` per row of every batch."""
+    rows = await fetch(conn, f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
     return {r[3]: AttemptRow(*r) for r in rows}
 
 
@@ -323,36 +316,23 @@ class _Plan:
     async def _apply_attempt_updates(self, conn: AsyncConnection) -> None:
         if not self.status_updates:
             return
-        # Group updates by the set of columns they touch, one UPDATE ... FROM unnest per shape.
+        # Group updates by the set of columns they touch, one UPDATE per shape. The rows travel as
+        # one JSON document (serialised in one native call) that PostgreSQL unpacks with
+        # jsonb_to_recordset: no per-row JSON dump of receipts, no per-element array dumping.
         by_shape: dict[tuple[str, ...], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
         for aid, ch in self.status_updates.items():
             by_shape[tuple(sorted(ch))].append((aid, ch))
         for cols, items in by_shape.items():
-            params: dict[str, Any] = {"ids": [aid for aid, _ in items]}
-            select_cols, sets, casts = ["id"], [], []
-            for c in cols:
-                select_cols.append(c)
-                if _COL_TYPES[c] == "jsonb":
-                    # Arrays of JSON travel as text[]; staging keys become a text[] column again.
-                    params[c] = [None if ch[c] is None else dump_json(ch[c]) for _, ch in items]
-                    casts.append(f"%({c})s::text[]")
-                    if c == "staging_keys":
-                        sets.append(f"{c} = CASE WHEN t.{c} IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(t.{c}::jsonb)) END")
-                    else:
-                        sets.append(f"{c} = t.{c}::jsonb")
-                else:
-                    params[c] = [ch[c] for _, ch in items]
-                    casts.append(f"%({c})s::{_COL_TYPES[c]}[]")
-                    sets.append(f"{c} = t.{c}")
-            extra = ""
+            doc = to_json([{"id": aid, **ch} for aid, ch in items]).decode()
+            sets = [f"{c} = t.{c}" for c in cols]
             if "status" in cols:
-                extra = ", ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END"
-                extra += ", dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END"
+                sets.append("ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END")
+                sets.append("dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END")
+            record = ", ".join(["id bigint", *(f"{c} {_COL_TYPES[c]}" for c in cols)])
             await execute(
                 conn,
-                f"UPDATE attempts a SET {', '.join(sets)}{extra} FROM unnest(%(ids)s::bigint[], {', '.join(casts)}) "
-                f"AS t({', '.join(select_cols)}) WHERE a.attempt_id = t.id",
-                params,
+                f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id",
+                {"doc": doc},
             )
 
 
@@ -369,7 +349,7 @@ _COL_TYPES = {
     "receipt": "jsonb",
     "reward": "float8",
     "mask_sample": "boolean",
-    "staging_keys": "jsonb",
+    "staging_keys": "text[]",
     "gym_owned": "boolean",
     "replaced_by_attempt_id": "bigint",
 }
@@ -447,7 +427,8 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         if refused:
             raise BatchRefused(refused)
         new = [g for g in groups if g.group_id not in existing]
-        levels = {g.group_id: resolve_level(run.config, g.agent_name, g.task_source) for g in new}
+        resolve = _level_resolver(run.config)
+        levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
         minted: dict[str, list[AttemptRow]] = defaultdict(list)
         if new:
             await execute(
@@ -651,7 +632,10 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             raise BatchRefused(bad)
         await plan.apply(conn)
         cohort_sealed: list[str] = []
-        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed"]
+        # Only restored continuations (Gym-owned) can owe a forget (section 7); the others are not
+        # worth sending to that query.
+        owned = {a.attempt_id for a in atts.values() if a.gym_owned}
+        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed" and aid in owned]
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = sorted(touched_groups)
@@ -665,8 +649,8 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                         "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
                         "  GROUP BY a.group_id, g.expected_generations HAVING count(*) FILTER (WHERE a.status = 'returned') = g.expected_generations), "
                         "sealed AS (UPDATE attempts a SET status = 'sealed', ended_at = now() FROM done "
-                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id) "
-                        "SELECT group_id, array_agg(attempt_id) FROM sealed GROUP BY group_id ORDER BY 1",
+                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id, a.gym_owned) "
+                        "SELECT group_id, coalesce(array_agg(attempt_id) FILTER (WHERE gym_owned), '{}') FROM sealed GROUP BY group_id ORDER BY 1",
                         {"r": run_id, "g": cohorts},
                     )
                 ]
@@ -1032,14 +1016,12 @@ async def pending_outbox(engine: AsyncEngine, run_id: str, *, limit: int, after:
 async def pending_attempts(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) -> list[str]:
     """Which of these attempts are still pending (dispatched, current)? Index lookups only:
     the cost follows the number asked about, never the number of live rollouts."""
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text("SELECT rollout_id FROM attempts WHERE run_id = :r AND rollout_id = ANY(:ids) AND is_current AND status = 'dispatched'"),
-                {"r": run_id, "ids": list(rollout_ids)},
-            )
-        ).scalars().all()
-    return sorted(rows)
+    rows = await read_rows(
+        engine,
+        "SELECT rollout_id FROM attempts WHERE run_id = %(r)s AND rollout_id = ANY(%(ids)s) AND is_current AND status = 'dispatched'",
+        {"r": run_id, "ids": list(rollout_ids)},
+    )
+    return sorted(r[0] for r in rows)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+import time
+import weakref
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -14,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..errors import Conflict, NotFound, RunClosed
-from .db import dump_json
+from .db import dump_json, read_rows
 
 TOKEN_PREFIX = "ckptc_run_"
 
@@ -94,6 +96,7 @@ async def rotate_token(engine: AsyncEngine, run_id: str) -> str:
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True, allow_closed=True)
         await conn.execute(text("UPDATE runs SET token_hash = :h WHERE run_id = :r"), {"r": run_id, "h": hash_token(token)})
+    _token_cache(engine).forget(run_id)
     return token
 
 
@@ -105,8 +108,68 @@ async def get_run(conn: AsyncConnection, run_id: str) -> RunRow:
 
 
 async def token_hash_of(engine: AsyncEngine, run_id: str) -> str | None:
-    async with engine.connect() as conn:
-        return (await conn.execute(text("SELECT token_hash FROM runs WHERE run_id = :r"), {"r": run_id})).scalar()
+    rows = await read_rows(engine, "SELECT token_hash FROM runs WHERE run_id = %(r)s", {"r": run_id})
+    return rows[0][0] if rows else None
+
+
+@dataclass
+class _TokenHashCache:
+    """Stored token hashes (never tokens) of runs whose token was accepted lately, so that a
+    trainer's stream of batch calls does not read the run row once more per request for its
+    authorisation. Only an acceptance is served from here: a token that does not match the cached
+    hash is checked against the database again, so a refusal always reflects the stored hash, and
+    an unknown run, a wrong token and a stale entry cost the same database read."""
+
+    entries: dict[str, tuple[str, float]] = field(default_factory=dict)
+    # When each run's token was last rotated through this process: a read that started before
+    # that must not cache the hash it saw.
+    rotated: dict[str, float] = field(default_factory=dict)
+
+    MAX_ENTRIES = 10_000
+
+    def forget(self, run_id: str) -> None:
+        self.entries.pop(run_id, None)
+        self.rotated[run_id] = time.monotonic()
+
+    def remember(self, run_id: str, stored_hash: str, read_started: float, ttl_s: float) -> None:
+        if self.rotated.get(run_id, float("-inf")) >= read_started:
+            return
+        now = time.monotonic()
+        if len(self.entries) >= self.MAX_ENTRIES:
+            self.entries = {k: v for k, v in self.entries.items() if v[1] > now}
+            if len(self.entries) >= self.MAX_ENTRIES:
+                self.entries.clear()
+        self.entries[run_id] = (stored_hash, now + ttl_s)
+
+
+_TOKEN_CACHES: weakref.WeakKeyDictionary[Any, _TokenHashCache] = weakref.WeakKeyDictionary()
+
+
+def _token_cache(engine: AsyncEngine) -> _TokenHashCache:
+    key = engine.sync_engine
+    cache = _TOKEN_CACHES.get(key)
+    if cache is None:
+        cache = _TOKEN_CACHES[key] = _TokenHashCache()
+    return cache
+
+
+async def run_token_valid(engine: AsyncEngine, run_id: str, token: str, *, cache_s: float = 0.0) -> bool:
+    """Whether ``token`` is the run's token, compared by hash in constant time. With ``cache_s``
+    > 0 an accepted run's hash is kept that long: rotating the token through this process drops
+    it at once; a rotation through another replica is seen here within ``cache_s``."""
+    cache = _token_cache(engine)
+    hit = cache.entries.get(run_id)
+    if hit is not None and hit[1] > time.monotonic() and token_matches(token, hit[0]):
+        return True
+    started = time.monotonic()
+    stored = await token_hash_of(engine, run_id)
+    # Hash the token even when the run is unknown so both paths cost the same.
+    ok = token_matches(token, stored or "0" * 64) and stored is not None
+    if ok and cache_s > 0:
+        cache.remember(run_id, stored, started, cache_s)  # type: ignore[arg-type]
+    elif not ok:
+        cache.entries.pop(run_id, None)
+    return ok
 
 
 async def list_runs(engine: AsyncEngine, *, limit: int, after: str | None, state: str | None) -> list[RunRow]:
