@@ -16,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..errors import Conflict, CoordinatorError, NotFound
-from .db import dump_json
+from .db import dump_json, read_rows
 from .runs import lock_run
 
 TERMINAL = ("published", "failed", "aborted")
@@ -237,19 +237,16 @@ async def still_pending(engine: AsyncEngine, run_id: str, keys: list[tuple[str, 
     so a drain pass costs time in the number pending, never in the number of live rollouts."""
     if not keys:
         return set()
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text(
-                    "SELECT a.rollout_id, a.gym_attempt FROM unnest(CAST(:ro AS text[])) AS t(ro) "
-                    "JOIN attempts a ON a.run_id = :r AND a.rollout_id = t.ro "
-                    "WHERE a.is_current AND a.status = 'dispatched'"
-                ),
-                {"r": run_id, "ro": [k[0] for k in keys]},
-            )
-        ).all()
+    # One statement on the binary read path (no SQLAlchemy text() parameter handling).
+    rows = await read_rows(
+        engine,
+        "SELECT a.rollout_id, a.gym_attempt FROM unnest(%(ro)s::text[]) AS t(ro) "
+        "JOIN attempts a ON a.run_id = %(r)s AND a.rollout_id = t.ro "
+        "WHERE a.is_current AND a.status = 'dispatched'",
+        {"r": run_id, "ro": [k[0] for k in keys]},
+    )
     wanted = set(keys)
-    return {(r.rollout_id, r.gym_attempt) for r in rows} & wanted
+    return {(r[0], r[1]) for r in rows} & wanted
 
 
 @dataclass(frozen=True)
