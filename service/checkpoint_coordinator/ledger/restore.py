@@ -23,7 +23,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from ..domain.restore_plan import RetireItem
 from ..errors import Conflict
-from .rollouts import fetch as _fetch  # psycopg's binary rows, no SQLAlchemy in between
 from .runs import RunRow, lock_run
 
 # -------------------------------------------------------------------------------------------
@@ -130,6 +129,16 @@ class GroupExtra:
 
     data_attempts_used: int
     weight_version: str | None
+
+
+async def _fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    # The plan of a million siblings reads a million rows: go straight to psycopg's tuples. In
+    # text format: ``ledger.rollouts.fetch`` (binary) was measured no faster here and its result
+    # peaks ~130 MiB higher at a million rows (900 against 767 MiB for the load alone).
+    raw = await conn.get_raw_connection()
+    async with raw.driver_connection.cursor() as cur:  # type: ignore[union-attr]
+        await cur.execute(sql, params)
+        return await cur.fetchall()
 
 
 async def load_cut(
