@@ -165,16 +165,57 @@ async def build(engine: Any, run_id: str, n_groups: int) -> None:
         await conn.commit()
 
 
-async def measure(engine: Any, run_id: str) -> dict[str, Any]:
+class _Breakdown:
+    """Where the time goes (``--breakdown``): the cut's loading and every rewind statement over
+    0.1 s, timed around the driver call (SQLAlchemy events) -- a few microseconds per statement."""
+
+    def __init__(self, engine: Any) -> None:
+        from sqlalchemy import event
+
+        self.lines: list[str] = []
+        self.load_s = 0.0
+        sync = engine.sync_engine
+
+        @event.listens_for(sync, "before_cursor_execute")
+        def _before(conn: Any, _cur: Any, _stmt: str, _params: Any, _ctx: Any, _many: bool) -> None:
+            conn.info["bench_t0"] = time.perf_counter()
+
+        @event.listens_for(sync, "after_cursor_execute")
+        def _after(conn: Any, _cur: Any, stmt: str, _params: Any, _ctx: Any, _many: bool) -> None:
+            dt = time.perf_counter() - conn.info.pop("bench_t0", time.perf_counter())
+            if dt >= 0.1:
+                self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
+
+        inner = repo.load_cut
+
+        async def load_cut(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return await inner(*a, **kw)
+            finally:
+                self.load_s += time.perf_counter() - t
+
+        repo.load_cut = load_cut  # type: ignore[assignment]
+
+
+async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None) -> dict[str, Any]:
     gc.collect()
     t0 = time.perf_counter()
     planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
     t1 = time.perf_counter()
+    if breakdown is not None:
+        breakdown.lines.clear()
     rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
     report = await repo.apply_restore(
         engine, run_id, rw, after_cut_minter=rollout_minter(run_id, "s1", planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch
     )
     t2 = time.perf_counter()
+    if breakdown is not None:
+        print(f"restore_plan:   breakdown: load_cut {breakdown.load_s:.2f}s, plan function and rest of planning "
+              f"{t1 - t0 - breakdown.load_s:.2f}s; rewind statements over 0.1 s:", flush=True)
+        for line in breakdown.lines:
+            print(f"restore_plan:     {line}", flush=True)
+        breakdown.load_s = 0.0
     # Not part of the target: the JSON rows a POST /restores answers (every row but reused ones).
     rows = [r for r in planned.plan.rows if r.disposition is not Disposition.reused]
     t3 = time.perf_counter()
@@ -229,9 +270,10 @@ async def calibrate(engine: Any) -> tuple[float, float]:
     return pg_s, time.perf_counter() - t
 
 
-async def main_async(sizes: list[int], check: bool) -> int:
+async def main_async(sizes: list[int], check: bool, breakdown: bool = False) -> int:
     pg = Postgres()
     engine = make_async_engine(pg.url)
+    bd = _Breakdown(engine) if breakdown else None
     results = []
     try:
         pg_s, py_s = await calibrate(engine)
@@ -247,7 +289,7 @@ async def main_async(sizes: list[int], check: bool) -> int:
             print(f"restore_plan: building a ledger of {n:,} siblings ...", flush=True)
             await build(engine, run_id, groups)
             print(f"restore_plan: built {n:>9,} siblings ({groups:,} groups) in {time.perf_counter() - t:.1f}s", flush=True)
-            res = await measure(engine, run_id)
+            res = await measure(engine, run_id, bd)
             await verify(engine, run_id, res["counts"])
             results.append(res)
             print(
@@ -289,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100000,1000000", help="comma-separated sibling counts (multiples of 8)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test; targets are reported, not checked")
     ap.add_argument("--no-check", action="store_true", help="report the targets without turning a miss into exit status 1")
+    ap.add_argument("--breakdown", action="store_true", help="also print the cut's load time and every rewind statement over 0.1 s")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes = "4000,40000"
@@ -296,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or any(n <= 0 or n % SIBLINGS_PER_GROUP for n in sizes):
         ap.error("sizes must be positive multiples of 8 (groups of 8 siblings)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop PostgreSQL
-    return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check)))
+    return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown))
 
 
 if __name__ == "__main__":

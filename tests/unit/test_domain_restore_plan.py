@@ -24,6 +24,7 @@ from checkpoint_coordinator.domain.identity import rollout_id_minter
 from checkpoint_coordinator.domain.restore_plan import (
     Disposition,
     GroupDisposition,
+    PlanColumns,
     RestorePlan,
     check_manifest_against_cut,
     compare_instance_sets,
@@ -611,3 +612,16 @@ def test_summary_and_slicing() -> None:
     with pytest.raises(IndexError):
         plan.rows[3]
     assert [r.generation_index for r in plan.rows.with_disposition(D.reused)] == [0, 1, 2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(cuts_with_manifest(), st.booleans())
+def test_columns_are_the_rows_of_a_disposition(case: tuple[Cut, GymManifest | None], gym: bool) -> None:
+    cut, m = case
+    plan = plan_restore(cut, m, counter_ids()) if gym else restore_without_gym_state(cut, counter_ids())
+    for d in D:
+        rows = list(plan.rows.with_disposition(d))
+        cols = plan.rows.columns(d)
+        assert [plan.rows._attempts[p][2] for p in plan.rows.positions(d)] == [r.attempt_id for r in rows]
+        for name in PlanColumns._fields:
+            assert list(getattr(cols, name)) == [getattr(r, name) for r in rows], (d, name)

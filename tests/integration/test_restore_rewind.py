@@ -1,0 +1,137 @@
+"""The ledger rewind of a restore (ledger spec 6.4) at the level of ``ledger.restore.apply_restore``:
+all or nothing, and looking only at what changed since the cut gives the same ledger as comparing
+every row of the cut."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from checkpoint_coordinator.errors import Conflict
+from checkpoint_coordinator.ledger import restore as repo
+from checkpoint_coordinator.restore.planning import rollout_minter
+from checkpoint_coordinator.restore.service import _rewind_of, load_and_plan
+
+from .ledger_helpers import RunApi, group_body, new_run
+from .test_restore_support import fetch, manifest_doc, publish_snapshot
+
+INSTANCE = "math/replica-0"
+
+
+async def _scenario(client: Any, admin: dict[str, str], app: Any, run_id: str) -> tuple[RunApi, dict[str, list[dict[str, Any]]]]:
+    """Every disposition at every level, a snapshot with Gym state, then what happens after the
+    cut: a new group, a seal, a transport failure replaced and re-sent, a never-sent row sent,
+    and a continued row's group touched (T gets a row sent after the cut)."""
+    api = await new_run(
+        client, admin, run_id=run_id, target_level="turn", agent_target_level_overrides={"sib_agent": "sibling", "pg_agent": "prompt_group"}
+    )
+    groups = (
+        await api.admit(
+            group_body("T", 5),
+            group_body("U", 3),
+            group_body("S", 3, agent_name="sib_agent"),
+            group_body("P1", 2, agent_name="pg_agent"),
+            group_body("P2", 2, agent_name="pg_agent"),
+            group_body("P3", 2, agent_name="pg_agent"),
+        )
+    )["groups"]
+    rows = {g["group_id"]: g["rows"] for g in groups}
+    T, U, S = rows["T"], rows["U"], rows["S"]
+    await api.dispatch([r["rollout_id"] for r in T[:4] + U[:2] + S[:2] + rows["P1"] + rows["P2"]], INSTANCE)
+    await api.seal([T[0], S[0]] + rows["P1"] + rows["P2"][:1])
+    manifest = manifest_doc({INSTANCE: {"episodes": [(T[1]["rollout_id"], 0), (U[0]["rollout_id"], 0)], "restarts": [(T[2]["rollout_id"], 0)]}})
+    await publish_snapshot(app.state.engine, run_id, "s1", 3, manifest=manifest, snapshot_dir="/tmp/s1")
+    late = (await api.admit(group_body("LATE", 1)))["groups"][0]["rows"]
+    await api.dispatch([late[0]["rollout_id"]], INSTANCE)
+    await api.seal([T[3]])
+    failed = await api.fail([S[1]], "transport")
+    await api.dispatch([failed["groups"][0]["rows_to_send"][0]["rollout_id"]], INSTANCE)
+    await api.dispatch([T[4]["rollout_id"], rows["P3"][0]["rollout_id"]], INSTANCE)
+    return api, rows
+
+
+async def _rewind(app: Any, run_id: str, **kw: Any) -> repo.RewindReport:
+    engine = app.state.engine
+    planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
+    rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
+    tamper = kw.pop("tamper", None)
+    if tamper is not None:
+        tamper(rw)
+    return await repo.apply_restore(
+        engine, run_id, rw, after_cut_minter=rollout_minter(run_id, "s1", planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch, **kw
+    )
+
+
+async def _ledger(app: Any, run_id: str) -> dict[str, Any]:
+    """The run's ledger in full, every table the rewind may write."""
+    q = {
+        "attempts": "SELECT * FROM attempts WHERE run_id = :r ORDER BY attempt_id",
+        "siblings": "SELECT * FROM siblings WHERE run_id = :r ORDER BY group_id, generation_index",
+        "groups": "SELECT * FROM prompt_groups WHERE run_id = :r ORDER BY group_id",
+        "outbox": "SELECT * FROM outbox_items WHERE run_id = :r ORDER BY item_id",
+        "run": "SELECT * FROM runs WHERE run_id = :r",
+        "restores": "SELECT * FROM restores WHERE run_id = :r ORDER BY restore_id",
+    }
+    return {k: await fetch(app.state.engine, sql, r=run_id) for k, sql in q.items()}
+
+
+async def test_a_failing_rewind_leaves_the_ledger_untouched(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    api, rows = await _scenario(client, admin, app, "run-fail")
+    before = await _ledger(app, api.run_id)
+    kept = rows["T"][0]["rollout_id"]  # sealed in the cut: reused, stays in the ledger
+
+    def collide(rw: repo.Rewind) -> None:
+        # The last statement of the rewind (the new attempts) breaks a constraint, after every
+        # other step has written its rows.
+        rw.new_rollouts[-1] = kept
+
+    with pytest.raises(Conflict) as info:
+        await _rewind(app, api.run_id, tamper=collide)
+    assert info.value.code == "restore_ledger_conflict"
+    assert await _ledger(app, api.run_id) == before
+    # ... and the same restore without the collision applies.
+    report = await _rewind(app, api.run_id)
+    assert report.epoch == before["run"][0]["epoch"] + 1 and report.attempts_inserted > 0
+
+
+def _normalized(ledger: dict[str, Any], old_ids: set[str]) -> dict[str, Any]:
+    """A ledger with what differs between two runs of the same story (run id, attempt ids, new
+    rollout ids, timestamps) replaced by what it means."""
+
+    def ro(x: str | None) -> str | None:
+        return x if x is None else ("old:" if x in old_ids else "new:") + x.rsplit("_a", 1)[0]
+
+    drop = {"run_id", "attempt_id", "created_at", "ended_at", "dispatched_at", "next_attempt_at", "item_id", "replaced_by_attempt_id"}
+    out: dict[str, Any] = {}
+    for table in ("attempts", "siblings", "groups", "outbox"):
+        norm = []
+        for row in ledger[table]:
+            r = {k: v for k, v in row.items() if k not in drop}
+            if "rollout_id" in r:
+                r["rollout_id"] = ro(r["rollout_id"])
+            if r.get("receipt"):
+                r["receipt"] = "receipt"
+            if r.get("staging_keys"):
+                r["staging_keys"] = len(r["staging_keys"])
+            if "dispatch_id" in r:
+                r["dispatch_id"] = r["dispatch_id"] is not None
+            norm.append(r)
+        out[table] = sorted(norm, key=repr)
+    return out
+
+
+async def test_looking_only_at_what_changed_gives_the_ledger_of_a_full_comparison(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    ledgers = []
+    for run_id, every in (("run-fast", False), ("run-full", True)):
+        api, _rows = await _scenario(client, admin, app, run_id)
+        old_ids = {x["rollout_id"] for x in await fetch(app.state.engine, "SELECT rollout_id FROM attempts WHERE run_id = :r", r=run_id)}
+        report = await _rewind(app, run_id, compare_every_row=every)
+        assert report.after_cut and report.groups_removed == 1
+        ledgers.append(_normalized(await _ledger(app, run_id), old_ids))
+    fast, full = ledgers
+    for table in fast:
+        assert fast[table] == full[table], table
+    # The continued rows are Gym-owned continuations at gym_attempt 1, whatever path wrote them.
+    cont = [r for r in fast["attempts"] if r["gym_owned"] and r["status"] == "reserved"]
+    assert len(cont) == 2 and {r["gym_attempt"] for r in cont} == {1}
