@@ -9,7 +9,7 @@ import os
 import re
 import select
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 DATABASE_NAME = "ckpt_coordinator"
 
 
-def dump_json(v: Any) -> str:
+def dump_json(v: Any, *, default: Callable[[Any], Any] | None = None) -> str:
     """The ledger's one JSON form for values bound as jsonb: compact, with sorted keys, so equal
-    documents compare equal when a repeat is checked against what was stored."""
-    return json.dumps(v, separators=(",", ":"), sort_keys=True)
+    documents compare equal when a repeat is checked against what was stored. ``default`` as in
+    :func:`json.dumps` (the restore records pass ``str`` for the timestamps they carry)."""
+    return json.dumps(v, separators=(",", ":"), sort_keys=True, default=default)
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -143,9 +144,11 @@ def _binary(sql: str) -> str:
     return _PLACEHOLDER.sub(r"%(\1)b", sql)
 
 
-async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    cur = (await driver_connection(conn)).cursor(binary=True)
-    await cur.execute(_binary(sql), params)
+async def fetch(conn: AsyncConnection, sql: str, params: dict[str, Any], *, binary: bool = True) -> list[tuple[Any, ...]]:
+    """Rows as plain tuples. ``binary=False`` keeps the text format both ways: for reads of a
+    million rows, whose binary result was measured no faster and ~130 MiB larger at its peak."""
+    cur = (await driver_connection(conn)).cursor(binary=binary)
+    await cur.execute(_binary(sql) if binary else sql, params)
     return await cur.fetchall()
 
 

@@ -10,7 +10,6 @@ target, so its cost follows the number of siblings and what changed since the cu
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from ..domain.restore_plan import RetireItem
 from ..errors import Conflict
+from .db import dump_json, fetch
 from .runs import RunRow, lock_run
 
 # -------------------------------------------------------------------------------------------
@@ -131,30 +131,21 @@ class GroupExtra:
     weight_version: str | None
 
 
-async def _fetch(conn: AsyncConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-    # The plan of a million siblings reads a million rows: go straight to psycopg's tuples. In
-    # text format: ``ledger.rollouts.fetch`` (binary) was measured no faster here and its result
-    # peaks ~130 MiB higher at a million rows (900 against 767 MiB for the load alone).
-    raw = await conn.get_raw_connection()
-    async with raw.driver_connection.cursor() as cur:  # type: ignore[union-attr]
-        await cur.execute(sql, params)
-        return await cur.fetchall()
-
-
 async def load_cut(
     conn: AsyncConnection, run_id: str, snapshot_id: str, *, detailed: bool = False
 ) -> tuple[Cut, dict[str, GroupExtra]]:
     """The cut of a snapshot. ``detailed``: every field (reused rows' staging keys, rewards,
-    prompt locators; the export needs them); otherwise only what the plan reads."""
+    prompt locators; the export needs them); otherwise only what the plan reads. Read in text
+    format (``binary=False``): up to a million rows, where binary costs memory and gains nothing."""
     params = {"r": run_id, "s": snapshot_id}
     extras: dict[str, GroupExtra] = {}
     if not detailed:
-        groups: list[Any] = [PlanGroup(*g) for g in await _fetch(conn, _GROUP_SQL_PLAN, params)]
+        groups: list[Any] = [PlanGroup(*g) for g in await fetch(conn, _GROUP_SQL_PLAN, params, binary=False)]
         pad = _ATT_PAD
-        attempts: Sequence[Any] = [a + pad for a in await _fetch(conn, _ATT_SQL_PLAN, params)]
+        attempts: Sequence[Any] = [a + pad for a in await fetch(conn, _ATT_SQL_PLAN, params, binary=False)]
         return Cut(groups=groups, attempts=attempts), extras
     groups = []
-    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in await _fetch(conn, _GROUP_SQL_FULL, params):
+    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in await fetch(conn, _GROUP_SQL_FULL, params, binary=False):
         pref = pref or {}
         groups.append(
             CutGroup(
@@ -172,7 +163,7 @@ async def load_cut(
             )
         )
         extras[gid] = GroupExtra(dau, wv)
-    attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in await _fetch(conn, _ATT_SQL_FULL, params)]
+    attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in await fetch(conn, _ATT_SQL_FULL, params, binary=False)]
     return Cut(groups=groups, attempts=attempts), extras
 
 
@@ -959,4 +950,4 @@ async def create_imported_snapshot(
 
 
 def _json(v: Any) -> str:
-    return json.dumps(v, separators=(",", ":"), sort_keys=True, default=str)
+    return dump_json(v, default=str)
