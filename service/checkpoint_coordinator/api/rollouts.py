@@ -10,8 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from ..errors import BadRequest
 from ..ledger import rollouts as repo
 from .auth import Caller, require_run_access
-from .common import FastJSON
-from .common import GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, Strict
+from .common import GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, FastJSON, Strict
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"])
 
