@@ -43,29 +43,35 @@ def free_port() -> int:
 
 
 class Coordinator:
-    """``ckpt-coordinator serve`` as a process, with its peak RSS sampled while it runs."""
+    """``ckpt-coordinator serve`` as a process (or ``argv``, a command that serves on ``port``), with
+    its peak RSS sampled while it runs."""
 
-    def __init__(self, database_url: str, **env: str) -> None:
-        self.port = free_port()
+    def __init__(self, database_url: str, *, argv: list[str] | None = None, port: int | None = None,
+                 start_timeout_s: float = 30.0, **env: str) -> None:
+        self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "checkpoint_coordinator.cli", "serve", "--port", str(self.port), "--no-migrate"],
+            argv or [sys.executable, "-m", "checkpoint_coordinator.cli", "serve", "--port", str(self.port), "--no-migrate"],
             env={**os.environ, "CKPTC_DATABASE_URL": database_url, "CKPTC_ADMIN_TOKEN": ADMIN, "CKPTC_LOG_LEVEL": "WARNING",
                  "CKPTC_MAX_BODY_BYTES": str(64 * 1024 * 1024), **env},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 30
+        self.peak_rss = 0
+        self.rss_samples: list[int] = []
+        self._stop = threading.Event()
+        deadline = time.monotonic() + start_timeout_s
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.05)
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"coordinator exited with {self.proc.returncode}")
+            time.sleep(0.05)
         else:
+            self.close()
             raise RuntimeError("coordinator did not start")
-        self.peak_rss = 0
-        self.rss_samples: list[int] = []
-        self._stop = threading.Event()
         self._t = threading.Thread(target=self._sample, daemon=True)
         self._t.start()
 
@@ -82,11 +88,13 @@ class Coordinator:
 
     def close(self) -> None:
         self._stop.set()
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
 
 
 def mib(n: float) -> str:

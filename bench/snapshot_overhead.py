@@ -49,10 +49,8 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +59,7 @@ import httpx
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ADMIN, Postgres, free_port, mib  # noqa: E402
+from _common import Coordinator, Postgres, free_port, mib  # noqa: E402
 from pending_lookup import build_ledger, create_run, plain_url, vacuum_analyze  # noqa: E402
 
 TOTAL_TARGET_S = 1.5
@@ -114,61 +112,24 @@ def _serve_timed(port: str, timing_file: str) -> int:
     return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
 
 
-class TimedCoordinator:
-    """The coordinator process (as ``_common.Coordinator``), started through ``_serve_timed``."""
+class TimedCoordinator(Coordinator):
+    """The coordinator process (``_common.Coordinator``), started through ``_serve_timed``."""
 
     def __init__(self, database_url: str, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
         self.timing_file = str(workdir / "gym-calls.json")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve-timed-coordinator", str(self.port), self.timing_file],
-            env={**os.environ, "CKPTC_DATABASE_URL": database_url, "CKPTC_ADMIN_TOKEN": ADMIN, "CKPTC_LOG_LEVEL": "WARNING",
-                 "CKPTC_MAX_BODY_BYTES": str(64 * 1024 * 1024)},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        super().__init__(
+            database_url,
+            argv=[sys.executable, str(Path(__file__).resolve()), "--serve-timed-coordinator", str(port), self.timing_file],
+            port=port,
+            start_timeout_s=60,
         )
-        self.peak_rss = 0
-        self._stop = threading.Event()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"coordinator exited with {self.proc.returncode}")
-            time.sleep(0.1)
-        else:
-            self.close()
-            raise RuntimeError("coordinator did not start")
-        self._t = threading.Thread(target=self._sample, daemon=True)
-        self._t.start()
-
-    def _sample(self) -> None:
-        p = psutil.Process(self.proc.pid)
-        while not self._stop.is_set():
-            try:
-                self.peak_rss = max(self.peak_rss, p.memory_info().rss)
-            except psutil.Error:
-                return
-            time.sleep(0.05)
 
     def gym_calls(self) -> list[tuple[str, float, float, str]]:
         try:
             return [tuple(c) for c in json.loads(Path(self.timing_file).read_text())]  # type: ignore[misc]
         except FileNotFoundError:
             return []
-
-    def close(self) -> None:
-        self._stop.set()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
