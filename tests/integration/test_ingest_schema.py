@@ -172,3 +172,25 @@ async def test_rollout_ids_that_do_not_name_their_group_still_lock_it(client, ad
     sealed = await run.post("/attempts/sealed", {"rows": [{"rollout_id": r, "receipt": {"rollout_id": r}} for r in ids]})
     assert sealed["ready_groups"] == ["g1", "imp"]
     assert [r["result"] for r in sealed["rows"]] == ["sealed"] * 4
+
+
+async def test_batch_bodies_parse_as_before(client, admin) -> None:  # type: ignore[no-untyped-def]
+    """The batch endpoints parse JSON with pydantic-core: malformed JSON is still FastAPI's 422
+    problem, a non-finite reward is still refused, and a lone surrogate escape (valid JSON that no
+    PostgreSQL text can hold; it used to fail with a 500 when the batch was written) is a 422 too,
+    with nothing written."""
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    h = {**run.h, "Content-Type": "application/json"}
+    broken = await client.post("/v1/runs/run-1/attempts/sealed", content=b'{"rows": [', headers=h)
+    assert broken.status_code == 422 and broken.json()["code"] == "invalid_request", broken.text
+    nan = ('{"rows": [{"rollout_id": "%s", "receipt": {"rollout_id": "%s"}, "reward": NaN}]}' % (rows[0]["rollout_id"], rows[0]["capture_key"])).encode()
+    refused = await client.post("/v1/runs/run-1/attempts/sealed", content=nan, headers=h)
+    assert refused.status_code == 422 and refused.json()["code"] == "invalid_request", refused.text
+    odd = ('{"rows": [{"rollout_id": "%s", "receipt": {"rollout_id": "%s", "note": "\\ud800"}}]}' % (rows[0]["rollout_id"], rows[0]["capture_key"])).encode()
+    surrogate = await client.post("/v1/runs/run-1/attempts/sealed", content=odd, headers=h)
+    assert surrogate.status_code == 422 and surrogate.json()["code"] == "invalid_request", surrogate.text
+    assert (await run.group("g1"))["siblings"][0]["attempts"][0]["status"] == "dispatched"
+    fine = await run.seal(rows)
+    assert [r["result"] for r in fine["rows"]] == ["sealed", "sealed"] and fine["ready_groups"] == ["g1"]

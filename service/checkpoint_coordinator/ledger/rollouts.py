@@ -98,7 +98,7 @@ class BatchRefused(Conflict):
 # Reading
 
 
-@dataclass
+@dataclass(slots=True)
 class AttemptRow:
     attempt_id: int
     group_id: str
@@ -475,7 +475,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         new = [g for g in groups if g.group_id not in existing]
         resolve = _level_resolver(run.config)
         levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
-        minted: dict[str, list[AttemptRow]] = defaultdict(list)
+        minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
         if new:
             await execute(
                 conn,
@@ -513,15 +513,25 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                 "RETURNING attempt_id, group_id, generation_index, rollout_id",
                 sizes,
             )
-            for aid, gid, i, ro in rows:
-                minted[gid].append(_minted_view({"group_id": gid, "generation_index": i, "rollout_id": ro, "group_attempt": 0}))
+            for _aid, gid, i, ro in rows:
+                minted[gid].append((i, ro))
             _count_transitions({"reserved": len(rows)})
         current = await _current_attempts(conn, run_id, list(existing)) if existing else {}
         out = []
         for g in groups:
             ex = existing.get(g.group_id)
             level = ex.restore_level if ex else levels[g.group_id]
-            rows_of = current.get(g.group_id, []) if ex else sorted(minted[g.group_id], key=lambda a: a.generation_index)
+            if ex:
+                send = [send_row(a, level) for a in current.get(g.group_id, [])]
+            else:
+                # send_row of a fresh attempt (gym_attempt 0: the capture key is the rollout id),
+                # built straight from the inserted rows: no intermediate object per row.
+                gid = g.group_id
+                send = [
+                    {"group_id": gid, "generation_index": i, "rollout_id": ro, "capture_key": ro, "gym_attempt": 0, "group_attempt": 0,
+                     "status": "reserved", "restore_level": level, "instance_id": None}
+                    for i, ro in sorted(minted[gid])
+                ]
             out.append(
                 {
                     "group_id": g.group_id,
@@ -530,7 +540,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                     "status": ex.status if ex else "generating",
                     "group_attempt": ex.group_attempt if ex else 0,
                     "admitted": ex is None,
-                    "rows": [send_row(a, level) for a in rows_of],
+                    "rows": send,
                 }
             )
         return out
@@ -638,6 +648,8 @@ async def refused(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) 
 
 @dataclass(frozen=True)
 class SealRow:
+    """A seal report; ``seal`` takes anything with these attributes (the API's validated rows)."""
+
     rollout_id: str
     receipt: dict[str, Any]
     staging_keys: list[str]
@@ -652,7 +664,10 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         groups, atts = await _lock_and_read(conn, run_id, list(by_id))
-        bad, results, plan = [], [], _Plan(run_id, _hex)
+        bad: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        # One record per row to write, serialised as one JSON document (see _seal_rows).
+        updates: list[dict[str, Any]] = []
         touched_groups: set[str] = set()
         for rid, row in by_id.items():
             a = atts.get(rid)
@@ -660,10 +675,10 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 bad.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
                 continue
             got_key = row.receipt.get("rollout_id")
-            if got_key != a.capture_key:
+            want_key = a.rollout_id if a.gym_attempt == 0 else a.capture_key
+            if got_key != want_key:
                 bad.append({"rollout_id": rid, "code": "receipt_mismatch", "detail": f"receipt names {got_key!r}, expected capture key {a.capture_key!r}"})
                 continue
-            record = {"receipt": row.receipt, "staging_keys": list(row.staging_keys), "reward": row.reward, "mask_sample": row.mask_sample}
             if a.status in ("sealed", "returned"):
                 same = a.receipt == row.receipt and list(a.staging_keys or []) == list(row.staging_keys) and a.reward == row.reward and a.mask_sample == row.mask_sample
                 if same:
@@ -679,18 +694,21 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 continue
             level = groups[a.group_id].restore_level
             status = "returned" if granularity(level) == "prompt_group" else "sealed"
-            plan.set_attempt(a, status=status, **record)
+            updates.append(
+                {"id": a.attempt_id, "status": status, "receipt": row.receipt, "staging_keys": list(row.staging_keys),
+                 "reward": row.reward, "mask_sample": row.mask_sample}
+            )
             a.status = status
             touched_groups.add(a.group_id)
             results.append({"rollout_id": rid, "result": status, "status": status})
         if bad:
             raise BatchRefused(bad)
-        await plan.apply(conn)
+        await _seal_rows(conn, updates)
         cohort_sealed: list[str] = []
         # Only restored continuations (Gym-owned) can owe a forget (section 7); the others are not
         # worth sending to that query.
         owned = {a.attempt_id for a in atts.values() if a.gym_owned}
-        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed" and aid in owned]
+        sealed_ids = [u["id"] for u in updates if u["status"] == "sealed" and u["id"] in owned] if owned else []
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = sorted(touched_groups)
@@ -735,6 +753,26 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         ready = [r[0] for r in await fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
                                            {"r": run_id, "g": batch_groups})] if batch_groups else []
         return {"rows": results, "ready_groups": ready, "cohorts_sealed": sorted(cohort_sealed)}
+
+
+async def _seal_rows(conn: AsyncConnection, updates: list[dict[str, Any]]) -> None:
+    """Write seal records (``id``, ``status``, ``receipt``, ``staging_keys``, ``reward``,
+    ``mask_sample``): one JSON document serialised in one native call, unpacked by
+    ``jsonb_to_recordset``, as ``_Plan`` writes its updates, without its per-row bookkeeping."""
+    if not updates:
+        return
+    await execute(
+        conn,
+        "UPDATE attempts a SET mask_sample = t.mask_sample, receipt = t.receipt, reward = t.reward, staging_keys = t.staging_keys, "
+        "status = t.status, ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END "
+        "FROM jsonb_to_recordset(%(doc)s::jsonb) AS t(id bigint, mask_sample boolean, receipt jsonb, reward float8, staging_keys text[], status text) "
+        "WHERE a.attempt_id = t.id",
+        {"doc": to_json(updates).decode()},
+    )
+    n: dict[str, int] = defaultdict(int)
+    for u in updates:
+        n[u["status"]] += 1
+    _count_transitions(n)
 
 
 async def _forget_restored(conn: AsyncConnection, run_id: str, ended_attempt_ids: list[int]) -> None:
