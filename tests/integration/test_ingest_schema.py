@@ -194,3 +194,34 @@ async def test_batch_bodies_parse_as_before(client, admin) -> None:  # type: ign
     assert (await run.group("g1"))["siblings"][0]["attempts"][0]["status"] == "dispatched"
     fine = await run.seal(rows)
     assert [r["result"] for r in fine["rows"]] == ["sealed", "sealed"] and fine["ready_groups"] == ["g1"]
+
+
+async def test_a_wrong_guess_releases_its_locks_and_locks_the_real_group(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    """A rollout id that names group g1 but lives in group imp: the guessed lock on g1 is rolled
+    back to the savepoint (another transaction can take g1 at once) and imp is locked instead."""
+    import psycopg
+
+    from checkpoint_coordinator.ledger import rollouts
+
+    run = await new_run(client, admin)
+    await run.admit(group_body("g1", 1))
+    odd = "g1_g0_a" + "f" * 32
+    await _imported_group(app, "run-1", "imp", [odd])
+    engine = app.state.engine
+    async with engine.begin() as conn:
+        groups, atts = await rollouts._lock_and_read(conn, "run-1", [odd])
+        assert sorted(groups) == ["imp"] and atts[odd].group_id == "imp"
+        other = await psycopg.AsyncConnection.connect(engine.url.render_as_string(hide_password=False).replace("postgresql+psycopg", "postgresql"))
+        try:
+            async with other.transaction():
+                got = await (await other.execute("SELECT group_id FROM prompt_groups WHERE run_id = 'run-1' AND group_id = 'g1' FOR UPDATE NOWAIT")).fetchall()
+                assert got == [("g1",)]  # the guessed lock is gone
+            try:
+                async with other.transaction():
+                    await other.execute("SELECT group_id FROM prompt_groups WHERE run_id = 'run-1' AND group_id = 'imp' FOR UPDATE NOWAIT")
+                raise AssertionError("imp should be locked by the batch")
+            except psycopg.errors.LockNotAvailable:
+                pass
+        finally:
+            await other.close()
+
