@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 16:44:47.390732
+Create Date: 2026-11-30 20:13:35.398474
 """
 from __future__ import annotations
 
@@ -18,6 +18,38 @@ depends_on = None
 
 def upgrade() -> None:
 
+    op.create_table('attempts',
+    sa.Column('attempt_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
+    sa.Column('run_id', sa.Text(), nullable=False),
+    sa.Column('group_id', sa.Text(), nullable=False),
+    sa.Column('generation_index', sa.Integer(), nullable=False),
+    sa.Column('rollout_id', sa.Text(), nullable=False),
+    sa.Column('gym_instance_id', sa.Text(), nullable=True),
+    sa.Column('gym_attempt', sa.Integer(), server_default='0', nullable=False),
+    sa.Column('group_attempt', sa.Integer(), server_default='0', nullable=False),
+    sa.Column('status', sa.Text(), server_default='reserved', nullable=False),
+    sa.Column('is_current', sa.Boolean(), server_default='true', nullable=False),
+    sa.Column('refusals', sa.Integer(), server_default='0', nullable=False),
+    sa.Column('receipt', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
+    sa.Column('reward', sa.Float(), nullable=True),
+    sa.Column('mask_sample', sa.Boolean(), nullable=True),
+    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
+    sa.Column('failure_class', sa.Text(), nullable=True),
+    sa.Column('retirement', sa.Text(), server_default='none', nullable=False),
+    sa.Column('gym_owned', sa.Boolean(), server_default='false', nullable=False),
+    sa.Column('dispatch_id', sa.Text(), nullable=True),
+    sa.Column('replaced_by_attempt_id', sa.BigInteger(), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('ended_at', sa.DateTime(timezone=True), nullable=True),
+    sa.CheckConstraint("retirement IN ('none', 'retire_pending', 'retired', 'forget_pending', 'forgotten')", name=op.f('ck_attempts_retirement')),
+    sa.CheckConstraint("status IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned')", name=op.f('ck_attempts_status')),
+    sa.CheckConstraint('gym_attempt >= 0', name=op.f('ck_attempts_gym_attempt')),
+    sa.PrimaryKeyConstraint('attempt_id', name=op.f('pk_attempts')),
+    sa.UniqueConstraint('run_id', 'rollout_id', name=op.f('uq_attempts_run_id_rollout_id')),
+    postgresql_with={'fillfactor': '70'}
+    )
+    op.create_index('uq_attempts_current_per_sibling', 'attempts', ['run_id', 'group_id', 'generation_index'], unique=True, postgresql_where=sa.text('is_current'))
     op.create_table('runs',
     sa.Column('run_id', sa.Text(), nullable=False),
     sa.Column('config', postgresql.JSONB(astext_type=sa.Text()), nullable=False),
@@ -33,6 +65,14 @@ def upgrade() -> None:
     sa.CheckConstraint("state IN ('open', 'closed')", name=op.f('ck_runs_state')),
     sa.CheckConstraint('epoch >= 1', name=op.f('ck_runs_epoch')),
     sa.PrimaryKeyConstraint('run_id', name=op.f('pk_runs'))
+    )
+    op.create_table('siblings',
+    sa.Column('run_id', sa.Text(), nullable=False),
+    sa.Column('group_id', sa.Text(), nullable=False),
+    sa.Column('generation_index', sa.Integer(), nullable=False),
+    sa.Column('row_attempts_used', sa.Integer(), server_default='0', nullable=False),
+    sa.CheckConstraint('generation_index >= 0', name=op.f('ck_siblings_generation_index')),
+    sa.PrimaryKeyConstraint('run_id', 'group_id', 'generation_index', name=op.f('pk_siblings'))
     )
     op.create_table('snapshot_attempts',
     sa.Column('run_id', sa.Text(), nullable=False),
@@ -71,6 +111,16 @@ def upgrade() -> None:
     sa.Column('status', sa.Text(), nullable=False),
     sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_groups'))
     )
+    op.create_table('dispatch_calls',
+    sa.Column('call_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
+    sa.Column('run_id', sa.Text(), nullable=False),
+    sa.Column('dispatch_id', sa.Text(), nullable=False),
+    sa.Column('attempt_ids', postgresql.ARRAY(sa.BigInteger()), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+    sa.ForeignKeyConstraint(['run_id'], ['runs.run_id'], name=op.f('fk_dispatch_calls_run_id_runs'), ondelete='CASCADE'),
+    sa.PrimaryKeyConstraint('call_id', name=op.f('pk_dispatch_calls'))
+    )
+    op.create_index(op.f('ix_dispatch_calls_run_id_dispatch_id'), 'dispatch_calls', ['run_id', 'dispatch_id'], unique=False)
     op.create_table('gym_instances',
     sa.Column('run_id', sa.Text(), nullable=False),
     sa.Column('instance_id', sa.Text(), nullable=False),
@@ -202,58 +252,32 @@ def upgrade() -> None:
     sa.PrimaryKeyConstraint('run_id', 'instance_id', 'server_name', name=op.f('pk_gym_participants')),
     sa.UniqueConstraint('run_id', 'instance_id', 'kind', 'participant_name', name=op.f('uq_gym_participants_run_id_instance_id_kind_participant_name'))
     )
-    op.create_table('siblings',
-    sa.Column('run_id', sa.Text(), nullable=False),
-    sa.Column('group_id', sa.Text(), nullable=False),
-    sa.Column('generation_index', sa.Integer(), nullable=False),
-    sa.Column('row_attempts_used', sa.Integer(), server_default='0', nullable=False),
-    sa.CheckConstraint('generation_index >= 0', name=op.f('ck_siblings_generation_index')),
-    sa.ForeignKeyConstraint(['run_id', 'group_id'], ['prompt_groups.run_id', 'prompt_groups.group_id'], name=op.f('fk_siblings_run_id_group_id_prompt_groups'), ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('run_id', 'group_id', 'generation_index', name=op.f('pk_siblings'))
+
+    # By hand (autogenerate does not see functions or triggers): a deleted prompt group takes its
+    # siblings and attempts with it, set-based, instead of the per-row ON DELETE CASCADE foreign
+    # keys (see ledger.models.GROUP_CHILDREN_TRIGGER_UP; keep the two identical).
+    op.execute(
+        "CREATE FUNCTION prompt_groups_drop_children() RETURNS trigger LANGUAGE plpgsql AS $$\n"
+        "BEGIN\n"
+        "    IF EXISTS (SELECT 1 FROM gone) THEN\n"
+        "        DELETE FROM attempts a USING gone g WHERE a.run_id = g.run_id AND a.group_id = g.group_id;\n"
+        "        DELETE FROM siblings s USING gone g WHERE s.run_id = g.run_id AND s.group_id = g.group_id;\n"
+        "    END IF;\n"
+        "    RETURN NULL;\n"
+        "END\n"
+        "$$"
     )
-    op.create_table('attempts',
-    sa.Column('attempt_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
-    sa.Column('run_id', sa.Text(), nullable=False),
-    sa.Column('group_id', sa.Text(), nullable=False),
-    sa.Column('generation_index', sa.Integer(), nullable=False),
-    sa.Column('rollout_id', sa.Text(), nullable=False),
-    sa.Column('gym_instance_id', sa.Text(), nullable=True),
-    sa.Column('gym_attempt', sa.Integer(), server_default='0', nullable=False),
-    sa.Column('group_attempt', sa.Integer(), server_default='0', nullable=False),
-    sa.Column('status', sa.Text(), server_default='reserved', nullable=False),
-    sa.Column('is_current', sa.Boolean(), server_default='true', nullable=False),
-    sa.Column('refusals', sa.Integer(), server_default='0', nullable=False),
-    sa.Column('receipt', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
-    sa.Column('reward', sa.Float(), nullable=True),
-    sa.Column('mask_sample', sa.Boolean(), nullable=True),
-    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
-    sa.Column('failure_class', sa.Text(), nullable=True),
-    sa.Column('retirement', sa.Text(), server_default='none', nullable=False),
-    sa.Column('gym_owned', sa.Boolean(), server_default='false', nullable=False),
-    sa.Column('dispatch_id', sa.Text(), nullable=True),
-    sa.Column('replaced_by_attempt_id', sa.BigInteger(), nullable=True),
-    sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
-    sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True),
-    sa.Column('ended_at', sa.DateTime(timezone=True), nullable=True),
-    sa.CheckConstraint("retirement IN ('none', 'retire_pending', 'retired', 'forget_pending', 'forgotten')", name=op.f('ck_attempts_retirement')),
-    sa.CheckConstraint("status IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned')", name=op.f('ck_attempts_status')),
-    sa.CheckConstraint('gym_attempt >= 0', name=op.f('ck_attempts_gym_attempt')),
-    sa.ForeignKeyConstraint(['run_id', 'group_id', 'generation_index'], ['siblings.run_id', 'siblings.group_id', 'siblings.generation_index'], name=op.f('fk_attempts_run_id_group_id_generation_index_siblings'), ondelete='CASCADE'),
-    sa.PrimaryKeyConstraint('attempt_id', name=op.f('pk_attempts')),
-    sa.UniqueConstraint('run_id', 'rollout_id', name=op.f('uq_attempts_run_id_rollout_id')),
-    postgresql_with={'fillfactor': '70'}
+    op.execute(
+        "CREATE TRIGGER prompt_groups_drop_children AFTER DELETE ON prompt_groups REFERENCING OLD TABLE AS gone "
+        "FOR EACH STATEMENT EXECUTE FUNCTION prompt_groups_drop_children()"
     )
-    op.create_index('ix_attempts_dispatch', 'attempts', ['run_id', 'dispatch_id'], unique=False, postgresql_where=sa.text('dispatch_id IS NOT NULL'))
-    op.create_index('uq_attempts_current_per_sibling', 'attempts', ['run_id', 'group_id', 'generation_index'], unique=True, postgresql_where=sa.text('is_current'))
 
 
 
 def downgrade() -> None:
 
-    op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
-    op.drop_index('ix_attempts_dispatch', table_name='attempts', postgresql_where=sa.text('dispatch_id IS NOT NULL'))
-    op.drop_table('attempts')
-    op.drop_table('siblings')
+    op.execute("DROP TRIGGER IF EXISTS prompt_groups_drop_children ON prompt_groups")
+    op.execute("DROP FUNCTION IF EXISTS prompt_groups_drop_children()")
     op.drop_table('gym_participants')
     op.drop_table('train_steps')
     op.drop_index('uq_snapshots_one_open_per_run', table_name='snapshots', postgresql_where=sa.text('outcome IS NULL'))
@@ -266,7 +290,12 @@ def downgrade() -> None:
     op.drop_index('ix_outbox_items_due', table_name='outbox_items', postgresql_where=sa.text("state = 'pending'"))
     op.drop_table('outbox_items')
     op.drop_table('gym_instances')
+    op.drop_index(op.f('ix_dispatch_calls_run_id_dispatch_id'), table_name='dispatch_calls')
+    op.drop_table('dispatch_calls')
     op.drop_table('snapshot_groups')
     op.drop_table('snapshot_attempts')
+    op.drop_table('siblings')
     op.drop_table('runs')
+    op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
+    op.drop_table('attempts')
 

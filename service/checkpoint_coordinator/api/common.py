@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Response
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
-from pydantic_core import to_json
+from pydantic_core import from_json, to_json
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_PATTERN = NAME_PATTERN
@@ -31,3 +34,33 @@ class FastJSON(Response):
 
     def render(self, content: Any) -> bytes:
         return to_json(content, inf_nan_mode="null")
+
+
+class FastJSONRequest(Request):
+    """A request whose JSON body is parsed by pydantic-core (about twice the stdlib's speed on a
+    batch of 8 000 rows). What it refuses is FastAPI's usual 422 (``json_invalid``): malformed
+    JSON with the stdlib's message, and the valid JSON pydantic-core cannot hold (a lone UTF-16
+    surrogate escape, which no PostgreSQL text can store either and which used to end in a 500
+    when the batch was written; nesting deeper than 200 levels) with pydantic-core's."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = from_json(body)
+            except ValueError as e:
+                json.loads(body)  # malformed: the stdlib's JSONDecodeError, with its position
+                raise json.JSONDecodeError(str(e), body.decode("utf-8", "replace"), 0) from None
+        return self._json
+
+
+class FastJSONRoute(APIRoute):
+    """Route class of the batch endpoints: their bodies are read through ``FastJSONRequest``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route_handler(request: Request) -> Response:
+            return await handler(FastJSONRequest(request.scope, request.receive))
+
+        return route_handler

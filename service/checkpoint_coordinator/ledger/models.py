@@ -148,9 +148,10 @@ class Sibling(Base):
     __tablename__ = "siblings"
     __table_args__ = (
         PrimaryKeyConstraint("run_id", "group_id", "generation_index"),
-        ForeignKeyConstraint(
-            ["run_id", "group_id"], ["prompt_groups.run_id", "prompt_groups.group_id"], ondelete="CASCADE"
-        ),
+        # No foreign key to ``prompt_groups`` (its per-row check was ~70 % of an admit's
+        # ``INSERT siblings``): siblings are inserted only with their group, under its lock, and a
+        # deleted group takes its siblings and attempts with it through the statement-level
+        # trigger ``prompt_groups_drop_children`` (see ``GROUP_CHILDREN_TRIGGER``).
         CheckConstraint("generation_index >= 0", name="generation_index"),
     )
     run_id: Mapped[str] = mapped_column(Text)
@@ -164,11 +165,11 @@ class Attempt(Base):
     __tablename__ = "attempts"
     __table_args__ = (
         PrimaryKeyConstraint("attempt_id"),
-        ForeignKeyConstraint(
-            ["run_id", "group_id", "generation_index"],
-            ["siblings.run_id", "siblings.group_id", "siblings.generation_index"],
-            ondelete="CASCADE",
-        ),
+        # No foreign key to ``siblings`` (its per-row check was 35-40 % of ``INSERT attempts``):
+        # attempts are inserted only for siblings of a group the transaction holds locked (admit
+        # inserts the siblings first, a replacement reuses an existing sibling, a restore inserts
+        # the siblings of the groups it recreates), and ``prompt_groups_drop_children`` deletes
+        # a deleted group's attempts, as the cascade did.
         UniqueConstraint("run_id", "rollout_id"),
         CheckConstraint(_in("status", ATTEMPT_STATUSES), name="status"),
         CheckConstraint(_in("retirement", RETIREMENT_STATES), name="retirement"),
@@ -182,10 +183,10 @@ class Attempt(Base):
             unique=True,
             postgresql_where=text("is_current"),
         ),
-        # The rows of one /run stream, for "stream ended". Deliberately no index on status: a seal
-        # then changes no indexed column and stays a heap-only update.
-        Index("ix_attempts_dispatch", "run_id", "dispatch_id", postgresql_where=text("dispatch_id IS NOT NULL")),
-        # Room on each page so a seal (which touches no indexed column) is a HOT update.
+        # Deliberately no index on status nor on dispatch_id: a dispatch and a seal then change no
+        # indexed column and can stay heap-only updates. "Stream ended" finds a dispatch's rows
+        # through ``dispatch_calls``.
+        # Room on each page so a dispatch or a seal (no indexed column) is a HOT update.
         {"postgresql_with": {"fillfactor": "70"}},
     )
     attempt_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
@@ -213,6 +214,25 @@ class Attempt(Base):
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     dispatched_at: Mapped[datetime | None] = mapped_column(TS)
     ended_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class DispatchCall(Base):
+    """The attempts one dispatch call sent, so "stream ended" can find a dispatch's rows without
+    an index on ``attempts.dispatch_id`` (which made every dispatch update a non-HOT one). A
+    candidate list only: the attempt's own ``dispatch_id`` stays the truth (a refusal clears it,
+    a restore may delete the attempt), so the lookup joins back and checks it."""
+
+    __tablename__ = "dispatch_calls"
+    __table_args__ = (
+        PrimaryKeyConstraint("call_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        Index(None, "run_id", "dispatch_id"),
+    )
+    call_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
+    run_id: Mapped[str] = mapped_column(Text)
+    dispatch_id: Mapped[str] = mapped_column(Text)
+    attempt_ids: Mapped[list[int]] = mapped_column(ARRAY(BigInteger))
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
 
 
 class TrainStep(Base):
@@ -376,3 +396,27 @@ class Restore(Base):
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     ended_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+# Written by hand into the migration (autogenerate does not see functions or triggers); keep the
+# two in step. It replaces the ``ON DELETE CASCADE`` foreign keys ``siblings -> prompt_groups``
+# and ``attempts -> siblings``, whose per-row checks were most of the cost of an admit: one
+# set-based delete per statement that removed groups (the restore's rewind, or a run's deletion
+# cascading to its groups) instead of a check per inserted row.
+GROUP_CHILDREN_TRIGGER_UP = (
+    "CREATE FUNCTION prompt_groups_drop_children() RETURNS trigger LANGUAGE plpgsql AS $$\n"
+    "BEGIN\n"
+    "    IF EXISTS (SELECT 1 FROM gone) THEN\n"
+    "        DELETE FROM attempts a USING gone g WHERE a.run_id = g.run_id AND a.group_id = g.group_id;\n"
+    "        DELETE FROM siblings s USING gone g WHERE s.run_id = g.run_id AND s.group_id = g.group_id;\n"
+    "    END IF;\n"
+    "    RETURN NULL;\n"
+    "END\n"
+    "$$",
+    "CREATE TRIGGER prompt_groups_drop_children AFTER DELETE ON prompt_groups REFERENCING OLD TABLE AS gone "
+    "FOR EACH STATEMENT EXECUTE FUNCTION prompt_groups_drop_children()",
+)
+GROUP_CHILDREN_TRIGGER_DOWN = (
+    "DROP TRIGGER IF EXISTS prompt_groups_drop_children ON prompt_groups",
+    "DROP FUNCTION IF EXISTS prompt_groups_drop_children()",
+)

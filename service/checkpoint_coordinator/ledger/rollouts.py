@@ -98,7 +98,7 @@ class BatchRefused(Conflict):
 # Reading
 
 
-@dataclass
+@dataclass(slots=True)
 class AttemptRow:
     attempt_id: int
     group_id: str
@@ -181,6 +181,52 @@ _ATT_SQL = (
     f"SELECT {_ATT_COLS}, s.row_attempts_used FROM attempts a JOIN siblings s "
     "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
 )
+
+
+def _groups_named_by(rollout_ids: Iterable[str]) -> list[str]:
+    """The group ids minted rollout ids name (``<group>_g<i>_a<hex>``, section 1), sorted. Only a
+    guess: an imported ledger's rollout ids need not have that form, see ``_lock_and_read``."""
+    out = set()
+    for rid in rollout_ids:
+        g, sep, _ = rid.rpartition("_g")
+        if sep and g:
+            out.add(g)
+    return sorted(out)
+
+
+async def _lock_and_read(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> tuple[dict[str, GroupRow], dict[str, AttemptRow]]:
+    """Lock (in group-id order) the groups that own these rollouts, then read the named attempts.
+
+    The groups are taken from the rollout ids themselves (a minted id starts with its group id),
+    locked by primary key, and their current attempts read through the partial index of current
+    attempts: 1 000 key lookups for a batch of 8 000 rows instead of looking every rollout id up
+    twice (once to find the groups to lock, once to read the attempts after the lock). Named
+    attempts that are not current (a repeat about a replaced row) are looked up by rollout id.
+    If an attempt turns out to belong to a group that was not locked (an imported rollout id of
+    another form), the guessed locks are rolled back to a savepoint and the groups are found
+    through the attempts, as before, so the lock order stays the group-id order either way."""
+    guess = _groups_named_by(rollout_ids)
+    if guess:
+        await execute(conn, "SAVEPOINT ckpt_lock_guess", {})
+        groups = await _lock_groups(conn, run_id, guess)
+        atts: dict[str, AttemptRow] = {}
+        if groups:
+            wanted = set(rollout_ids)
+            rows = await fetch(
+                conn,
+                f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current",
+                {"r": run_id, "g": list(groups)},
+            )
+            atts = {r[3]: AttemptRow(*r) for r in rows if r[3] in wanted}
+        if len(atts) < len(rollout_ids):
+            rest = [rid for rid in rollout_ids if rid not in atts]
+            atts.update(await _attempts_by_rollout(conn, run_id, rest))
+        if all(a.group_id in groups for a in atts.values()):
+            await execute(conn, "RELEASE SAVEPOINT ckpt_lock_guess", {})
+            return groups, atts
+        await execute(conn, "ROLLBACK TO SAVEPOINT ckpt_lock_guess", {})
+    groups = await _lock_groups_of(conn, run_id, rollout_ids)
+    return groups, await _attempts_by_rollout(conn, run_id, rollout_ids)
 
 
 async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, AttemptRow]:
@@ -429,7 +475,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         new = [g for g in groups if g.group_id not in existing]
         resolve = _level_resolver(run.config)
         levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
-        minted: dict[str, list[AttemptRow]] = defaultdict(list)
+        minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
         if new:
             await execute(
                 conn,
@@ -467,15 +513,25 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                 "RETURNING attempt_id, group_id, generation_index, rollout_id",
                 sizes,
             )
-            for aid, gid, i, ro in rows:
-                minted[gid].append(_minted_view({"group_id": gid, "generation_index": i, "rollout_id": ro, "group_attempt": 0}))
+            for _aid, gid, i, ro in rows:
+                minted[gid].append((i, ro))
             _count_transitions({"reserved": len(rows)})
         current = await _current_attempts(conn, run_id, list(existing)) if existing else {}
         out = []
         for g in groups:
             ex = existing.get(g.group_id)
             level = ex.restore_level if ex else levels[g.group_id]
-            rows_of = current.get(g.group_id, []) if ex else sorted(minted[g.group_id], key=lambda a: a.generation_index)
+            if ex:
+                send = [send_row(a, level) for a in current.get(g.group_id, [])]
+            else:
+                # send_row of a fresh attempt (gym_attempt 0: the capture key is the rollout id),
+                # built straight from the inserted rows: no intermediate object per row.
+                gid = g.group_id
+                send = [
+                    {"group_id": gid, "generation_index": i, "rollout_id": ro, "capture_key": ro, "gym_attempt": 0, "group_attempt": 0,
+                     "status": "reserved", "restore_level": level, "instance_id": None}
+                    for i, ro in sorted(minted[gid])
+                ]
             out.append(
                 {
                     "group_id": g.group_id,
@@ -484,7 +540,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                     "status": ex.status if ex else "generating",
                     "group_attempt": ex.group_attempt if ex else 0,
                     "admitted": ex is None,
-                    "rows": [send_row(a, level) for a in rows_of],
+                    "rows": send,
                 }
             )
         return out
@@ -512,8 +568,7 @@ async def dispatch(
             known = (await conn.execute(text("SELECT array_agg(instance_id) FROM gym_instances WHERE run_id = :r"), {"r": run_id})).scalar()
             if known and instance_id not in known:
                 raise NotFound(f"instance {instance_id!r} is not registered for this run", code="unknown_instance", instance_id=instance_id)
-        groups = await _lock_groups_of(conn, run_id, rollout_ids)
-        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        groups, atts = await _lock_and_read(conn, run_id, rollout_ids)
         refused, todo, rows = [], [], []
         for rid in rollout_ids:
             a = atts.get(rid)
@@ -543,10 +598,22 @@ async def dispatch(
             rows.append(send_row(a, level, instance_id))
         if refused:
             raise BatchRefused(refused)
-        plan = _Plan(run_id, _hex)
-        for a in todo:
-            plan.set_attempt(a, status="dispatched", gym_instance_id=instance_id, dispatch_id=dispatch_id)
-        await plan.apply(conn)
+        if todo:
+            # Every row gets the same values: one array of ids, no per-row document.
+            ids = [a.attempt_id for a in todo]
+            await execute(
+                conn,
+                "UPDATE attempts SET status = 'dispatched', gym_instance_id = %(i)s, dispatch_id = %(d)s, dispatched_at = now() "
+                "WHERE attempt_id = ANY(%(ids)s::bigint[])",
+                {"i": instance_id, "d": dispatch_id, "ids": ids},
+            )
+            # What "stream ended" looks the dispatch's rows up by (no index on dispatch_id).
+            await execute(
+                conn,
+                "INSERT INTO dispatch_calls (run_id, dispatch_id, attempt_ids) VALUES (%(r)s, %(d)s, %(ids)s::bigint[])",
+                {"r": run_id, "d": dispatch_id, "ids": ids},
+            )
+            _count_transitions({"dispatched": len(todo)})
         for r in rows:
             r["status"] = "dispatched"
         return {"dispatch_id": dispatch_id, "instance_id": instance_id, "rows": rows}
@@ -556,8 +623,7 @@ async def refused(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) 
     """Gym refused these rows at admission: back to reserved, same identity, no attempt spent."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        groups = await _lock_groups_of(conn, run_id, rollout_ids)
-        atts = await _attempts_by_rollout(conn, run_id, rollout_ids)
+        groups, atts = await _lock_and_read(conn, run_id, rollout_ids)
         bad, plan, rows = [], _Plan(run_id, _hex), []
         for rid in rollout_ids:
             a = atts.get(rid)
@@ -582,6 +648,8 @@ async def refused(engine: AsyncEngine, run_id: str, rollout_ids: Sequence[str]) 
 
 @dataclass(frozen=True)
 class SealRow:
+    """A seal report; ``seal`` takes anything with these attributes (the API's validated rows)."""
+
     rollout_id: str
     receipt: dict[str, Any]
     staging_keys: list[str]
@@ -595,9 +663,11 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
     by_id = {r.rollout_id: r for r in rows_in}
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        groups = await _lock_groups_of(conn, run_id, list(by_id))
-        atts = await _attempts_by_rollout(conn, run_id, list(by_id))
-        bad, results, plan = [], [], _Plan(run_id, _hex)
+        groups, atts = await _lock_and_read(conn, run_id, list(by_id))
+        bad: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        # One record per row to write, serialised as one JSON document (see _seal_rows).
+        updates: list[dict[str, Any]] = []
         touched_groups: set[str] = set()
         for rid, row in by_id.items():
             a = atts.get(rid)
@@ -605,10 +675,10 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 bad.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
                 continue
             got_key = row.receipt.get("rollout_id")
-            if got_key != a.capture_key:
+            want_key = a.rollout_id if a.gym_attempt == 0 else a.capture_key
+            if got_key != want_key:
                 bad.append({"rollout_id": rid, "code": "receipt_mismatch", "detail": f"receipt names {got_key!r}, expected capture key {a.capture_key!r}"})
                 continue
-            record = {"receipt": row.receipt, "staging_keys": list(row.staging_keys), "reward": row.reward, "mask_sample": row.mask_sample}
             if a.status in ("sealed", "returned"):
                 same = a.receipt == row.receipt and list(a.staging_keys or []) == list(row.staging_keys) and a.reward == row.reward and a.mask_sample == row.mask_sample
                 if same:
@@ -624,18 +694,21 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 continue
             level = groups[a.group_id].restore_level
             status = "returned" if granularity(level) == "prompt_group" else "sealed"
-            plan.set_attempt(a, status=status, **record)
+            updates.append(
+                {"id": a.attempt_id, "status": status, "receipt": row.receipt, "staging_keys": list(row.staging_keys),
+                 "reward": row.reward, "mask_sample": row.mask_sample}
+            )
             a.status = status
             touched_groups.add(a.group_id)
             results.append({"rollout_id": rid, "result": status, "status": status})
         if bad:
             raise BatchRefused(bad)
-        await plan.apply(conn)
+        await _seal_rows(conn, updates)
         cohort_sealed: list[str] = []
         # Only restored continuations (Gym-owned) can owe a forget (section 7); the others are not
         # worth sending to that query.
         owned = {a.attempt_id for a in atts.values() if a.gym_owned}
-        sealed_ids = [aid for aid, ch in plan.status_updates.items() if ch.get("status") == "sealed" and aid in owned]
+        sealed_ids = [u["id"] for u in updates if u["status"] == "sealed" and u["id"] in owned] if owned else []
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = sorted(touched_groups)
@@ -680,6 +753,26 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         ready = [r[0] for r in await fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
                                            {"r": run_id, "g": batch_groups})] if batch_groups else []
         return {"rows": results, "ready_groups": ready, "cohorts_sealed": sorted(cohort_sealed)}
+
+
+async def _seal_rows(conn: AsyncConnection, updates: list[dict[str, Any]]) -> None:
+    """Write seal records (``id``, ``status``, ``receipt``, ``staging_keys``, ``reward``,
+    ``mask_sample``): one JSON document serialised in one native call, unpacked by
+    ``jsonb_to_recordset``, as ``_Plan`` writes its updates, without its per-row bookkeeping."""
+    if not updates:
+        return
+    await execute(
+        conn,
+        "UPDATE attempts a SET mask_sample = t.mask_sample, receipt = t.receipt, reward = t.reward, staging_keys = t.staging_keys, "
+        "status = t.status, ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END "
+        "FROM jsonb_to_recordset(%(doc)s::jsonb) AS t(id bigint, mask_sample boolean, receipt jsonb, reward float8, staging_keys text[], status text) "
+        "WHERE a.attempt_id = t.id",
+        {"doc": to_json(updates).decode()},
+    )
+    n: dict[str, int] = defaultdict(int)
+    for u in updates:
+        n[u["status"]] += 1
+    _count_transitions(n)
 
 
 async def _forget_restored(conn: AsyncConnection, run_id: str, ended_attempt_ids: list[int]) -> None:
@@ -794,9 +887,8 @@ async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> 
         run = await lock_run(conn, run_id)
         budgets = Budgets.of(run.config)
         ids = [r.rollout_id for r in rows_in]
-        groups = await _lock_groups_of(conn, run_id, ids)
+        groups, atts = await _lock_and_read(conn, run_id, ids)
         states = await _load_states_locked(conn, run_id, groups)
-        atts = await _attempts_by_rollout(conn, run_id, ids)
         plan, bad, results = _Plan(run_id, _hex), [], []
         touched: list[str] = []
         for r in rows_in:
@@ -840,11 +932,18 @@ async def stream_ended(
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id)
         budgets = Budgets.of(run.config)
-        gids = (
-            await conn.execute(
-                text("SELECT DISTINCT group_id FROM attempts WHERE run_id = :r AND dispatch_id = :d"), {"r": run_id, "d": dispatch_id}
+        # The dispatch's calls name its attempts (there is no index on attempts.dispatch_id, so
+        # that a dispatch stays a heap-only update); each attempt's own dispatch_id decides.
+        gids = [
+            r[0]
+            for r in await fetch(
+                conn,
+                "SELECT DISTINCT a.group_id FROM dispatch_calls c CROSS JOIN LATERAL unnest(c.attempt_ids) AS u(id) "
+                "JOIN attempts a ON a.attempt_id = u.id WHERE c.run_id = %(r)s AND c.dispatch_id = %(d)s "
+                "AND a.run_id = %(r)s AND a.dispatch_id = %(d)s",
+                {"r": run_id, "d": dispatch_id},
             )
-        ).scalars().all()
+        ]
         if not gids:
             raise NotFound(f"no dispatch {dispatch_id!r} in this run", code="unknown_dispatch")
         states = await _load_states(conn, run_id, gids)
