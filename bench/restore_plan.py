@@ -43,6 +43,7 @@ from checkpoint_coordinator.domain.config import load_recovery_config  # noqa: E
 from checkpoint_coordinator.domain.restore_plan import Disposition  # noqa: E402
 from checkpoint_coordinator.ledger import restore as repo  # noqa: E402
 from checkpoint_coordinator.ledger.db import make_async_engine  # noqa: E402
+from checkpoint_coordinator.ledger.snapshots import insert_cut_rows  # noqa: E402
 from checkpoint_coordinator.restore.planning import rollout_minter  # noqa: E402
 from checkpoint_coordinator.restore.service import _rewind_of, load_and_plan  # noqa: E402
 
@@ -114,24 +115,9 @@ async def build(engine: Any, run_id: str, n_groups: int) -> None:
             ),
             p,
         )
-        await conn.execute(
-            text(
-                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, "
-                "restore_level, expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-                "SELECT run_id, 's1', group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
-                "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups WHERE run_id = :r"
-            ),
-            p,
-        )
-        await conn.execute(
-            text(
-                "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, "
-                "rollout_id, gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, "
-                "staging_keys, gym_owned) SELECT a.run_id, 's1', a.attempt_id, a.group_id, a.generation_index, 0, a.rollout_id, "
-                "a.gym_instance_id, a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, "
-                "a.staging_keys, a.gym_owned FROM attempts a WHERE a.run_id = :r AND a.is_current"
-            ),
-            p,
+        await insert_cut_rows(
+            conn, run_id, "s1", "SELECT * FROM prompt_groups WHERE run_id = :r",
+            "SELECT a.*, 0 AS row_attempts_used FROM attempts a WHERE a.run_id = :r AND a.is_current", {},
         )
         # Gym manifest: the dispatched turn-level row of every other group exported, the others'
         # reported as restarts.

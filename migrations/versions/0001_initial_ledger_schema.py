@@ -2,21 +2,47 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 20:13:35.398474
+Create Date: 2026-11-30 22:09:49.840868
 """
 from __future__ import annotations
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.types import UserDefinedType
 
 revision = '0001'
 down_revision = None
 branch_labels = None
 depends_on = None
 
+# Written by hand (autogenerate cannot express a composite type or a view): the type of a cut
+# sibling, and the views that read the per-group cut storage ``snapshot_cut_groups`` as the
+# per-group and per-sibling rows (``ledger/models.py`` SnapshotCutGroup). Kept in both directions.
+SNAPSHOT_SIBLING_TYPE = """CREATE TYPE snapshot_sibling AS (
+    attempt_id bigint, generation_index integer, row_attempts_used integer, rollout_id text, gym_instance_id text,
+    gym_attempt integer, group_attempt integer, status text, refusals integer, receipt jsonb, reward double precision,
+    mask_sample boolean, staging_keys text[], gym_owned boolean)"""
+SNAPSHOT_GROUPS_VIEW = """CREATE VIEW snapshot_groups AS
+    SELECT run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level,
+           expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status
+    FROM snapshot_cut_groups"""
+SNAPSHOT_ATTEMPTS_VIEW = """CREATE VIEW snapshot_attempts AS
+    SELECT c.run_id, c.snapshot_id, s.attempt_id, c.group_id, s.generation_index, s.row_attempts_used, s.rollout_id,
+           s.gym_instance_id, s.gym_attempt, s.group_attempt, s.status, s.refusals, s.receipt, s.reward, s.mask_sample,
+           s.staging_keys, s.gym_owned
+    FROM snapshot_cut_groups c CROSS JOIN LATERAL unnest(c.siblings) AS s"""
+
+
+class SnapshotSiblings(UserDefinedType):  # type: ignore[type-arg]
+    cache_ok = True
+
+    def get_col_spec(self, **kw: object) -> str:
+        return "snapshot_sibling[]"
+
 
 def upgrade() -> None:
+    op.execute(SNAPSHOT_SIBLING_TYPE)
 
     op.create_table('attempts',
     sa.Column('attempt_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
@@ -74,27 +100,7 @@ def upgrade() -> None:
     sa.CheckConstraint('generation_index >= 0', name=op.f('ck_siblings_generation_index')),
     sa.PrimaryKeyConstraint('run_id', 'group_id', 'generation_index', name=op.f('pk_siblings'))
     )
-    op.create_table('snapshot_attempts',
-    sa.Column('run_id', sa.Text(), nullable=False),
-    sa.Column('snapshot_id', sa.Text(), nullable=False),
-    sa.Column('attempt_id', sa.BigInteger(), nullable=False),
-    sa.Column('group_id', sa.Text(), nullable=False),
-    sa.Column('generation_index', sa.Integer(), nullable=False),
-    sa.Column('row_attempts_used', sa.Integer(), nullable=False),
-    sa.Column('rollout_id', sa.Text(), nullable=False),
-    sa.Column('gym_instance_id', sa.Text(), nullable=True),
-    sa.Column('gym_attempt', sa.Integer(), nullable=False),
-    sa.Column('group_attempt', sa.Integer(), nullable=False),
-    sa.Column('status', sa.Text(), nullable=False),
-    sa.Column('refusals', sa.Integer(), nullable=False),
-    sa.Column('receipt', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
-    sa.Column('reward', sa.Float(), nullable=True),
-    sa.Column('mask_sample', sa.Boolean(), nullable=True),
-    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
-    sa.Column('gym_owned', sa.Boolean(), nullable=False),
-    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'attempt_id', name=op.f('pk_snapshot_attempts'))
-    )
-    op.create_table('snapshot_groups',
+    op.create_table('snapshot_cut_groups',
     sa.Column('run_id', sa.Text(), nullable=False),
     sa.Column('snapshot_id', sa.Text(), nullable=False),
     sa.Column('group_id', sa.Text(), nullable=False),
@@ -109,7 +115,9 @@ def upgrade() -> None:
     sa.Column('group_attempt', sa.Integer(), nullable=False),
     sa.Column('data_attempts_used', sa.Integer(), nullable=False),
     sa.Column('status', sa.Text(), nullable=False),
-    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_groups'))
+    sa.Column('siblings', SnapshotSiblings(), nullable=False),
+    sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_cut_groups')),
+    postgresql_with={'toast_tuple_target': '8160'}
     )
     op.create_table('dispatch_calls',
     sa.Column('call_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
@@ -271,13 +279,16 @@ def upgrade() -> None:
         "CREATE TRIGGER prompt_groups_drop_children AFTER DELETE ON prompt_groups REFERENCING OLD TABLE AS gone "
         "FOR EACH STATEMENT EXECUTE FUNCTION prompt_groups_drop_children()"
     )
-
+    op.execute(SNAPSHOT_GROUPS_VIEW)
+    op.execute(SNAPSHOT_ATTEMPTS_VIEW)
 
 
 def downgrade() -> None:
-
+    op.execute('DROP VIEW snapshot_attempts')
+    op.execute('DROP VIEW snapshot_groups')
     op.execute("DROP TRIGGER IF EXISTS prompt_groups_drop_children ON prompt_groups")
     op.execute("DROP FUNCTION IF EXISTS prompt_groups_drop_children()")
+
     op.drop_table('gym_participants')
     op.drop_table('train_steps')
     op.drop_index('uq_snapshots_one_open_per_run', table_name='snapshots', postgresql_where=sa.text('outcome IS NULL'))
@@ -292,10 +303,9 @@ def downgrade() -> None:
     op.drop_table('gym_instances')
     op.drop_index(op.f('ix_dispatch_calls_run_id_dispatch_id'), table_name='dispatch_calls')
     op.drop_table('dispatch_calls')
-    op.drop_table('snapshot_groups')
-    op.drop_table('snapshot_attempts')
+    op.drop_table('snapshot_cut_groups')
     op.drop_table('siblings')
     op.drop_table('runs')
     op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_table('attempts')
-
+    op.execute('DROP TYPE snapshot_sibling')

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine, inspect
+from sqlalchemy import create_engine, inspect, text
 
 from checkpoint_coordinator.ledger import db
 from checkpoint_coordinator.ledger.models import Base
 
 LEDGER_TABLES = {
     "runs", "gym_instances", "gym_participants", "prompt_groups", "siblings", "attempts", "snapshots",
-    "snapshot_groups", "snapshot_attempts", "train_steps", "outbox_items", "ownership_leases", "restores",
+    "snapshot_cut_groups", "train_steps", "outbox_items", "ownership_leases", "restores",
 }
+
+
+# Written by hand in the migration: the cut's per-group storage read as the former tables.
+LEDGER_VIEWS = {"snapshot_groups", "snapshot_attempts"}
 
 
 def _tables(url: str) -> set[str]:
@@ -23,16 +28,34 @@ def _tables(url: str) -> set[str]:
         eng.dispose()
 
 
+def _views_and_types(url: str) -> tuple[set[str], set[str]]:
+    eng = create_engine(db.sqlalchemy_url(url))
+    try:
+        with eng.connect() as conn:
+            views = set(inspect(conn).get_view_names())
+            types = set(conn.execute(text("SELECT typname FROM pg_type t JOIN pg_namespace n ON n.oid = t.typnamespace "
+                                          "WHERE n.nspname = 'public' AND t.typtype = 'c' AND t.typrelid IN "
+                                          "(SELECT oid FROM pg_class WHERE relkind = 'c')")).scalars())
+        return views, types
+    finally:
+        eng.dispose()
+
+
 def test_upgrade_empty_database_to_head_and_back_down(empty_database_url: str) -> None:
     assert _tables(empty_database_url) == set()
     db.migrate(empty_database_url)
     assert LEDGER_TABLES <= _tables(empty_database_url)
+    assert _views_and_types(empty_database_url) == (LEDGER_VIEWS, {"snapshot_sibling"})
     db.downgrade(empty_database_url, "base")
     assert _tables(empty_database_url) <= {"alembic_version"}
+    assert _views_and_types(empty_database_url) == (set(), set())
     db.migrate(empty_database_url)  # and up again: downgrade left nothing behind that blocks it
     assert LEDGER_TABLES <= _tables(empty_database_url)
 
 
+# The cut's sibling array has a type of its own, which reflection does not know (its columns are
+# checked by the migration test above and the cut tests).
+@pytest.mark.filterwarnings("ignore:Did not recognize type 'snapshot_sibling'")
 def test_models_and_migrations_agree(database_url: str) -> None:
     eng = create_engine(db.sqlalchemy_url(database_url))
     try:

@@ -16,6 +16,7 @@ from sqlalchemy import text
 from checkpoint_coordinator.gym.client import GymControlClient
 from checkpoint_coordinator.gym.models import Episode, InstanceSpec
 from checkpoint_coordinator.gym.save import GymSave
+from checkpoint_coordinator.ledger.snapshots import insert_cut_rows
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from .ledger_helpers import RunApi
@@ -50,27 +51,12 @@ async def publish_snapshot(
                 "dp": json.dumps(data_plane_ref or {"path": f"/data/{snapshot_id}", "digest": "sha256:0"}),
             },
         )
-        await conn.execute(
-            text(
-                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, "
-                "restore_level, expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-                "SELECT run_id, :s, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
-                "target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
-                "WHERE run_id = :r AND status IN ('generating', 'ready')"
-            ),
-            p,
-        )
-        await conn.execute(
-            text(
-                "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, "
-                "rollout_id, gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, "
-                "staging_keys, gym_owned) SELECT a.run_id, :s, a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, "
-                "a.rollout_id, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, "
-                "a.mask_sample, a.staging_keys, a.gym_owned FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id "
-                "AND g.group_id = a.group_id JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id "
-                "AND s.generation_index = a.generation_index WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready')"
-            ),
-            p,
+        await insert_cut_rows(
+            conn, run_id, snapshot_id,
+            "SELECT * FROM prompt_groups WHERE run_id = :r AND status IN ('generating', 'ready')",
+            "SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id "
+            "AND s.generation_index = a.generation_index WHERE a.run_id = :r AND a.is_current",
+            {},
         )
 
 

@@ -1,7 +1,8 @@
 """The ledger cut (``ledger.snapshots.take_cut``) and its retention, on a real PostgreSQL.
 
-The cut is one statement (copies, staging keys, snapshot row); the cut tables have no foreign key
-to ``snapshots``, so retention deletes their rows itself. Status reads leave out the Gym manifest
+The cut is one statement (the copy, staging keys, snapshot row) writing one row per group into
+``snapshot_cut_groups``, read through the views ``snapshot_groups`` and ``snapshot_attempts``; the
+cut storage has no foreign key to ``snapshots``, so retention deletes its rows itself. Status reads leave out the Gym manifest
 and answer the staging keys only while the snapshot awaits its capture.
 """
 
@@ -124,6 +125,71 @@ async def test_cut_copies_live_rows_and_answers_sorted_distinct_keys(engine: Any
     assert full.public(with_manifest=True)["staging_keys"] == expected
 
 
+_GROUP_VIEW_COLS = (
+    "group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, target_step, "
+    "weight_version, group_attempt, data_attempts_used, status"
+)
+_ATTEMPT_VIEW_COLS = (
+    "attempt_id, group_id, generation_index, row_attempts_used, rollout_id, gym_instance_id, gym_attempt, group_attempt, "
+    "status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned"
+)
+
+
+async def test_the_views_read_back_exactly_what_the_cut_copied(engine: Any) -> None:
+    # Every column of a sibling in every shape it takes: NULL and empty key arrays, rewards,
+    # masks, Gym fields, refusals; and a live group without a current attempt.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE attempts SET gym_instance_id = 'math/replica-1', gym_attempt = 2, group_attempt = 1, refusals = 3, "
+                "reward = 0.25, mask_sample = true, gym_owned = true, staging_keys = '{}' WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"
+            ),
+            {"r": RUN},
+        )
+        await conn.execute(
+            text("UPDATE attempts SET reward = -1.5, mask_sample = false WHERE run_id = :r AND rollout_id = 'g2-0-sealed'"), {"r": RUN}
+        )
+        await conn.execute(
+            text(
+                "UPDATE prompt_groups SET task_source = 'src', agent_name = 'agent', target_step = 7, weight_version = 'w3', "
+                "group_attempt = 2, data_attempts_used = 1 WHERE run_id = :r AND group_id = 'g2'"
+            ),
+            {"r": RUN},
+        )
+        await conn.execute(
+            text(
+                "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, restore_level, expected_generations) "
+                "VALUES (:r, 'g4', '{}', 'sha256:g4', 'sibling', 1)"
+            ),
+            {"r": RUN},
+        )
+    live_groups = await _rows(
+        engine, f"SELECT {_GROUP_VIEW_COLS} FROM prompt_groups WHERE run_id = :r AND status IN ('generating', 'ready') ORDER BY group_id"
+    )
+    live_attempts = await _rows(
+        engine,
+        f"SELECT {', '.join('a.' + c if c != 'row_attempts_used' else 's.row_attempts_used' for c in _ATTEMPT_VIEW_COLS.split(', '))} "
+        "FROM attempts a JOIN siblings s USING (run_id, group_id, generation_index) JOIN prompt_groups g USING (run_id, group_id) "
+        "WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready') ORDER BY a.attempt_id",
+    )
+    await _data_plane(engine, "s1")
+    row = await repo.take_cut(engine, RUN, "s1")
+    assert row.counts["cut_groups"] == 3 and row.counts["cut_siblings"] == 8
+    cut_groups = await _rows(engine, f"SELECT {_GROUP_VIEW_COLS} FROM snapshot_groups WHERE run_id = :r AND snapshot_id = 's1' ORDER BY group_id")
+    cut_attempts = await _rows(
+        engine, f"SELECT {_ATTEMPT_VIEW_COLS} FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 's1' ORDER BY attempt_id"
+    )
+    assert [tuple(r) for r in cut_groups] == [tuple(r) for r in live_groups]
+    assert [tuple(r) for r in cut_attempts] == [tuple(r) for r in live_attempts]
+    by_rollout = {r.rollout_id: r for r in cut_attempts}
+    assert by_rollout["g1-2-dispatched"].staging_keys == [] and by_rollout["g1-3-reserved"].staging_keys is None
+    # One stored row per group, the group without attempts with an empty sibling array.
+    stored = await _rows(
+        engine, "SELECT group_id, cardinality(siblings) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = 's1' ORDER BY 1"
+    )
+    assert [tuple(r) for r in stored] == [("g1", 4), ("g2", 4), ("g4", 0)]
+
+
 async def test_cut_without_manifest_and_without_keys(engine: Any) -> None:
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE attempts SET staging_keys = NULL WHERE run_id = :r"), {"r": RUN})
@@ -141,7 +207,7 @@ async def test_retention_deletes_the_cut_rows_of_removed_snapshots(engine: Any) 
         await repo.end(engine, RUN, sid, "published", "ok", keep_latest_k=2)
     left = await _rows(engine, "SELECT snapshot_id FROM snapshots WHERE run_id = :r ORDER BY 1")
     assert [r[0] for r in left] == ["s2", "s3"]
-    for table in ("snapshot_groups", "snapshot_attempts"):
+    for table in ("snapshot_cut_groups", "snapshot_groups", "snapshot_attempts"):
         per = await _rows(engine, f"SELECT snapshot_id, count(*) FROM {table} WHERE run_id = :r GROUP BY 1 ORDER BY 1")
         assert [r[0] for r in per] == ["s2", "s3"], table
 
@@ -157,7 +223,7 @@ async def test_a_snapshot_lost_after_its_cut_leaves_no_cut_rows(engine: Any) -> 
     await repo.take_cut(engine, RUN, "s2")
     row, _ = await repo.end(engine, RUN, "s2", "failed", "data_plane_failed")
     assert row.outcome == "failed" and row.cut_at is not None
-    for table in ("snapshot_groups", "snapshot_attempts"):
+    for table in ("snapshot_cut_groups", "snapshot_groups", "snapshot_attempts"):
         per = await _rows(engine, f"SELECT snapshot_id, count(*) FROM {table} WHERE run_id = :r GROUP BY 1 ORDER BY 1")
         assert [r[0] for r in per] == ["s1"], table
     left = await _rows(engine, "SELECT snapshot_id, outcome, reason FROM snapshots WHERE run_id = :r ORDER BY 1")
@@ -170,4 +236,6 @@ async def test_cut_refused_after_newer_train_step(engine: Any) -> None:
     with pytest.raises(repo.SnapshotNotAwaiting):
         await repo.take_cut(engine, RUN, "s1")
     n = await _rows(engine, "SELECT count(*) FROM snapshot_attempts WHERE run_id = :r")
+    assert n[0][0] == 0
+    n = await _rows(engine, "SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r")
     assert n[0][0] == 0

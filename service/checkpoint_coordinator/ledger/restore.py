@@ -24,6 +24,7 @@ from ..domain.restore_plan import RetireItem
 from ..errors import Conflict
 from .db import dump_json, fetch
 from .runs import RunRow, lock_run
+from .snapshots import insert_cut_rows
 
 # -------------------------------------------------------------------------------------------
 # Snapshots
@@ -888,18 +889,27 @@ async def create_imported_snapshot(
             },
         )
         gs = cut.groups
-        await conn.execute(
-            text(
-                "INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, "
-                "restore_level, expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-                "SELECT :r, :s, g, pr::jsonb, td, ts, an, lv, n, st, wv, ga, du, gs FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
-                "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
-                "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
-                "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)"
-            ),
+        at = [CutAttempt(*a) if not isinstance(a, CutAttempt) else a for a in cut.attempts]
+        # The cut tables are views over one row per group (``snapshot_cut_groups``).
+        await insert_cut_rows(
+            conn,
+            run_id,
+            snapshot_id,
+            "SELECT g AS group_id, CAST(pr AS jsonb) AS prompt_ref, td AS task_digest, ts AS task_source, an AS agent_name, "
+            "lv AS restore_level, n AS expected_generations, st AS target_step, wv AS weight_version, ga AS group_attempt, "
+            "du AS data_attempts_used, gs AS status FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
+            "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
+            "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
+            "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)",
+            "SELECT id AS attempt_id, g AS group_id, i AS generation_index, ru AS row_attempts_used, ro AS rollout_id, "
+            "gi AS gym_instance_id, gya AS gym_attempt, aga AS group_attempt, ast AS status, 0 AS refusals, "
+            "CAST(NULL AS jsonb) AS receipt, rw AS reward, ms AS mask_sample, "
+            "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(CAST(sk AS jsonb))) END AS staging_keys, "
+            "false AS gym_owned "
+            "FROM unnest(CAST(:id AS bigint[]), CAST(:ag AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
+            "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:aga AS int[]), CAST(:ast AS text[]), CAST(:rw AS float8[]), "
+            "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, aga, ast, rw, ms, sk)",
             {
-                "r": run_id,
-                "s": snapshot_id,
                 "g": [g.group_id for g in gs],
                 "pr": [_json({"sample_id": g.prompt_ref.sample_id, "task_name": g.prompt_ref.task_name}) for g in gs],
                 "td": [g.task_digest for g in gs],
@@ -912,38 +922,20 @@ async def create_imported_snapshot(
                 "ga": [g.group_attempt for g in gs],
                 "du": [data_attempts_used.get(g.group_id, 0) for g in gs],
                 "gs": [str(g.status) for g in gs],
+                "id": ids,
+                "ag": [a.group_id for a in at],
+                "i": [a.generation_index for a in at],
+                "ru": [a.row_attempts_used for a in at],
+                "ro": [a.rollout_id for a in at],
+                "gi": [a.gym_instance_id for a in at],
+                "gya": [a.gym_attempt for a in at],
+                "aga": [a.group_attempt for a in at],
+                "ast": [str(a.status) for a in at],
+                "rw": [a.reward for a in at],
+                "ms": [a.mask_sample for a in at],
+                "sk": [_json(list(a.staging_keys)) if a.staging_keys else None for a in at],
             },
         )
-        at = [CutAttempt(*a) if not isinstance(a, CutAttempt) else a for a in cut.attempts]
-        if at:
-            await conn.execute(
-                text(
-                    "INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, "
-                    "rollout_id, gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, "
-                    "staging_keys, gym_owned) "
-                    "SELECT :r, :s, id, g, i, ru, ro, gi, gya, ga, st, 0, NULL, rw, ms, "
-                    "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(sk::jsonb)) END, false "
-                    "FROM unnest(CAST(:id AS bigint[]), CAST(:g AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
-                    "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:ga AS int[]), CAST(:st AS text[]), CAST(:rw AS float8[]), "
-                    "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, ga, st, rw, ms, sk)"
-                ),
-                {
-                    "r": run_id,
-                    "s": snapshot_id,
-                    "id": ids,
-                    "g": [a.group_id for a in at],
-                    "i": [a.generation_index for a in at],
-                    "ru": [a.row_attempts_used for a in at],
-                    "ro": [a.rollout_id for a in at],
-                    "gi": [a.gym_instance_id for a in at],
-                    "gya": [a.gym_attempt for a in at],
-                    "ga": [a.group_attempt for a in at],
-                    "st": [str(a.status) for a in at],
-                    "rw": [a.reward for a in at],
-                    "ms": [a.mask_sample for a in at],
-                    "sk": [_json(list(a.staging_keys)) if a.staging_keys else None for a in at],
-                },
-            )
         row = await get_snapshot(conn, run_id, snapshot_id)
         assert row is not None
         return True, row

@@ -1,8 +1,9 @@
 """Snapshot records, the ledger cut, train steps (recovery-ledger.md section 5).
 
 Every phase is written before its side effects, so a restarted coordinator knows where each
-snapshot stood. The ledger cut copies the run's live groups and current attempts into the
-snapshot tables in one ``INSERT ... SELECT`` per table.
+snapshot stood. The ledger cut copies the run's live groups, each with its siblings' current
+attempts in one array, into ``snapshot_cut_groups`` in one ``INSERT ... SELECT`` (read through the
+views ``snapshot_groups`` and ``snapshot_attempts``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..errors import Conflict, CoordinatorError, NotFound
 from .db import dump_json, read_rows
+from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
 from .runs import lock_run
 
 TERMINAL = ("published", "failed", "aborted")
@@ -289,10 +291,11 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
     """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
     transaction, and answer the staging keys that must exist. Idempotent.
 
-    One statement does the cut: the two copies, the staging keys (those of the sealed and
-    returned rows just copied, taken from the copy's RETURNING instead of reading it back, and
-    those of the Gym manifest, unnested in the database) and the snapshot row's update. The
-    siblings are joined by hash: planned as a nested loop, their 200 000 index probes were ~1 s."""
+    One statement does the cut: the copy (one row per group, its siblings in an array), the
+    staging keys (those of the sealed and returned rows just copied, taken from the copy's
+    RETURNING instead of reading it back, and those of the Gym manifest, unnested in the
+    database) and the snapshot row's update. The siblings are joined by hash: planned as a
+    nested loop, their 200 000 index probes were ~1 s."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
@@ -312,42 +315,69 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
                 text("UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
             )
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
-        # Hash joins, and room for them, the keys' sort and the copy's RETURNING in memory.
+        # Hash joins and a hash aggregate, with room for them (the aggregate holds the whole cut,
+        # ~75 MB at 200 000 siblings) and for the keys' sort in memory. With statistics the
+        # planner otherwise sorts the 200 000 joined rows by group id (a linguistic sort, ~0.7 s)
+        # for a merge join and a group aggregate; the keys' sort is the only one left.
         await conn.execute(text("SET LOCAL enable_nestloop = off"))
-        await conn.execute(text("SET LOCAL work_mem = '64MB'"))
+        await conn.execute(text("SET LOCAL enable_sort = off"))
+        await conn.execute(text("SET LOCAL work_mem = '128MB'"))
         r = (await conn.execute(text(_CUT_SQL), {"r": run_id, "s": snapshot_id})).one()
         return SnapshotRow(**dict(r._mapping))
 
 
+_GROUP_COLS = ", ".join(SNAPSHOT_GROUP_COLUMNS)
+_SIBLING = "CAST(ROW(" + ", ".join(f"a.{name}" for name, _ in SNAPSHOT_SIBLING_FIELDS) + ") AS snapshot_sibling)"
+
+# The cut: one row per live group into ``snapshot_cut_groups``, its siblings (each with its
+# current attempt) aggregated into one array. The staging keys of the sealed and returned rows
+# come from the copy's RETURNING (one small array per group, not a re-read), those of the Gym
+# manifest are unnested in the database.
 _CUT_SQL = (
-    "WITH cut_groups AS ("
-    " INSERT INTO snapshot_groups (run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-    " expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status) "
-    " SELECT run_id, :s, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, expected_generations, "
-    " target_step, weight_version, group_attempt, data_attempts_used, status FROM prompt_groups "
-    " WHERE run_id = :r AND status IN ('generating', 'ready') RETURNING 1), "
-    "cut_attempts AS ("
-    " INSERT INTO snapshot_attempts (run_id, snapshot_id, attempt_id, group_id, generation_index, row_attempts_used, rollout_id, "
-    " gym_instance_id, gym_attempt, group_attempt, status, refusals, receipt, reward, mask_sample, staging_keys, gym_owned) "
-    " SELECT a.run_id, :s, a.attempt_id, a.group_id, a.generation_index, s.row_attempts_used, a.rollout_id, a.gym_instance_id, "
-    " a.gym_attempt, a.group_attempt, a.status, a.refusals, a.receipt, a.reward, a.mask_sample, a.staging_keys, a.gym_owned "
-    " FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
-    " JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-    " WHERE a.run_id = :r AND a.is_current AND g.status IN ('generating', 'ready') "
-    " RETURNING CASE WHEN status IN ('sealed', 'returned') THEN staging_keys END AS keys), "
+    "WITH cut AS ("
+    f" INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings) "
+    f" SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, "
+    f" COALESCE(array_agg({_SIBLING}) FILTER (WHERE a.attempt_id IS NOT NULL), '{{}}') "
+    " FROM prompt_groups g LEFT JOIN (SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s "
+    " ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+    " WHERE a.run_id = :r AND a.is_current) a ON a.group_id = g.group_id "
+    " WHERE g.run_id = :r AND g.status IN ('generating', 'ready') GROUP BY g.run_id, g.group_id "
+    " RETURNING cardinality(siblings) AS n, "
+    " ARRAY(SELECT k FROM unnest(siblings) AS u, unnest(u.staging_keys) AS k WHERE u.status IN ('sealed', 'returned')) AS keys), "
     "manifest_keys AS ("
     " SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
     " THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
     " jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
     " WHERE sn.run_id = :r AND sn.snapshot_id = :s), "
-    "all_keys AS (SELECT k FROM cut_attempts, unnest(keys) AS k WHERE keys IS NOT NULL UNION ALL SELECT k FROM manifest_keys) "
+    "all_keys AS (SELECT k FROM cut, unnest(keys) AS k UNION ALL SELECT k FROM manifest_keys) "
     "UPDATE snapshots SET cut_at = now(), "
     # Sorted by code point, as Python's sorted() did.
     " cut_staging_keys = (SELECT COALESCE(array_agg(DISTINCT k COLLATE \"C\" ORDER BY k COLLATE \"C\"), '{}') FROM all_keys), "
-    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT count(*) FROM cut_groups), "
-    " 'cut_siblings', (SELECT count(*) FROM cut_attempts)) "
+    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT count(*) FROM cut), "
+    " 'cut_siblings', (SELECT COALESCE(sum(n), 0) FROM cut)) "
     f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_WITH_KEYS}"
 )
+
+
+async def insert_cut_rows(conn: AsyncConnection, run_id: str, snapshot_id: str, groups_sql: str, attempts_sql: str, params: dict[str, Any]) -> int:
+    """Write a cut from two row sources, in the caller's transaction: ``groups_sql`` yields the
+    columns of the ``snapshot_groups`` view after run_id and snapshot_id (``group_id``,
+    ``prompt_ref``, ...), ``attempts_sql`` those of ``snapshot_attempts`` (``attempt_id``,
+    ``group_id``, ``generation_index``, ...; any extra columns are ignored). Both are SQL with
+    ``:name`` parameters from ``params``; ``:r`` and ``:s`` are the run and the snapshot. The
+    cut tables are views: this is the way to write one outside the cut itself (the import
+    writer, benchmarks, tests). Returns the number of groups written."""
+    return (
+        await conn.execute(
+            text(
+                f"INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings) "
+                f"SELECT :r, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, COALESCE(x.siblings, '{{}}') "
+                f"FROM ({groups_sql}) AS g LEFT JOIN (SELECT a.group_id, array_agg({_SIBLING}) AS siblings FROM ({attempts_sql}) AS a "
+                "GROUP BY a.group_id) AS x ON x.group_id = g.group_id"
+            ),
+            {**params, "r": run_id, "s": snapshot_id},
+        )
+    ).rowcount
 
 
 async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reason: str, detail: str | None) -> SnapshotRow:
@@ -468,8 +498,7 @@ async def end(
 
 async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
     """Delete the cut of these snapshots, in the caller's transaction (the one deleting the rows)."""
-    for table in ("snapshot_attempts", "snapshot_groups"):
-        await conn.execute(text(f"DELETE FROM {table} WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
+    await conn.execute(text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
 
 
 async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, checkpoint_ref: str | None) -> tuple[dict[str, Any], list[str]]:
