@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def resolve_database(settings: Settings, data_dir: Path | None = None):  # type:
 
     target = data_dir or settings.data_dir
     log.info("starting embedded PostgreSQL in %s", target / "pgdata")
-    emb = start_embedded(target)
+    emb = start_embedded(target, settings=settings.embedded_pg_settings_dict())
     return emb.url, emb
 
 
@@ -152,10 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ckpt-coordinator: invalid configuration: {e}", file=sys.stderr)
         return 2
     _configure_logging(settings)
-    if args.command == "serve":
-        return cmd_serve(args, settings)
-    if args.command == "migrate":
-        return cmd_migrate(args, settings)
+    from .ledger.db import EmbeddedStartError
+
+    try:
+        if args.command == "serve":
+            return cmd_serve(args, settings)
+        if args.command == "migrate":
+            return cmd_migrate(args, settings)
+    except EmbeddedStartError as e:
+        print(f"ckpt-coordinator: {e}", file=sys.stderr)
+        return 1
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -6,6 +6,7 @@ Every setting is listed in the README's configuration table; keep the two in ste
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from pydantic import Field, SecretStr, field_validator
@@ -26,6 +27,28 @@ def default_data_dir() -> Path:
     return base / "ckpt-coordinator"
 
 
+# A ledger must survive a crash at every committed change (spec section 2).
+_DURABILITY_SETTINGS = frozenset(
+    {"fsync", "synchronous_commit", "full_page_writes", "wal_level", "wal_sync_method", "data_sync_retry"}
+)
+_SETTING_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_SETTING_VALUE = re.compile(r"^[A-Za-z0-9._:+-]+$")
+
+
+def parse_pg_settings(text_value: str) -> dict[str, str]:
+    """``"shared_buffers=1GB,work_mem=64MB"`` -> a dict; a clear ``ValueError`` names a bad item."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text_value.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip().lower(), value.strip()
+        if not sep or not _SETTING_NAME.match(name) or not _SETTING_VALUE.match(value):
+            raise ValueError(f"embedded PostgreSQL setting {item!r} is not of the form name=value (value: letters, digits, . _ : + -)")
+        if name in _DURABILITY_SETTINGS:
+            raise ValueError(f"embedded PostgreSQL setting {name!r} cannot be changed: the ledger must stay durable")
+        out[name] = value
+    return out
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CKPTC_", extra="ignore")
 
@@ -34,6 +57,11 @@ class Settings(BaseSettings):
         description="PostgreSQL URL (postgresql://...). Unset: an embedded PostgreSQL is started in data_dir.",
     )
     data_dir: Path = Field(default_factory=default_data_dir, description="Embedded PostgreSQL data directory parent.")
+    embedded_pg_settings: str = Field(
+        default="",
+        description="Embedded PostgreSQL only: name=value,... laid over the built-in tuning "
+        "(ledger.db.EMBEDDED_PG_TUNING); durability settings are refused. Read when the server starts.",
+    )
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     admin_token: SecretStr | None = Field(
@@ -63,6 +91,15 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
         return None if v in ("", None) else v
+
+    @field_validator("embedded_pg_settings")
+    @classmethod
+    def _pg_settings_parse(cls, v: str) -> str:
+        parse_pg_settings(v)
+        return v
+
+    def embedded_pg_settings_dict(self) -> dict[str, str]:
+        return parse_pg_settings(self.embedded_pg_settings)
 
     def database_url_value(self) -> str | None:
         return self.database_url.get_secret_value() if self.database_url else None

