@@ -258,16 +258,20 @@ class SqlPlan:
 async def plan_in_sql(
     conn: AsyncConnection, run_id: str, snapshot_id: str, manifest: Any | None
 ) -> SqlPlan | None:
-    """The restore plan of a snapshot computed from its cut with set-based statements, inside a
-    transaction: the dispositions of ledger spec 6.1 (``domain.restore_plan.plan_restore`` is the
-    reference, compared on random ledgers by a differential test) for the rows that are sent,
-    and how many live rows are reused. ``manifest`` (a ``GymManifest``, or None when no Gym state
+    """The restore plan of a snapshot computed from its cut with set-based statements, as the
+    first statements of a transaction (made repeatable-read and read-only): the dispositions of
+    ledger spec 6.1 (``domain.restore_plan.plan_restore`` is the reference, compared on random
+    ledgers by a differential test) for the rows that are sent, and how many live rows are
+    reused. ``manifest`` (a ``GymManifest``, or None when no Gym state
     is installed) decides continued and gym_restarted turn-level rows.
 
     The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
     when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
     caller then runs the pure function, which names what is wrong."""
     p: dict[str, Any] = {"r": run_id, "s": snapshot_id}
+    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
+    # read whole or not at all.
+    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
     # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
     # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
     for knob in ("enable_nestloop", "enable_mergejoin"):
