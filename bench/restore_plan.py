@@ -11,8 +11,10 @@ dispatched, returned and never-sent rows, one sibling in eight in Gym, see ``_RO
 published snapshot whose cut is that ledger, and a Gym manifest naming the exported and
 restarting turn-level episodes. Then, timed:
 
-* plan: load the cut and the manifest from the snapshot tables and compute the plan with the
-  pure domain function (``restore.service.load_and_plan``);
+* plan: the manifest from the snapshot row, the dispositions computed in SQL over the snapshot
+  tables and the rows that are sent read back, new rollout ids minted in Python
+  (``restore.service.load_and_plan``; ``--compare-plan`` also times the pure domain function
+  over the whole cut, after the measurement);
 * rewind: the one transaction that makes the live ledger the cut with the plan applied
   (``ledger.restore.apply_restore``), Gym state installed (continued rows stay Gym-owned).
 
@@ -172,24 +174,34 @@ class _Breakdown:
             if dt >= 0.1:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
-        inner = repo.load_cut
+        inner = repo.fetch
 
-        async def load_cut(*a: Any, **kw: Any) -> Any:
+        async def fetch(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
             try:
-                return await inner(*a, **kw)
+                return await inner(conn, sql, *a, **kw)
             finally:
-                self.load_s += time.perf_counter() - t
+                dt = time.perf_counter() - t
+                self.load_s += dt
+                if dt >= 0.1:
+                    self.lines.append(f"{dt:6.2f}s  {' '.join(sql.split())[:110]}")
 
-        repo.load_cut = load_cut  # type: ignore[assignment]
+        repo.fetch = fetch  # type: ignore[assignment]
 
 
 async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None) -> dict[str, Any]:
     gc.collect()
+    if breakdown is not None:
+        breakdown.lines.clear()
+        breakdown.load_s = 0.0
     t0 = time.perf_counter()
     planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
     t1 = time.perf_counter()
     if breakdown is not None:
+        print(f"restore_plan:   breakdown: plan statements {breakdown.load_s:.2f}s, the rest of planning "
+              f"{t1 - t0 - breakdown.load_s:.2f}s; plan statements over 0.1 s:", flush=True)
+        for line in breakdown.lines:
+            print(f"restore_plan:     {line}", flush=True)
         breakdown.lines.clear()
     rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
     report = await repo.apply_restore(
@@ -197,8 +209,7 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
     )
     t2 = time.perf_counter()
     if breakdown is not None:
-        print(f"restore_plan:   breakdown: load_cut {breakdown.load_s:.2f}s, plan function and rest of planning "
-              f"{t1 - t0 - breakdown.load_s:.2f}s; rewind statements over 0.1 s:", flush=True)
+        print("restore_plan:   rewind statements over 0.1 s:", flush=True)
         for line in breakdown.lines:
             print(f"restore_plan:     {line}", flush=True)
         breakdown.load_s = 0.0
@@ -256,7 +267,7 @@ async def calibrate(engine: Any) -> tuple[float, float]:
     return pg_s, time.perf_counter() - t
 
 
-async def main_async(sizes: list[int], check: bool, breakdown: bool = False) -> int:
+async def main_async(sizes: list[int], check: bool, breakdown: bool = False, compare_plan: bool = False) -> int:
     pg = Postgres()
     engine = make_async_engine(pg.url)
     bd = _Breakdown(engine) if breakdown else None
@@ -278,6 +289,21 @@ async def main_async(sizes: list[int], check: bool, breakdown: bool = False) -> 
             res = await measure(engine, run_id, bd)
             await verify(engine, run_id, res["counts"])
             results.append(res)
+            if compare_plan:
+                # After the measurement (the cut is as it was; the run is one epoch on): the plan
+                # computed in SQL against the pure function over the whole cut, alternately.
+                times: dict[str, list[float]] = {"sql": [], "pure": []}
+                for _ in range(2):
+                    for name in ("sql", "pure"):
+                        gc.collect()
+                        t = time.perf_counter()
+                        await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True, in_sql=name == "sql")
+                        times[name].append(time.perf_counter() - t)
+                print(
+                    "restore_plan:   plan in SQL " + " / ".join(f"{x:.2f}" for x in times["sql"])
+                    + " s, pure function over the whole cut " + " / ".join(f"{x:.2f}" for x in times["pure"]) + " s (warm, alternately)",
+                    flush=True,
+                )
             print(
                 f"restore_plan:   plan {res['plan_s']:.2f}s + rewind {res['rewind_s']:.2f}s = {res['total_s']:.2f}s  "
                 f"({res['total_s'] / (n / 100_000):.3f}s per 100k)  rewrote {res['rewritten']:,}, inserted {res['inserted']:,}  "
@@ -317,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="100000,1000000", help="comma-separated sibling counts (multiples of 8)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test; targets are reported, not checked")
     ap.add_argument("--no-check", action="store_true", help="report the targets without turning a miss into exit status 1")
-    ap.add_argument("--breakdown", action="store_true", help="also print the cut's load time and every rewind statement over 0.1 s")
+    ap.add_argument("--breakdown", action="store_true", help="also print the plan's and every rewind statement over 0.1 s")
+    ap.add_argument("--compare-plan", action="store_true", help="after each measurement, time the plan in SQL and the pure function alternately")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes = "4000,40000"
@@ -325,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or any(n <= 0 or n % SIBLINGS_PER_GROUP for n in sizes):
         ap.error("sizes must be positive multiples of 8 (groups of 8 siblings)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop PostgreSQL
-    return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown))
+    return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown, compare_plan=args.compare_plan))
 
 
 if __name__ == "__main__":

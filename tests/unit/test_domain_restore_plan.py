@@ -625,3 +625,51 @@ def test_columns_are_the_rows_of_a_disposition(case: tuple[Cut, GymManifest | No
         assert [plan.rows._attempts[p][2] for p in plan.rows.positions(d)] == [r.attempt_id for r in rows]
         for name in PlanColumns._fields:
             assert list(getattr(cols, name)) == [getattr(r, name) for r in rows], (d, name)
+
+
+# -- a plan assembled from dispositions decided elsewhere (the ledger's SQL) -------------------
+
+
+def test_assemble_plan_equals_the_pure_plan_without_its_reused_rows() -> None:
+    from checkpoint_coordinator.domain.restore_plan import DISPOSITION_CODES, assemble_plan
+
+    cut = Cut(
+        groups=[group("t", "turn", 3), group("s", "sibling", 2), group("p", "prompt_group", 2, ga=1)],
+        attempts=[
+            att("t", 0, "dispatched", inst=R0),
+            att("t", 1, "sealed", inst=R0, keys=("k",)),
+            att("t", 2, "reserved"),
+            att("s", 0, "failed", inst=R1),
+            att("s", 1, "sealed", inst=R1),
+            att("p", 0, "sealed", inst=R1, ga=1),
+            att("p", 1, "dispatched", inst=R1, ga=1),
+        ],
+    )
+    rnd = random.Random(6)
+    mint = _same_ids(rollout_id_minter(lambda n: rnd.randbytes(n).hex()))
+    ref = plan_restore(cut, manifest({R0: [("t_g0_old", 0)]}), mint)
+    sent = [r for r in ref.rows if r.disposition is not D.reused]
+    rows = [a for a in cut.attempts if (a.group_id, a.generation_index) in {(r.group_id, r.generation_index) for r in sent}]
+    codes = bytes(DISPOSITION_CODES[r.disposition] for r in sent)
+    got = assemble_plan(
+        rows, codes, mint, cohort_reruns=ref.cohort_reruns, skipped_groups=(), reused=ref.counts[D.reused], with_gym_state=True
+    )
+    assert list(got.rows) == sent
+    assert dict(got.counts) == dict(ref.counts) and got.total == ref.total == 7
+    assert got.rows.columns(D.rerun) == ref.rows.columns(D.rerun)  # the cohort reruns at group_attempt + 1
+    # Demoting continuations keeps the reused rows counted.
+    demoted = demote_continuations(got, mint)
+    assert demoted.total == 7 and demoted.counts[D.reused] == ref.counts[D.reused] and demoted.counts[D.continued] == 0
+    with pytest.raises(ValueError):
+        assemble_plan(rows, b"\x01" * len(rows), mint, cohort_reruns=(), skipped_groups=(), reused=0, with_gym_state=True)
+
+
+def _same_ids(minter: Callable[[str, int], str]) -> Callable[[str, int], str]:
+    """A deterministic generator (the same id for the same sibling), like the service's."""
+    seen: dict[tuple[str, int], str] = {}
+
+    def mint(gid: str, i: int) -> str:
+        return seen.setdefault((gid, i), minter(gid, i))
+
+    mint.random_bits = 128  # type: ignore[attr-defined]
+    return mint

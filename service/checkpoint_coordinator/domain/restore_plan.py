@@ -82,6 +82,8 @@ __all__ = [
     "PlanColumns",
     "NewRolloutId",
     "plan_restore",
+    "assemble_plan",
+    "DISPOSITION_CODES",
     "restore_without_gym_state",
     "demote_continuations",
     "validate_cut",
@@ -324,14 +326,17 @@ class PlanRows(Sequence[PlanRow]):
 class RestorePlan:
     """The result of :func:`plan_restore` / :func:`restore_without_gym_state`.
 
-    * ``rows``: every sibling of every live group, exactly once (:class:`PlanRows`);
+    * ``rows``: every sibling of every live group, exactly once (:class:`PlanRows`); a plan
+      built by :func:`assemble_plan` leaves the ``reused`` rows out (``reused_omitted`` of
+      them, still counted in ``counts`` and ``total``);
     * ``counts``: siblings per :class:`Disposition`, all six keys present, summing to
       ``len(rows)``;
     * ``cohort_reruns``: prompt_group groups that rerun (their rows carry ``group_attempt + 1``);
     * ``skipped_groups``: finalized or abandoned groups, not planned;
     * ``retire``: attempts to retire before anything is dispatched (only without Gym state);
     * ``with_gym_state``: whether continuations are installed on Gym;
-    * ``group_outcomes()``: one :class:`GroupOutcome` per group of the cut.
+    * ``group_outcomes()``: one :class:`GroupOutcome` per group of the cut (empty for a plan
+      built by :func:`assemble_plan`).
     """
 
     __slots__ = (
@@ -343,6 +348,7 @@ class RestorePlan:
         "with_gym_state",
         "_groups",
         "_gdisp",
+        "reused_omitted",
     )
 
     def __init__(
@@ -355,6 +361,7 @@ class RestorePlan:
         with_gym_state: bool,
         groups: Sequence[CutGroup],
         gdisp: bytes,
+        reused_omitted: int = 0,
     ) -> None:
         self.rows = rows
         self.counts = counts
@@ -364,13 +371,16 @@ class RestorePlan:
         self.with_gym_state = with_gym_state
         self._groups = groups
         self._gdisp = gdisp
+        # Reused rows counted in ``counts`` and ``total`` but not carried in ``rows`` (a plan
+        # computed in the ledger, see :func:`assemble_plan`); 0 for the pure function's plans.
+        self.reused_omitted = reused_omitted
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + self.reused_omitted
 
     @property
     def total(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + self.reused_omitted
 
     def group_outcomes(self) -> tuple[GroupOutcome, ...]:
         bumped = set(self.cohort_reruns)
@@ -953,7 +963,7 @@ def demote_continuations(plan: RestorePlan, new_rollout_id: NewRolloutId) -> Res
             new_ids[p] = new
             disp[p] = _RESTARTED
     new_rows = PlanRows(rows._attempts, disp, new_ids, rows._bumped, rows._positions)
-    counts = MappingProxyType({d: disp.count(_CODE_BY_DISP[d]) for d in Disposition})
+    counts = _counts(disp, plan.reused_omitted)
     return RestorePlan(
         rows=new_rows,
         counts=counts,
@@ -963,6 +973,68 @@ def demote_continuations(plan: RestorePlan, new_rollout_id: NewRolloutId) -> Res
         with_gym_state=False,
         groups=plan._groups,
         gdisp=plan._gdisp,
+        reused_omitted=plan.reused_omitted,
+    )
+
+
+def _counts(disp: bytearray, reused_omitted: int = 0) -> Mapping[Disposition, int]:
+    out = {d: disp.count(_CODE_BY_DISP[d]) for d in Disposition}
+    out[Disposition.reused] += reused_omitted
+    return MappingProxyType(out)
+
+
+DISPOSITION_CODES: Mapping[Disposition, int] = MappingProxyType(dict(_CODE_BY_DISP))
+"""The one-byte code of each disposition (what :func:`assemble_plan` takes per row)."""
+
+
+def assemble_plan(
+    attempts: Sequence[CutAttempt],
+    codes: bytes | bytearray,
+    new_rollout_id: NewRolloutId,
+    *,
+    cohort_reruns: Sequence[str],
+    skipped_groups: Sequence[str],
+    reused: int,
+    with_gym_state: bool,
+) -> RestorePlan:
+    """A plan whose dispositions were decided elsewhere (the ledger computes them in SQL, with
+    :func:`plan_restore` as the reference it is tested against): ``attempts`` are the rows of
+    live groups that are not ``reused``, in cut order, ``codes`` their disposition codes
+    (:data:`DISPOSITION_CODES`), ``reused`` how many reused rows were left out. New rollout ids
+    are minted here, sibling by sibling, exactly as :func:`plan_restore` mints them; rows of a
+    rerunning cohort carry ``group_attempt + 1``. ``retire`` (without Gym state) lists the rows
+    the cut knows as running in Gym, by the rule of :func:`restore_without_gym_state`."""
+    disp = bytearray(codes)
+    if len(disp) != len(attempts) or disp.count(_REUSED) or disp.count(0):
+        raise ValueError("assemble_plan takes one non-reused disposition code per row")
+    new_ids: list[str | None] = [None] * len(attempts)
+    mint = new_rollout_id
+    for code in (_RESTARTED, _GYM_RESTARTED, _RERUN):
+        for m in re.finditer(re.escape(bytes((code,))), disp):
+            p = m.start()
+            a = attempts[p]
+            new_ids[p] = mint(a[0], a[1])
+    if mint_needs_check(new_rollout_id):
+        minted = [x for x in new_ids if x is not None]
+        minted_set = set(minted)
+        if len(minted_set) != len(minted) or not minted_set.isdisjoint(map(_ROLLOUT_ID_OF, attempts)):
+            _raise_collision(attempts, new_ids)
+    retire_pos: list[int] = []
+    if not with_gym_state:
+        retire_pos = [
+            p for p, a in enumerate(attempts) if a[7] == "dispatched" or (a[7] == "reserved" and a[5])
+        ]
+    rows = PlanRows(attempts, disp, new_ids, frozenset(cohort_reruns), None)
+    return RestorePlan(
+        rows=rows,
+        counts=_counts(disp, reused),
+        cohort_reruns=tuple(cohort_reruns),
+        skipped_groups=tuple(skipped_groups),
+        retire=RetireList(attempts, retire_pos),
+        with_gym_state=with_gym_state,
+        groups=(),
+        gdisp=b"",
+        reused_omitted=reused,
     )
 
 

@@ -10,6 +10,7 @@ target, so its cost follows the number of siblings and what changed since the cu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -166,6 +167,156 @@ async def load_cut(
         extras[gid] = GroupExtra(dau, wv)
     attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in await fetch(conn, _ATT_SQL_FULL, params, binary=False)]
     return Cut(groups=groups, attempts=attempts), extras
+
+
+# -------------------------------------------------------------------------------------------
+# The plan in SQL (the dispositions of ledger spec 6.1, set-based)
+
+# Disposition codes, as ``domain.restore_plan.DISPOSITION_CODES``: 1 reused, 2 continued,
+# 3 restarted, 4 gym_restarted, 5 rerun, 6 dispatch.
+#
+# Whether the cut passes the pure plan's checks, the live siblings and the skipped groups, in
+# plain aggregates (one parallel pass over the cut, no grouping by group, which cost 2-3x more
+# at 1M rows). Per-row checks are counted. That every sibling has exactly one current attempt:
+# let D(g) = (sum of 2^index over g's rows) - (2^N - 1) for a group of N <= 31 siblings. N powers
+# of two sum to 2^N - 1 only if they are distinct (a repeat carries and leaves fewer ones than
+# terms), so when every D(g) is 0 each group has at least N rows, and when the row count also
+# equals the sum of N, exactly N distinct ones. The statement compares sum(h(g) * D(g)) with 0
+# for odd weights h(g) (a hash of the group id): one broken group always shows; several could
+# cancel only by an exact coincidence of weights (the pure function's check, which the
+# differential test runs on broken cuts too, stays the reference). Groups of more than 31
+# siblings (``big``) are checked by grouping their rows (_PLAN_DUPLICATES).
+_PLAN_SUMMARY = (
+    "WITH g AS MATERIALIZED (SELECT group_id, restore_level AS lvl, expected_generations AS n, group_attempt AS ga, "
+    "status AS gst, status IN ('generating', 'ready') AS live, hashtext(group_id)::bigint | 1 AS h "
+    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s), "
+    "r AS (SELECT count(*) AS k, count(*) FILTER (WHERE (g.group_id IS NULL OR sa.generation_index < 0 "
+    "OR sa.generation_index >= g.n OR sa.group_attempt <> g.ga "
+    "OR sa.status NOT IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned') OR sa.gym_attempt < 0 "
+    "OR (sa.gym_attempt > 0 AND (g.lvl <> 'turn' OR sa.gym_instance_id IS NULL)) "
+    "OR (g.live AND sa.status = 'returned' AND g.lvl <> 'prompt_group')) IS NOT FALSE) AS bad, "
+    "sum(g.h * (1::bigint << sa.generation_index)) FILTER (WHERE g.n <= 31 AND sa.generation_index BETWEEN 0 AND 30) AS w "
+    "FROM snapshot_attempts sa LEFT JOIN g ON g.group_id = sa.group_id WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s), "
+    "q AS (SELECT count(*) AS groups, count(DISTINCT group_id) AS distinct_groups, COALESCE(sum(n), 0) AS k, "
+    "sum(h * ((1::bigint << n) - 1)) FILTER (WHERE n <= 31) AS w, "
+    "count(*) FILTER (WHERE lvl NOT IN ('turn', 'sibling', 'prompt_group') OR n < 1 OR n >= 65536 OR ga < 0 "
+    "OR gst NOT IN ('generating', 'ready', 'finalized', 'abandoned')) AS bad, bool_or(n > 31) AS big, "
+    "COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
+    "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped FROM g) "
+    "SELECT r.bad > 0 OR q.bad > 0 OR q.groups <> q.distinct_groups OR r.k <> q.k OR r.w IS DISTINCT FROM q.w AS broken, "
+    "COALESCE(q.big, false), q.live_rows, q.skipped FROM r, q"
+)
+# The prompt_group cohorts that rerun: a cohort is reused when all its rows are sealed and
+# dispatched as it is when none was sent; anything else reruns.
+_PLAN_COHORTS = (
+    "SELECT sa.group_id FROM snapshot_attempts sa JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s "
+    "AND g.group_id = sa.group_id AND g.restore_level = 'prompt_group' AND g.status IN ('generating', 'ready') "
+    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s GROUP BY sa.group_id "
+    "HAVING min(sa.status) <> max(sa.status) OR min(sa.status) NOT IN ('sealed', 'reserved')"
+)
+_PLAN_DUPLICATES = (
+    "SELECT EXISTS (SELECT 1 FROM snapshot_attempts sa JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s "
+    "AND g.group_id = sa.group_id AND g.expected_generations > 31 WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s "
+    "GROUP BY sa.group_id, sa.generation_index HAVING count(*) > 1)"
+)
+# Every manifest entry must be the current attempt of a live turn-level sibling on that instance
+# at that Gym attempt, and a saved one still running in Gym: the matches, per kind, must number
+# the entries (the manifest's rollout ids are unique, the cut's too).
+_PLAN_MANIFEST = (
+    "SELECT count(*) FILTER (WHERE m.saved), count(*) FILTER (WHERE NOT m.saved) "
+    "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
+    "JOIN snapshot_attempts sa ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
+    "JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s AND g.group_id = sa.group_id "
+    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s AND g.restore_level = 'turn' AND g.status IN ('generating', 'ready') "
+    "AND (NOT m.saved OR sa.status = 'dispatched' OR (sa.status = 'reserved' AND sa.gym_attempt > 0))"
+)
+# The rows the plan sends (every live row but reused ones), in cut order, with their code; a
+# turn-level row that is neither sealed nor never sent is ``restarted`` (3) here, and continued
+# or gym_restarted when the manifest lists it (decided by the caller, see plan_in_sql).
+_PLAN_SEND = (
+    "WITH g AS MATERIALIZED (SELECT group_id, restore_level AS lvl, b.g IS NOT NULL AS bumped FROM snapshot_groups "
+    "LEFT JOIN unnest(%(bumped)s::text[]) AS b(g) ON b.g = group_id "
+    "WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('generating', 'ready')) "
+    "SELECT sa.group_id, sa.generation_index, sa.attempt_id, sa.rollout_id, sa.gym_instance_id, sa.gym_attempt, "
+    "sa.group_attempt, sa.status, CASE WHEN g.bumped THEN 5 WHEN sa.status = 'reserved' AND (g.lvl <> 'turn' OR sa.gym_attempt = 0) "
+    "THEN 6 WHEN g.lvl = 'turn' THEN 3 ELSE 5 END FROM snapshot_attempts sa JOIN g ON g.group_id = sa.group_id "
+    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s AND (g.bumped OR sa.status <> 'sealed') ORDER BY sa.attempt_id"
+)
+_CONTINUED, _RESTARTED, _GYM_RESTARTED = 2, 3, 4
+
+
+@dataclass(frozen=True)
+class SqlPlan:
+    """The plan's dispositions as the ledger computes them (:func:`plan_in_sql`)."""
+
+    rows: list[tuple[Any, ...]]  # CutAttempt's first eight fields of every row sent
+    codes: bytes  # the disposition code of each row
+    reused: int  # live rows left out (sealed, reused)
+    cohort_reruns: list[str]
+    skipped_groups: list[str]
+
+
+async def plan_in_sql(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, manifest: Any | None
+) -> SqlPlan | None:
+    """The restore plan of a snapshot computed from its cut with set-based statements, as the
+    first statements of a transaction (made repeatable-read and read-only): the dispositions of
+    ledger spec 6.1 (``domain.restore_plan.plan_restore`` is the reference, compared on random
+    ledgers by a differential test) for the rows that are sent, and how many live rows are
+    reused. ``manifest`` (a ``GymManifest``, or None when no Gym state
+    is installed) decides continued and gym_restarted turn-level rows.
+
+    The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
+    when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
+    caller then runs the pure function, which names what is wrong."""
+    p: dict[str, Any] = {"r": run_id, "s": snapshot_id}
+    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
+    # read whole or not at all.
+    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+    # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
+    # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
+    for knob in ("enable_nestloop", "enable_mergejoin"):
+        await conn.execute(text(f"SET LOCAL {knob} = off"))
+    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    ((broken, big, live_rows, skipped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
+    if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
+        return None
+    bumped = [x for (x,) in await fetch(conn, _PLAN_COHORTS, p, binary=False)]
+    rows = await fetch(conn, _PLAN_SEND, {**p, "bumped": bumped}, binary=False)
+    codes = bytearray(r[8] for r in rows)
+    entries: dict[str, tuple[str, int, bool]] = {}
+    if manifest is not None:
+        for iid, inst in manifest.instances.items():
+            for is_saved, listed in ((True, inst.episodes), (False, inst.restarts)):
+                for rid, n in listed:
+                    entries[rid] = (iid, n, is_saved)
+    if entries:
+        # Manifest entries name live turn-level rows that are running in Gym (saved) or ended
+        # there (restarts): most of them are rows planned ``restarted`` here, checked on the spot
+        # and then continued or restarted from Gym. The others (a restart of a row sealed since,
+        # or of a row never sent; or a wrong entry) are checked by the ledger.
+        left = dict(entries)
+        for m in re.finditer(b"\\x03", codes):
+            a = rows[m.start()]
+            e = left.get(a[3])
+            if e is None or e[0] != a[4] or e[1] != a[5]:
+                continue
+            if e[2]:
+                if not (a[7] == "dispatched" or (a[7] == "reserved" and a[5] > 0)):
+                    return None
+                codes[m.start()] = _CONTINUED
+            else:
+                codes[m.start()] = _GYM_RESTARTED
+            del left[a[3]]
+        if left:
+            mi = [e[0] for e in left.values()]
+            mn = [e[1] for e in left.values()]
+            mk = [e[2] for e in left.values()]
+            ((n_saved, n_restarts),) = await fetch(conn, _PLAN_MANIFEST, {**p, "mi": mi, "mr": list(left), "mn": mn, "mk": mk})
+            if n_saved != sum(mk) or n_restarts != len(mk) - sum(mk):
+                return None
+            # Those rows are sealed (reused) or never sent (dispatch): their codes stand.
+    return SqlPlan([r[:8] for r in rows], bytes(codes), int(live_rows) - len(rows), list(bumped), list(skipped))
 
 
 # -------------------------------------------------------------------------------------------
@@ -611,7 +762,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     #    rows of touched groups. A rerunning cohort (``bumped``) needs none of its rows there:
     #    each of them is replaced (deleted in step 9, its successor inserted in step 10) and its
     #    siblings restart their budgets by group (step 8). So when no other group changed after
-    #    the cut, the table is filled by key lookups and the cut is not read at all. After a
+    #    the cut, the table is filled by one filter of the cut on the continued ids. After a
     #    restore applied after the cut, every row is compared.
     focus_cols = (
         "sa.attempt_id, sa.group_id, sa.generation_index, sa.row_attempts_used, sa.rollout_id, sa.gym_instance_id, "
@@ -631,9 +782,10 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             {**p, "cid": rw.continued_ids, "bumped": bumped_list},
         )
     else:
-        # The continued rows by primary key: a fresh cut has no statistics, and the planner
-        # would otherwise read a million rows to find twenty thousand.
-        await conn.execute(text("SET LOCAL enable_seqscan = off"))
+        # The continued rows, by a filter on their ids. Nothing forces an index: the planner
+        # takes the primary key when the cut is a table (a fresh cut has no statistics, and a
+        # join would hash the whole cut, 2.6 s at 1M against 0.3 s), and a hashed filter over
+        # the scan if the cut tables become views (as a cut helper may make them).
         await conn.execute(
             text(
                 f"CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT {focus_cols}, true AS cont, "
@@ -643,7 +795,6 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             ),
             {**p, "cid": rw.continued_ids, "bumped": bumped_list},
         )
-        await conn.execute(text("SET LOCAL enable_seqscan = on"))
         scan_groups = sorted(touched - bumped)
         if scan_groups:
             await conn.execute(

@@ -65,6 +65,16 @@ def cut_retire_items(cut: Cut) -> list[RetireItem]:
     return out
 
 
+def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
+    """:func:`cut_retire_items` over rows already known to be of live groups (the rows of a plan
+    computed in the ledger, which leaves out only sealed rows)."""
+    return [
+        RetireItem(a[4], a[3], a[5], a[2])
+        for a in attempts
+        if a[7] == "dispatched" or (a[7] == "reserved" and a[5] > 0)
+    ]
+
+
 def row_json(r: PlanRow, *, include_staging_keys: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {
         "group_id": r.group_id,

@@ -1,8 +1,11 @@
 """The restore choreography of ledger spec section 6 (protocol 5.6).
 
 ``GET /restore-plan`` (:func:`preview_plan`) and ``POST /restores`` (:func:`execute_restore`)
-compute the plan with the pure domain function from the snapshot's ledger cut and Gym manifest,
-nothing held in memory. The restore then runs:
+compute the plan from the snapshot's ledger cut and Gym manifest, nothing held in memory: the
+dispositions in SQL (``ledger.restore.plan_in_sql``; only the rows that are sent reach Python,
+where new rollout ids are minted), with the pure domain function as the reference a differential
+test compares it with, and as the fallback that names what is wrong with a broken cut or a
+disagreeing manifest (and lists reused rows, for ``include_reused``). The restore then runs:
 
 1. checks before Gym is touched, each naming what is wrong: the manifest agrees with the cut
    (the plan refuses otherwise), the registered instances equal the manifest's, discovery
@@ -44,6 +47,7 @@ from ..domain.restore_plan import (
     plan_restore,
     require_restorable_topology,
     restore_without_gym_state,
+    assemble_plan,
 )
 from ..errors import Conflict, CoordinatorError, RunClosed
 from ..gym.errors import GymControlError
@@ -70,6 +74,7 @@ from .planning import (
     NEW_ATTEMPT_DISPOSITIONS,
     counts_json,
     cut_retire_items,
+    live_retire_items,
     row_json,
     rollout_minter,
 )
@@ -138,6 +143,14 @@ class Planned:
     no_gym_reason: str | None
     retire: list[RetireItem]
 
+    def retire_candidates(self) -> list[RetireItem]:
+        """The attempts of live groups the cut knows as possibly running in Gym (6.6). A plan
+        computed in the ledger carries only the rows it sends in ``cut`` (groups left empty):
+        every such attempt is one of them."""
+        if not self.cut.groups:
+            return live_retire_items(self.cut.attempts)
+        return cut_retire_items(self.cut)
+
 
 def _plan(
     cut: Cut, manifest: GymManifest | None, *, run_id: str, snapshot_id: str, epoch: int, with_gym_state: bool
@@ -168,14 +181,50 @@ def _plan(
 
 
 async def load_and_plan(
-    engine: AsyncEngine, run_id: str, *, snapshot_id: str | None, step: int | None, with_gym_state: bool, detailed: bool = False
+    engine: AsyncEngine,
+    run_id: str,
+    *,
+    snapshot_id: str | None,
+    step: int | None,
+    with_gym_state: bool,
+    detailed: bool = False,
+    in_sql: bool = True,
 ) -> Planned:
+    """The plan of a restore. The dispositions are computed in the ledger (``repo.plan_in_sql``,
+    set-based; ``plan.rows`` then carries every row but the reused ones) unless ``detailed``
+    (reused rows with their staging keys are wanted) or ``in_sql`` is false; a cut or manifest
+    the ledger's statements find wrong is planned again by the pure domain function, which
+    refuses it with the errors that name what is wrong."""
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
-        cut, _ = await repo.load_cut(conn, run_id, snap.snapshot_id, detailed=detailed)
     cfg = run_config(run.config)
     manifest = load_manifest(snap)
+    if in_sql and not detailed:
+        async with engine.begin() as conn:
+            sp = await repo.plan_in_sql(conn, run_id, snap.snapshot_id, manifest if with_gym_state else None)
+        if sp is not None:
+            minter = rollout_minter(run_id, snap.snapshot_id, run.epoch)
+            rows = sp.rows
+            plan = assemble_plan(
+                rows,
+                sp.codes,
+                minter,
+                cohort_reruns=sp.cohort_reruns,
+                skipped_groups=sp.skipped_groups,
+                reused=sp.reused,
+                with_gym_state=with_gym_state,
+            )
+            # The rows a plan carries are every live row the cut knows as possibly running in
+            # Gym (only sealed rows are left out), so the retires come from them.
+            cut = Cut(groups=(), attempts=rows)
+            if not with_gym_state:
+                return Planned(run, cfg, snap, cut, manifest, plan, False, "with_gym_state is false", list(plan.retire))
+            if manifest is None:
+                return Planned(run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows))
+            return Planned(run, cfg, snap, cut, manifest, plan, True, None, [])
+    async with engine.connect() as conn:
+        cut, _ = await repo.load_cut(conn, run_id, snap.snapshot_id, detailed=detailed)
     plan, install, reason, retire = _plan(
         cut,
         manifest,
@@ -210,8 +259,15 @@ async def preview_plan(
     limit: int,
 ) -> dict[str, Any]:
     """The plan a restore of this snapshot would apply now (``GET /restore-plan``)."""
+    # Reused rows are listed only from the pure function's plan (the ledger's leaves them out).
     p = await load_and_plan(
-        engine, run_id, snapshot_id=snapshot_id, step=step, with_gym_state=with_gym_state, detailed=include_reused
+        engine,
+        run_id,
+        snapshot_id=snapshot_id,
+        step=step,
+        with_gym_state=with_gym_state,
+        detailed=include_reused,
+        in_sql=disposition != Disposition.reused.value,
     )
     wanted = Disposition(disposition) if disposition else None
     rows = (
@@ -535,7 +591,7 @@ def _after_failed_gym_restore(
         raise _GymTouchedRefusal(problem)
     log.warning("run %s restore %s: Gym restore failed, continuations restart: %s", run_id, req.restore_id, exc)
     demoted = demote_continuations(p.plan, rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "demoted"))
-    retire = cut_retire_items(p.cut)
+    retire = p.retire_candidates()
     by_rollout = {a[3]: a[2] for a in p.cut.attempts}
     for iid, keys in (exc.extra.get("unretired") or {}).items():
         for key in keys:

@@ -1,0 +1,194 @@
+"""Differential test: the restore plan the ledger computes in SQL (``ledger.restore.plan_in_sql``,
+what ``load_and_plan`` uses) equals the pure domain function's plan (``domain.restore_plan``, the
+reference) on random ledger cuts and Gym manifests, against real PostgreSQL: same dispositions,
+rows, new rollout ids, counts, rerunning cohorts, skipped groups and retires, and on a broken cut
+or a disagreeing manifest the same refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from typing import Any
+
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import text
+
+from checkpoint_coordinator.domain.config import load_recovery_config
+from checkpoint_coordinator.domain.cut import Cut, CutAttempt, CutGroup, PromptRef
+from checkpoint_coordinator.domain.restore_plan import Disposition
+from checkpoint_coordinator.errors import CoordinatorError
+from checkpoint_coordinator.ledger import restore as repo
+from checkpoint_coordinator.ledger.db import make_async_engine
+from checkpoint_coordinator.restore.planning import row_json
+from checkpoint_coordinator.restore.service import load_and_plan
+
+from .test_restore_support import manifest_doc
+
+INSTANCES = ("math/replica-0", "math/replica-1")
+LEVELS = ("turn", "sibling", "prompt_group")
+GROUP_STATUSES = ("generating", "generating", "ready", "finalized", "abandoned")
+ROW_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
+
+
+@st.composite
+def ledgers(draw: Any) -> tuple[Cut, dict[str, Any] | None, str | None]:
+    """A cut (mostly valid, sometimes broken on purpose) and a manifest that mostly agrees."""
+    groups: list[CutGroup] = []
+    attempts: list[CutAttempt] = []
+    for k in range(draw(st.integers(0, 6))):
+        gid = f"g{k}"
+        level = draw(st.sampled_from(LEVELS))
+        n = draw(st.sampled_from((1, 2, 3, 4, 5, 63, 64)))
+        ga = draw(st.integers(0, 2))
+        status = draw(st.sampled_from(GROUP_STATUSES))
+        groups.append(CutGroup(gid, level, n, ga, status, f"sha256:{k}", PromptRef(k, "math")))  # type: ignore[arg-type]
+        # A cohort is often uniform (all sealed, all never sent): both resolve without a rerun.
+        uniform = draw(st.sampled_from((None, None, "sealed", "reserved"))) if level == "prompt_group" else None
+        for i in range(n):
+            if uniform is not None and n > 5:
+                status_i = uniform
+            elif uniform is not None:
+                status_i = draw(st.sampled_from((uniform, uniform, uniform, "dispatched")))
+            elif level == "prompt_group":
+                status_i = draw(st.sampled_from(ROW_STATUSES))
+            else:
+                status_i = draw(st.sampled_from(tuple(s for s in ROW_STATUSES if s != "returned")))
+            inst = draw(st.sampled_from((None,) + INSTANCES)) if status_i != "reserved" else None
+            gym_attempt = 0
+            if level == "turn" and status_i in ("dispatched", "reserved", "sealed") and draw(st.booleans()):
+                inst = draw(st.sampled_from(INSTANCES))
+                gym_attempt = draw(st.integers(0, 2))
+            attempts.append(CutAttempt(gid, i, 0, f"{gid}_g{i}_a{k:02d}{i:030x}", inst, gym_attempt, ga, status_i))  # type: ignore[arg-type]
+    breakage = draw(st.sampled_from((None,) * 8 + ("duplicate", "missing", "group_attempt", "returned", "gym_attempt", "far_index")))
+    if breakage is not None and attempts:
+        j = draw(st.integers(0, len(attempts) - 1))
+        a = attempts[j]
+        if breakage == "duplicate":
+            attempts.append(a._replace(rollout_id=a.rollout_id + "x"))
+        elif breakage == "missing":
+            del attempts[j]
+        elif breakage == "group_attempt":
+            attempts[j] = a._replace(group_attempt=a.group_attempt + 1)
+        elif breakage == "far_index":
+            attempts[j] = a._replace(generation_index=45)
+        elif breakage == "returned":
+            attempts[j] = a._replace(status="returned")  # type: ignore[arg-type]
+        else:
+            attempts[j] = a._replace(gym_attempt=1, gym_instance_id=INSTANCES[0])
+    manifest = None
+    if draw(st.booleans()):
+        instances: dict[str, dict[str, list[tuple[str, int]]]] = {i: {"episodes": [], "restarts": []} for i in INSTANCES}
+        level_of = {g.group_id: g.restore_level for g in groups}
+        for a in attempts:
+            if level_of[a.group_id] != "turn" or a.gym_instance_id is None:
+                continue
+            pick = draw(st.sampled_from(("none", "saved", "restart")))
+            running = a.status == "dispatched" or (a.status == "reserved" and a.gym_attempt > 0)
+            if pick == "restart" or (pick == "saved" and running):
+                instances[a.gym_instance_id]["episodes" if pick == "saved" else "restarts"].append((a.rollout_id, a.gym_attempt))
+        if attempts and draw(st.integers(0, 4)) == 0:
+            # One entry that disagrees: a saved row that is not running, another instance, another
+            # Gym attempt, or a row that is not turn-level.
+            a = draw(st.sampled_from(attempts))
+            other = INSTANCES[1] if a.gym_instance_id == INSTANCES[0] else INSTANCES[0]
+            where, n = draw(st.sampled_from(((other, a.gym_attempt), (a.gym_instance_id or other, a.gym_attempt + 1))))
+            listed = {r for body in instances.values() for part in body.values() for r, _ in part}
+            if a.rollout_id not in listed:
+                instances[where][draw(st.sampled_from(("episodes", "restarts")))].append((a.rollout_id, n))
+        manifest = manifest_doc(instances)
+    return Cut(groups=groups, attempts=attempts), manifest, breakage
+
+
+def _every_disposition() -> tuple[Cut, dict[str, Any] | None, str | None]:
+    """A turn-level group with a continued, a gym_restarted, a restarted, a reused and a
+    never-sent row, a sibling-level group that reruns a row and a cohort that reruns."""
+    t = [
+        CutAttempt("t", i, 0, f"t_g{i}_a{i:032x}", INSTANCES[0] if st_ != "reserved" else None, 0, 0, st_)  # type: ignore[arg-type]
+        for i, st_ in enumerate(("dispatched", "dispatched", "dispatched", "sealed", "reserved"))
+    ]
+    s_ = [CutAttempt("s", i, 0, f"s_g{i}_a{i:032x}", INSTANCES[1], 0, 1, st_) for i, st_ in enumerate(("failed", "sealed"))]  # type: ignore[arg-type]
+    p_ = [CutAttempt("p", i, 0, f"p_g{i}_a{i:032x}", INSTANCES[1], 0, 0, st_) for i, st_ in enumerate(("returned", "dispatched"))]  # type: ignore[arg-type]
+    groups = [
+        CutGroup("t", "turn", 5, 0, "generating", "sha256:t", PromptRef(1, "math")),  # type: ignore[arg-type]
+        CutGroup("s", "sibling", 2, 1, "generating", "sha256:s", PromptRef(2, "math")),  # type: ignore[arg-type]
+        CutGroup("p", "prompt_group", 2, 0, "ready", "sha256:p", PromptRef(3, "math")),  # type: ignore[arg-type]
+    ]
+    manifest = manifest_doc({INSTANCES[0]: {"episodes": [(t[0].rollout_id, 0)], "restarts": [(t[1].rollout_id, 0)]}, INSTANCES[1]: {}})
+    return Cut(groups=groups, attempts=t + s_ + p_), manifest, None
+
+
+async def _store(engine: Any, run_id: str, snapshot_id: str, cut: Cut, manifest: dict[str, Any] | None) -> None:
+    await repo.create_imported_snapshot(
+        engine, run_id, snapshot_id, cut, anchor_step=1, detail={"document_sha256": snapshot_id}, data_attempts_used={}
+    )
+    if manifest is not None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("UPDATE snapshots SET gym_manifest = CAST(:m AS jsonb), gym_checkpoint_id = :c WHERE run_id = :r AND snapshot_id = :s"),
+                {"r": run_id, "s": snapshot_id, "m": json.dumps(manifest), "c": manifest["checkpoint_id"]},
+            )
+
+
+async def _both(engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool) -> tuple[Any, Any]:
+    out = []
+    for in_sql in (False, True):
+        try:
+            p = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=with_gym_state, in_sql=in_sql)
+        except CoordinatorError as e:
+            out.append(("refused", type(e).__name__, e.problem()))
+            continue
+        plan = p.plan
+        out.append(
+            (
+                "planned",
+                plan.total,
+                dict(plan.counts),
+                sorted(plan.cohort_reruns),
+                sorted(plan.skipped_groups),
+                [row_json(r) for r in plan.rows if r.disposition is not Disposition.reused],
+                sorted(plan.continued_by_instance().items()),
+                sorted(p.retire, key=repr),
+                sorted(p.retire_candidates(), key=repr),
+                (p.install, p.no_gym_reason),
+            )
+        )
+    return out[0], out[1]
+
+
+def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
+    loop = asyncio.new_event_loop()
+    engine = make_async_engine(database_url, pool_size=2)
+    counter = itertools.count()
+    seen: set[str] = set()
+
+    async def setup() -> None:
+        async with engine.begin() as conn:
+            await conn.execute(
+                text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES ('diff', CAST(:c AS jsonb), '/tmp/diff', 'x')"),
+                {"c": json.dumps(load_recovery_config({"target_level": "turn"}).public_dict())},
+            )
+
+    loop.run_until_complete(setup())
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(ledger=ledgers(), with_gym_state=st.booleans())
+    @example(ledger=_every_disposition(), with_gym_state=True)
+    def check(ledger: tuple[Cut, dict[str, Any] | None, str | None], with_gym_state: bool) -> None:
+        cut, manifest, _breakage = ledger
+        sid = f"s{next(counter)}"
+        loop.run_until_complete(_store(engine, "diff", sid, cut, manifest))
+        ref, got = loop.run_until_complete(_both(engine, "diff", sid, with_gym_state))
+        assert got == ref
+        seen.add(ref[0])
+        if ref[0] == "planned":
+            seen.update(d for d, n in ref[2].items() if n)
+
+    try:
+        check()
+    finally:
+        loop.run_until_complete(engine.dispose())
+        loop.close()
+    # The random ledgers reached every disposition and both refusals and plans.
+    assert {"planned", "refused"} | {d.value for d in Disposition} <= seen, seen
