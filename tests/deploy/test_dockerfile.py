@@ -13,7 +13,6 @@ import json
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import yaml

@@ -124,7 +124,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
             await trainer.dispatch(others, "math/replica-0")
         await trainer.wait_idle(60)
         for iid in IDS:
-            sessions = (await _state(fresh[iid], f"/resources/calendar_resources/sessions"))["sessions"]
+            sessions = (await _state(fresh[iid], "/resources/calendar_resources/sessions"))["sessions"]
             for r in cont:
                 if r["instance_id"] != iid:
                     continue

@@ -132,7 +132,7 @@ async def test_restore_continues_exported_episodes_on_their_instance(client, adm
             assert reply["capture_key"] == r["capture_key"] and reply["turns_completed"] == TURNS
             assert reply["resumed_from_turn"] is not None and reply["resumed_from_turn"] >= 2
         # No mutation applied twice: each session's history holds every turn exactly once.
-        sessions = (await asyncio.to_thread(gym.admin, "GET", f"/resources/calendar_resources/sessions"))["sessions"]
+        sessions = (await asyncio.to_thread(gym.admin, "GET", "/resources/calendar_resources/sessions"))["sessions"]
         for r in cont:
             hist = sessions[r["capture_key"]]["history"]
             k = player.replies[r["capture_key"]]["resumed_from_turn"]

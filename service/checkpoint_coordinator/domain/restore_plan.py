@@ -583,7 +583,7 @@ def cut_issues(cut: Cut) -> list[FieldIssue]:
                 )
         if inst is not None and (not isinstance(inst, str) or not inst):
             issues.add(
-                ("attempts", pos, "gym_instance_id"), f"must be null or a non-empty string"
+                ("attempts", pos, "gym_instance_id"), "must be null or a non-empty string"
             )
         if type(grp_att) is not int or grp_att != gatt[gid]:
             issues.add(

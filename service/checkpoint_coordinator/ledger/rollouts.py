@@ -23,9 +23,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
-from ..errors import Conflict, CoordinatorError, GateClosed, NotFound
+from ..errors import Conflict, GateClosed, NotFound
 from .db import dump_json, execute, fetch, read_rows
-from .runs import RunRow, lock_run
+from .runs import lock_run
 
 def _hex() -> str:
     return secrets.token_hex(16)
