@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from checkpoint_coordinator.domain.cut import Cut
 from checkpoint_coordinator.domain.errors import LegacyLedgerError, LegacyLedgerVersionError
