@@ -70,11 +70,16 @@ def test_migration_carries_the_trigger_the_models_document() -> None:
 
     spec.loader.exec_module(mod)
     mod.op = _Op()  # type: ignore[attr-defined]
+    # The migration executes other hand-written statements too (the cut's type and views): compare
+    # the ones about this trigger, in order.
+    def ours() -> list[str]:
+        return [sql for sql in executed if "prompt_groups_drop_children" in sql]
+
     mod.upgrade()
-    assert executed == list(models.GROUP_CHILDREN_TRIGGER_UP)
+    assert ours() == list(models.GROUP_CHILDREN_TRIGGER_UP)
     executed.clear()
     mod.downgrade()
-    assert executed == list(models.GROUP_CHILDREN_TRIGGER_DOWN)
+    assert ours() == list(models.GROUP_CHILDREN_TRIGGER_DOWN)
 
 
 async def test_deleting_groups_or_a_run_leaves_no_orphans(client, admin, app) -> None:  # type: ignore[no-untyped-def]
