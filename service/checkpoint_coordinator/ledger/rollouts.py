@@ -675,8 +675,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 bad.append({"rollout_id": rid, "code": "unknown_rollout", "detail": "no attempt with this rollout id"})
                 continue
             got_key = row.receipt.get("rollout_id")
-            want_key = a.rollout_id if a.gym_attempt == 0 else a.capture_key
-            if got_key != want_key:
+            if got_key != a.capture_key:
                 bad.append({"rollout_id": rid, "code": "receipt_mismatch", "detail": f"receipt names {got_key!r}, expected capture key {a.capture_key!r}"})
                 continue
             if a.status in ("sealed", "returned"):
