@@ -89,6 +89,7 @@ __all__ = [
     "validate_cut",
     "cut_issues",
     "retire_items",
+    "may_run_in_gym",
     "mint_needs_check",
     "RetireList",
     "check_manifest_against_cut",
@@ -460,6 +461,12 @@ def restore_without_gym_state(
     )
 
 
+def may_run_in_gym(status: str, gym_attempt: int) -> bool:
+    """Whether the cut knows an attempt as possibly running in Gym (ledger spec 6.6): it was
+    ``dispatched``, or it is a reserved Gym-owned continuation (``gym_attempt > 0``)."""
+    return status == "dispatched" or (status == "reserved" and gym_attempt > 0)
+
+
 def retire_items(cut: Cut) -> list[RetireItem]:
     """Attempts of live groups that the cut knows as possibly running in Gym: ``dispatched``,
     or a reserved Gym-owned continuation (``gym_attempt > 0``). The same rule as
@@ -468,7 +475,7 @@ def retire_items(cut: Cut) -> list[RetireItem]:
     out = []
     for a in cut.attempts:
         gid, _idx, aid, rid, inst, gym_att, _ga, st = a[:8]
-        if gid in live and (st == "dispatched" or (st == "reserved" and gym_att > 0)):
+        if gid in live and may_run_in_gym(st, gym_att):
             out.append(RetireItem(inst, rid, gym_att, aid))
     return out
 
@@ -1022,7 +1029,7 @@ def assemble_plan(
     retire_pos: list[int] = []
     if not with_gym_state:
         retire_pos = [
-            p for p, a in enumerate(attempts) if a[7] == "dispatched" or (a[7] == "reserved" and a[5])
+            p for p, a in enumerate(attempts) if may_run_in_gym(a[7], a[5])
         ]
     rows = PlanRows(attempts, disp, new_ids, frozenset(cohort_reruns), None)
     return RestorePlan(
@@ -1085,9 +1092,7 @@ def manifest_disagreements(
                     bad(iid, f"{kind} {rid!r} is owned by instance {a_inst!r} in the ledger")
                 elif a_gatt != n:
                     bad(iid, f"{kind} {rid!r} is at Gym attempt {n}, the ledger has {a_gatt}")
-                elif saved and not (
-                    st == "dispatched" or (st == "reserved" and a_gatt > 0)
-                ):
+                elif saved and not may_run_in_gym(st, a_gatt):
                     bad(iid, f"saved episode {rid!r} is {st} in the ledger, not a Gym candidate")
     return out
 

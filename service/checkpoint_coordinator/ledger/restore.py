@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
-from ..domain.restore_plan import RetireItem
+from ..domain.restore_plan import RetireItem, may_run_in_gym
 from ..errors import Conflict
 from .db import dump_json, fetch
 from .runs import RunRow, lock_run
@@ -302,7 +302,7 @@ async def plan_in_sql(
             if e is None or e[0] != a[4] or e[1] != a[5]:
                 continue
             if e[2]:
-                if not (a[7] == "dispatched" or (a[7] == "reserved" and a[5] > 0)):
+                if not may_run_in_gym(a[7], a[5]):
                     return None
                 codes[m.start()] = _CONTINUED
             else:

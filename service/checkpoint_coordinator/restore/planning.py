@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..domain.cut import Cut
-from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem
+from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym, retire_items
 
 # Dispositions that are sent to Gym, in the order the answer lists them.
 SEND_DISPOSITIONS = (
@@ -49,20 +49,10 @@ def rollout_minter(run_id: str, snapshot_id: str, epoch: int, purpose: str = "pl
     return new_rollout_id
 
 
-_LIVE_GROUP = frozenset({"generating", "ready"})
-
-
 def cut_retire_items(cut: Cut) -> list[RetireItem]:
-    """Attempts of live groups the cut knows as possibly running in Gym: dispatched, or a
-    reserved Gym-owned continuation (``gym_attempt > 0``). Same rule as the domain's
-    ``restore_without_gym_state`` (ledger spec 6.6)."""
-    live = {g.group_id for g in cut.groups if g.status in _LIVE_GROUP}
-    out = []
-    for a in cut.attempts:
-        gid, _idx, aid, rid, inst, gatt, _ga, st = a[:8]
-        if gid in live and (st == "dispatched" or (st == "reserved" and gatt > 0)):
-            out.append(RetireItem(inst, rid, gatt, aid))
-    return out
+    """Attempts of live groups the cut knows as possibly running in Gym (ledger spec 6.6): the
+    domain's :func:`retire_items`, the rule :func:`restore_without_gym_state` applies."""
+    return retire_items(cut)
 
 
 def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
@@ -71,7 +61,7 @@ def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
     return [
         RetireItem(a[4], a[3], a[5], a[2])
         for a in attempts
-        if a[7] == "dispatched" or (a[7] == "reserved" and a[5] > 0)
+        if may_run_in_gym(a[7], a[5])
     ]
 
 
