@@ -393,13 +393,13 @@ def bare_copy(url: str, run_id: str, sid: str) -> tuple[float, int]:
 
 
 def explain_cut(url: str, run_id: str) -> list[str]:
-    """EXPLAIN ANALYZE of take_cut's statement (rolled back) with take_cut's settings: its total,
-    each copy with its plan, and any per-row trigger."""
+    """EXPLAIN ANALYZE of the whole-run copy (the pre-cut's, or take_cut's without a pre-cut;
+    rolled back) with its settings: its total, the copy with its plan, and any per-row trigger."""
     import psycopg
 
-    from checkpoint_coordinator.ledger.snapshots import _CUT_SQL
+    from checkpoint_coordinator.ledger.snapshots import _cut_insert
 
-    sql = _CUT_SQL.replace(":r", "%(r)s").replace(":s", "%(s)s")
+    sql = _cut_insert(only_named_groups=False).replace(":r", "%(r)s").replace(":s", "%(s)s")
     lines = []
     with psycopg.connect(plain_url(url)) as conn:
         conn.execute("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) "
@@ -443,7 +443,8 @@ def explain_cut(url: str, run_id: str) -> list[str]:
 
 async def direct_cut(url: str, run_id: str, manifest: dict[str, Any]) -> tuple[float, int]:
     """``take_cut`` called in this process on a snapshot record set up in phase data_plane with the
-    same Gym manifest: the ledger function alone, without HTTP, the JSON answer or the runner's
+    same Gym manifest and no pre-cut, so it copies the whole run (what the barrier costs when the
+    pre-cut did not run): the ledger function alone, without HTTP, the JSON answer or the runner's
     polling beside it. The record is deleted afterwards (with its cut). Returns (seconds, keys)."""
     from sqlalchemy import text
 
@@ -563,6 +564,7 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                             "coord_total": pt["total"] - res["trainer_s"], "cut": res["cut_s"], "captured": res["captured_s"],
                             "ref": ref_s, "ref_rows": ref_rows, "direct": direct_s, "exported": exported, "drained": rec["detail"].get("drained"),
                             "cut_groups": rec["counts"].get("cut_groups"), "cut_siblings": rec["counts"].get("cut_siblings"),
+                            "pre_cut": pt.get("pre_cut"), "recopied": rec["counts"].get("cut_recopied_groups"),
                             "keys": res["staging_keys"], "body": res["barrier_body_bytes"], "trainer": res["trainer_s"]})
             x = results[-1]
             print(f"snapshot_overhead: {sid} published: cut {x['cut_groups']:,} groups + {x['cut_siblings']:,} siblings, "
@@ -572,7 +574,10 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                   + f"); trainer's share {fmt_s(x['trainer'])}; coordinator's own time {fmt_s(own)}")
             print(f"snapshot_overhead:   ledger cut (barrier POST) {fmt_s(x['cut'])}, captured POST {fmt_s(x['captured'])}; "
                   f"INSERT ... SELECT of the same {ref_rows:,} rows into bare tables {fmt_s(ref_s)}; ratio {x['cut'] / ref_s:.2f}; "
-                  f"take_cut called in-process {fmt_s(direct_s)} (ratio {direct_s / ref_s:.2f})", flush=True)
+                  f"whole-run take_cut called in-process {fmt_s(direct_s)} (ratio {direct_s / ref_s:.2f})", flush=True)
+            print("snapshot_overhead:   pre-cut (whole-run copy beside prepare and commit) "
+                  + (f"{fmt_s(x['pre_cut'])}; the barrier copied {x['recopied']:,} groups again" if x["pre_cut"] is not None
+                     else "not taken: the barrier copied the whole run"), flush=True)
             await wait_parked(gyms, expected, episodes, 120)  # resumed, still in flight, for the next one
 
         costs = await read_costs(pg.url, run_id, results[-1]["sid"], 20)
@@ -596,7 +601,14 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
           f"[{'within' if m('own') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
     print(f"snapshot_overhead: ledger cut {fmt_s(m('cut'))} [{'within' if m('cut') <= CUT_TARGET_S else 'over'} target <= {CUT_TARGET_S} s]; "
           f"INSERT ... SELECT reference {fmt_s(m('ref'))}; ratio cut / reference = {m('cut') / m('ref'):.2f}")
-    print(f"snapshot_overhead: take_cut called in this process (no HTTP, no JSON answer, no runner polling beside it) {fmt_s(m('direct'))}; "
+    pre = [r["pre_cut"] for r in results if r["pre_cut"] is not None]
+    if pre:
+        print(f"snapshot_overhead: pre-cut (whole-run copy while Gym prepares and commits; not on the barrier's path) "
+              f"{fmt_s(statistics.median(pre))} in {len(pre)} of {n} snapshot(s); groups copied again at the barrier: "
+              + ", ".join(str(r["recopied"]) for r in results))
+    else:
+        print("snapshot_overhead: no pre-cut was taken: every barrier copied the whole run")
+    print(f"snapshot_overhead: whole-run take_cut called in this process (no pre-cut, no HTTP, no JSON answer, no runner polling beside it) {fmt_s(m('direct'))}; "
           f"ratio to the reference = {m('direct') / m('ref'):.2f}")
     print(f"snapshot_overhead: snapshot row read by the runner's polls {costs['poll_s'] * 1000:.1f} ms "
           f"(manifest {costs['manifest_text'] / 1e6:.1f} MB as text, {costs['keys']:,} cut staging keys, {(costs['manifest_stored'] + costs['keys_stored']) / 1e6:.1f} MB stored) "
@@ -606,7 +618,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
     summary = {"live": args.live, "in_flight": args.in_flight, "instances": len(gyms), "snapshots": results, "read_costs": costs,
                "medians": {"coord_total": m("coord_total"), "own": m("own"), "gym_busy": m("gym_busy"), "cut": m("cut"), "ref": m("ref"),
                            "ratio": m("cut") / m("ref"), "parked": m("parked"),
-                           "direct": m("direct"), "direct_ratio": m("direct") / m("ref")}}
+                           "direct": m("direct"), "direct_ratio": m("direct") / m("ref"),
+                           "pre_cut": statistics.median(pre) if pre else None}}
     print("snapshot_overhead: json " + json.dumps(summary, sort_keys=True, default=str))
     if args.explain:
         for line in explain_cut(pg.url, run_id):

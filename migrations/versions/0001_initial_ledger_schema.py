@@ -23,6 +23,8 @@ SNAPSHOT_SIBLING_TYPE = """CREATE TYPE snapshot_sibling AS (
     attempt_id bigint, generation_index integer, row_attempts_used integer, rollout_id text, gym_instance_id text,
     gym_attempt integer, group_attempt integer, status text, refusals integer, receipt jsonb, reward double precision,
     mask_sample boolean, staging_keys text[], gym_owned boolean)"""
+# The cut concatenates the staging-key arrays of a group's sealed and returned siblings.
+TEXT_CAT_AGGREGATE = "CREATE AGGREGATE ckptc_text_cat(text[]) (SFUNC = array_cat, STYPE = text[])"
 SNAPSHOT_GROUPS_VIEW = """CREATE VIEW snapshot_groups AS
     SELECT run_id, snapshot_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level,
            expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status
@@ -43,6 +45,7 @@ class SnapshotSiblings(UserDefinedType):  # type: ignore[type-arg]
 
 def upgrade() -> None:
     op.execute(SNAPSHOT_SIBLING_TYPE)
+    op.execute(TEXT_CAT_AGGREGATE)
 
     op.create_table('attempts',
     sa.Column('attempt_id', sa.BigInteger(), sa.Identity(always=False), nullable=False),
@@ -116,6 +119,7 @@ def upgrade() -> None:
     sa.Column('data_attempts_used', sa.Integer(), nullable=False),
     sa.Column('status', sa.Text(), nullable=False),
     sa.Column('siblings', SnapshotSiblings(), nullable=False),
+    sa.Column('staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
     sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'group_id', name=op.f('pk_snapshot_cut_groups')),
     postgresql_with={'toast_tuple_target': '8160'}
     )
@@ -222,6 +226,7 @@ def upgrade() -> None:
     sa.Column('candidates', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('gym_manifest', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('cut_staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
+    sa.Column('cut_base_xid', sa.BigInteger(), nullable=True),
     sa.Column('data_plane_ref', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('counts', postgresql.JSONB(astext_type=sa.Text()), server_default=sa.text("'{}'::jsonb"), nullable=False),
     sa.Column('gym_parked_seconds', sa.Float(), nullable=True),
@@ -309,3 +314,4 @@ def downgrade() -> None:
     op.drop_index('uq_attempts_current_per_sibling', table_name='attempts', postgresql_where=sa.text('is_current'))
     op.drop_table('attempts')
     op.execute('DROP TYPE snapshot_sibling')
+    op.execute('DROP AGGREGATE ckptc_text_cat(text[])')

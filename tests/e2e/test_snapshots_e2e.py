@@ -93,6 +93,14 @@ async def test_drained_rows_are_sealed_not_exported(client, admin, app, gyms, tm
     assert exported.isdisjoint({r["rollout_id"] for r in rows})
     assert full["detail"]["drained"] == 2
     assert full["counts"]["cut_siblings"] == 2
+    # The runner copied the ledger beside prepare and commit (the pre-cut); the drained seals came
+    # later or not, the cut shows them sealed either way (the barrier re-copies what changed).
+    assert full["counts"]["cut_pre_cut_groups"] == 1 and full["phase_timings"]["pre_cut"] > 0
+    from sqlalchemy import text
+
+    async with app.state.engine.connect() as conn:
+        cut = {r.rollout_id: r.status for r in (await conn.execute(text("SELECT rollout_id, status FROM snapshot_attempts WHERE snapshot_id = 's1'"))).all()}
+    assert {cut[r["rollout_id"]] for r in rows} == {"sealed"}
 
 
 async def test_train_step_during_prepare_aborts_and_reopens(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

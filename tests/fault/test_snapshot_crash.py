@@ -114,6 +114,15 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
             # the previous published snapshot is still the authoritative one
             hist = (await api.get("/snapshots"))["snapshots"]
             assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "aborted"), ("s0", "published")]
+            # the aborted snapshot's cut (or the pre-cut the runner took beside prepare and commit)
+            # is gone with it; the published one's is intact
+            from sqlalchemy import text
+
+            engine = create_async_engine(sqlalchemy_url(database_url))
+            async with engine.connect() as conn:
+                cut_rows = dict((await conn.execute(text("SELECT snapshot_id, count(*) FROM snapshot_cut_groups WHERE run_id = 'run-1' GROUP BY 1"))).all())
+            await engine.dispose()
+            assert cut_rows == {"s0": 1}
             # no ledger row lost: the rows of g1 are all there, and the held reply still seals
             await trainer.wait_idle()
             g1 = await api.group("g1")

@@ -273,6 +273,10 @@ class Snapshot(Base):
     candidates: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     gym_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     cut_staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    # The pre-cut (``ledger.snapshots.pre_cut``): the 64-bit xmin of the snapshot its copy was
+    # read under. At the barrier, only groups with a row written by a transaction at or after it
+    # (or gone since) are copied again; NULL while no pre-cut was taken.
+    cut_base_xid: Mapped[int | None] = mapped_column(BigInteger)
     data_plane_ref: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     counts: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     gym_parked_seconds: Mapped[float | None] = mapped_column(Float)
@@ -348,6 +352,9 @@ class SnapshotCutGroup(Base):
     data_attempts_used: Mapped[int] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(Text)
     siblings: Mapped[Any] = mapped_column(SnapshotSiblings())
+    # The staging keys of the group's sealed and returned siblings, written by the cut itself
+    # (NULL from other writers): the barrier's answer is their union with the Gym manifest's.
+    staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
 
 
 class OutboxItem(Base):

@@ -291,11 +291,11 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
     """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
     transaction, and answer the staging keys that must exist. Idempotent.
 
-    One statement does the cut: the copy (one row per group, its siblings in an array), the
-    staging keys (those of the sealed and returned rows just copied, taken from the copy's
-    RETURNING instead of reading it back, and those of the Gym manifest, unnested in the
-    database) and the snapshot row's update. The siblings are joined by hash: planned as a
-    nested loop, their 200 000 index probes were ~1 s."""
+    When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
+    groups written since its base are copied again (``_CHANGED_GROUPS_SQL``); otherwise the whole
+    run is copied (one row per group, its siblings in an array). Then one statement answers the
+    staging keys (the cut's and the Gym manifest's, unnested in the database) and updates the
+    snapshot row. ``counts`` says which way it went (``cut_recopied_groups``)."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
@@ -315,14 +315,37 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
                 text("UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
             )
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
-        # Hash joins and a hash aggregate, with room for them (the aggregate holds the whole cut,
-        # ~75 MB at 200 000 siblings) and for the keys' sort in memory. With statistics the
-        # planner otherwise sorts the 200 000 joined rows by group id (a linguistic sort, ~0.7 s)
-        # for a merge join and a group aggregate; the keys' sort is the only one left.
-        await conn.execute(text("SET LOCAL enable_nestloop = off"))
-        await conn.execute(text("SET LOCAL enable_sort = off"))
-        await conn.execute(text("SET LOCAL work_mem = '128MB'"))
-        r = (await conn.execute(text(_CUT_SQL), {"r": run_id, "s": snapshot_id})).one()
+        base = (
+            await conn.execute(
+                text(
+                    "SELECT cut_base_xid, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid, "
+                    "(SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) AS pre_cut_groups "
+                    "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
+                ),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).one()
+        extra: dict[str, Any] = {}
+        if _delta_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
+            changed = list(
+                (await conn.execute(text(_CHANGED_GROUPS_SQL), {"r": run_id, "s": snapshot_id, "bx": str(base.cut_base_xid % 2**32)})).scalar() or []
+            )
+            if changed:
+                await conn.execute(
+                    text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[]))"),
+                    {"r": run_id, "s": snapshot_id, "g": changed},
+                )
+                if len(changed) > _DELTA_HASH_FROM:
+                    await _cut_settings(conn)
+                await conn.execute(text(_cut_insert(only_named_groups=True)), {"r": run_id, "s": snapshot_id, "g": changed})
+            extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
+        else:
+            if base.pre_cut_groups:
+                # A pre-cut whose base cannot be trusted (xid epoch moved too far): copy everything.
+                await delete_cut_rows(conn, run_id, [snapshot_id])
+            await _cut_settings(conn)
+            await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})
+        r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra)})).one()
         return SnapshotRow(**dict(r._mapping))
 
 
@@ -330,33 +353,129 @@ _GROUP_COLS = ", ".join(SNAPSHOT_GROUP_COLUMNS)
 _SIBLING = "CAST(ROW(" + ", ".join(f"a.{name}" for name, _ in SNAPSHOT_SIBLING_FIELDS) + ") AS snapshot_sibling)"
 
 # The cut: one row per live group into ``snapshot_cut_groups``, its siblings (each with its
-# current attempt) aggregated into one array. The staging keys of the sealed and returned rows
-# come from the copy's RETURNING (one small array per group, not a re-read), those of the Gym
-# manifest are unnested in the database.
-_CUT_SQL = (
-    "WITH cut AS ("
-    f" INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings) "
-    f" SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, "
-    f" COALESCE(array_agg({_SIBLING}) FILTER (WHERE a.attempt_id IS NOT NULL), '{{}}') "
-    " FROM prompt_groups g LEFT JOIN (SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s "
-    " ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-    " WHERE a.run_id = :r AND a.is_current) a ON a.group_id = g.group_id "
-    " WHERE g.run_id = :r AND g.status IN ('generating', 'ready') GROUP BY g.run_id, g.group_id "
-    " RETURNING cardinality(siblings) AS n, "
-    " ARRAY(SELECT k FROM unnest(siblings) AS u, unnest(u.staging_keys) AS k WHERE u.status IN ('sealed', 'returned')) AS keys), "
-    "manifest_keys AS ("
+# current attempt) aggregated into one array, and the staging keys of its sealed and returned
+# siblings into another (the barrier's answer is their union with the Gym manifest's keys).
+def _cut_insert(*, only_named_groups: bool) -> str:
+    named_g = " AND g.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
+    named_a = " AND a.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
+    return (
+        f"INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings, staging_keys) "
+        f"SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, "
+        f"COALESCE(array_agg({_SIBLING}) FILTER (WHERE a.attempt_id IS NOT NULL), '{{}}'), "
+        "ckptc_text_cat(a.staging_keys) FILTER (WHERE a.status IN ('sealed', 'returned')) "
+        "FROM prompt_groups g LEFT JOIN (SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s "
+        "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+        f"WHERE a.run_id = :r AND a.is_current{named_a}) a ON a.group_id = g.group_id "
+        f"WHERE g.run_id = :r AND g.status IN ('generating', 'ready'){named_g} GROUP BY g.run_id, g.group_id"
+    )
+
+
+async def _cut_settings(conn: AsyncConnection) -> None:
+    """Hash joins and a hash aggregate for a whole-run copy, with room for them (the aggregate
+    holds the whole cut, ~75 MB at 200 000 siblings). With statistics the planner otherwise sorts
+    the 200 000 joined rows by group id (a linguistic sort, ~0.7 s) for a merge join and a group
+    aggregate, and planned as a nested loop the siblings' 200 000 index probes were ~1 s."""
+    await conn.execute(text("SET LOCAL enable_nestloop = off"))
+    await conn.execute(text("SET LOCAL enable_sort = off"))
+    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+
+
+# Above this many groups to copy again at the barrier, the whole-run plan settings are used.
+_DELTA_HASH_FROM = 2000
+# A pre-cut's base is trusted while the xid counter moved less than this since (32-bit xids
+# compare correctly within 2**31 of each other).
+_DELTA_MAX_XIDS = 1_000_000_000
+
+
+def _delta_usable(base_xid: int | None, next_xid: int) -> bool:
+    return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
+
+
+# The groups whose cut row the pre-cut may have copied stale: every group with a row (group,
+# sibling or attempt) written by a transaction whose xid is at or after the pre-cut's snapshot
+# xmin (age() relative to this transaction: a smaller age is a newer xid), and every copied group
+# that is gone. A row whose xmin is older than that xmin was committed before the pre-cut's
+# snapshot, so the pre-cut copied this very version. Conservative: a transaction committed just
+# before the pre-cut but after its xmin makes its groups count as changed, which only costs a copy.
+# Rows are deleted only with their group (trigger ``prompt_groups_drop_children``) or by a restore,
+# which cannot run while a snapshot is open.
+_CHANGED_GROUPS_SQL = (
+    "WITH b AS MATERIALIZED (SELECT age(CAST(CAST(:bx AS text) AS xid)) AS b) "
+    "SELECT array_agg(group_id) FROM ("
+    " SELECT a.group_id FROM attempts a WHERE a.run_id = :r AND age(a.xmin) <= (SELECT b FROM b) "
+    " UNION SELECT s.group_id FROM siblings s WHERE s.run_id = :r AND age(s.xmin) <= (SELECT b FROM b) "
+    " UNION SELECT g.group_id FROM prompt_groups g WHERE g.run_id = :r AND age(g.xmin) <= (SELECT b FROM b) "
+    " UNION SELECT c.group_id FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
+    " AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = c.run_id AND g.group_id = c.group_id)) AS x"
+)
+
+# The barrier's answer and the snapshot row: the staging keys (the cut's, those of the Gym
+# manifest unnested in the database) and the counts.
+_FINISH_CUT_SQL = (
+    "WITH manifest_keys AS ("
     " SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
     " THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
     " jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
     " WHERE sn.run_id = :r AND sn.snapshot_id = :s), "
-    "all_keys AS (SELECT k FROM cut, unnest(keys) AS k UNION ALL SELECT k FROM manifest_keys) "
+    "all_keys AS (SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s "
+    " UNION ALL SELECT k FROM manifest_keys), "
+    "tot AS (SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) "
     "UPDATE snapshots SET cut_at = now(), "
     # Sorted by code point, as Python's sorted() did.
     " cut_staging_keys = (SELECT COALESCE(array_agg(DISTINCT k COLLATE \"C\" ORDER BY k COLLATE \"C\"), '{}') FROM all_keys), "
-    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT count(*) FROM cut), "
-    " 'cut_siblings', (SELECT COALESCE(sum(n), 0) FROM cut)) "
+    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
+    " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
     f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_WITH_KEYS}"
 )
+
+
+class _PreCutVoid(Exception):
+    """The snapshot moved on during the pre-cut: roll its copy back."""
+
+
+async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
+    try:
+        return await _pre_cut(engine, run_id, snapshot_id)
+    except _PreCutVoid:
+        return None
+
+
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
+    """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
+    this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
+    the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
+    Returns the number of groups copied, or None when the snapshot is past the point where a
+    pre-cut helps (ended, cut, already pre-cut): then nothing is written.
+
+    No lock on the run or the snapshot row is held during the copy (the runner's phase updates
+    must not wait for it); the closing conditional update decides, and a snapshot that ended
+    meanwhile rolls the copy back (``end`` deletes the cut rows of every snapshot it does not
+    publish, after waiting for this update's row lock)."""
+    async with engine.begin() as conn:
+        st = (
+            await conn.execute(
+                text("SELECT outcome, phase, cut_at, cut_base_xid FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+            )
+        ).first()
+        if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == "data_plane":
+            return None
+        # Taken before the copy's own statement snapshot: anything the copy saw that this base
+        # does not is counted as changed at the barrier, never the other way round.
+        base = (await conn.execute(text("SELECT CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint)"))).scalar()
+        await _cut_settings(conn)
+        n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
+        done = (
+            await conn.execute(
+                text(
+                    "UPDATE snapshots SET cut_base_xid = :b WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
+                    "AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> 'data_plane'"
+                ),
+                {"r": run_id, "s": snapshot_id, "b": base},
+            )
+        ).rowcount
+        if done != 1:
+            raise _PreCutVoid()
+        return int(n)
 
 
 async def insert_cut_rows(conn: AsyncConnection, run_id: str, snapshot_id: str, groups_sql: str, attempts_sql: str, params: dict[str, Any]) -> int:
@@ -488,10 +607,11 @@ async def end(
             if gone:
                 # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
                 await delete_cut_rows(conn, run_id, list(gone))
-        elif r.cut_at is not None:
-            # Only a published snapshot is ever restored from or exported: the cut of a failed or
-            # aborted one (a data-plane failure after the barrier, a lost resume) would otherwise
-            # stay forever, a copy of every live row per loss. The snapshot row stays, for history.
+        else:
+            # Only a published snapshot is ever restored from or exported: the cut (or pre-cut) of a
+            # failed or aborted one (a data-plane failure after the barrier, a lost resume, a train
+            # step during commit) would otherwise stay forever, a copy of every live row per loss.
+            # The snapshot row stays, for history.
             await delete_cut_rows(conn, run_id, [snapshot_id])
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 

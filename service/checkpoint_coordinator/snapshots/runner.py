@@ -48,6 +48,7 @@ class SnapshotJob:
     snapshot_id: str
     task: asyncio.Task[None] | None = None
     save: GymSave | None = None
+    pre_cut: asyncio.Task[None] | None = None
     abort_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -154,6 +155,9 @@ class SnapshotRunner:
             await self.outbox.deliver_run(run_id, ignore_schedule=True)
             await repo.set_phase(self.engine, run_id, sid, "prepare", gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir,
                                  counts={"candidates": sum(len(v) for v in candidates.values()), "unknown_instances": unknown})
+            # The gate is closed: copy the ledger now, beside Gym's prepare and commit, so that the
+            # barrier (while Gym and the trainer wait) copies only the groups written since.
+            job.pre_cut = asyncio.create_task(self._pre_cut(job, timings), name=f"pre-cut-{run_id}-{sid}")
 
         async def on_commit() -> None:
             await repo.set_phase(self.engine, run_id, sid, "commit")
@@ -172,6 +176,7 @@ class SnapshotRunner:
                     await asyncio.sleep(POLL_S)
 
         async def capture(manifest: dict[str, Any]) -> None:
+            await self._await_pre_cut(job)  # the barrier must find it done (or never started)
             await repo.set_phase(self.engine, run_id, sid, "data_plane", gym_manifest=manifest)
             deadline = time.monotonic() + float(cfg.get("data_plane_timeout_s", 600))
             while True:
@@ -233,6 +238,23 @@ class SnapshotRunner:
         await self._end(job, "published", "ok", detail, self._timings(save, timings), started, save,
                         restarted=result.gym_restarted_episodes, resume_failure=resume_failure, keep=int(cfg.get("keep_latest_k", 2)))
 
+    async def _pre_cut(self, job: SnapshotJob, timings: dict[str, float]) -> None:
+        t = time.monotonic()
+        try:
+            groups = await repo.pre_cut(self.engine, job.run_id, job.snapshot_id)
+        except Exception as e:  # the barrier then copies the whole run: slower, not wrong
+            log.warning("snapshot %s of run %s: pre-cut failed (%s: %s); the barrier will copy the whole ledger",
+                        job.snapshot_id, job.run_id, type(e).__name__, str(e)[:500])
+            return
+        if groups is not None:
+            timings["pre_cut"] = time.monotonic() - t
+
+    @staticmethod
+    async def _await_pre_cut(job: SnapshotJob) -> None:
+        if job.pre_cut is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(job.pre_cut)
+
     async def _watch_abort(self, job: SnapshotJob) -> None:
         """Train step wins even when announced on another replica: poll the row for the request."""
         while True:
@@ -274,6 +296,9 @@ class SnapshotRunner:
         resume_failure: dict[str, Any] | None = None,
         keep: int = 2,
     ) -> None:
+        # An unfinished pre-cut would otherwise write its copy after end() deleted the cut rows
+        # (it checks the snapshot again before committing; waiting keeps the log and timings clean).
+        await self._await_pre_cut(job)
         timings["total"] = time.monotonic() - started
         row, losses = await repo.end(
             self.engine, job.run_id, job.snapshot_id, outcome, reason, detail=detail, timings=timings,

@@ -1,0 +1,164 @@
+"""The pre-cut (``ledger.snapshots.pre_cut``) and the barrier's delta copy, on a real PostgreSQL.
+
+The runner copies the whole ledger while Gym prepares and commits; at the barrier ``take_cut``
+copies again only the groups with a row written since the pre-cut's base (or gone since). The
+promise checked here: whatever happened in between, the cut a barrier takes after a pre-cut is
+row for row the cut a whole-run copy takes at the same moment, with the same staging keys and
+counts; and a pre-cut of a snapshot that does not publish leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import text
+
+from checkpoint_coordinator.ledger import snapshots as repo
+
+from . import test_snapshot_cut as cut_tests
+from .test_snapshot_cut import _ATTEMPT_VIEW_COLS, _GROUP_VIEW_COLS, MANIFEST, RUN, _data_plane, _rows
+
+engine = cut_tests.engine  # the same small ledger: g1 generating, g2 ready, g3 finalized
+
+
+async def _committing(engine: Any, sid: str) -> None:
+    """A snapshot in phase commit: the pre-cut's moment (the barrier is not open yet)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, gym_manifest, counts) "
+                 "VALUES (:r, :s, 0, 'commit', 'test', CAST(:m AS jsonb), '{\"candidates\": 3}')"),
+            {"r": RUN, "s": sid, "m": json.dumps(MANIFEST)},
+        )
+
+
+async def _to_data_plane(engine: Any, sid: str) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE snapshots SET phase = 'data_plane' WHERE run_id = :r AND snapshot_id = :s"), {"r": RUN, "s": sid})
+
+
+async def _cut_of(engine: Any, sid: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    groups = await _rows(engine, f"SELECT {_GROUP_VIEW_COLS} FROM snapshot_groups WHERE run_id = :r AND snapshot_id = :s ORDER BY group_id", s=sid)
+    atts = await _rows(engine, f"SELECT {_ATTEMPT_VIEW_COLS} FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = :s ORDER BY attempt_id", s=sid)
+    return [tuple(g) for g in groups], [tuple(a) for a in atts]
+
+
+async def _stored(engine: Any, sid: str) -> int:
+    return (await _rows(engine, "SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s", s=sid))[0][0]
+
+
+async def _add_group(conn: Any, gid: str, status: str = "generating", keys: list[str] | None = None) -> None:
+    await conn.execute(
+        text("INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, restore_level, expected_generations, status) "
+             "VALUES (:r, :g, '{}', 'sha256:' || :g, 'sibling', 1, :st)"),
+        {"r": RUN, "g": gid, "st": status},
+    )
+    await conn.execute(text("INSERT INTO siblings (run_id, group_id, generation_index) VALUES (:r, :g, 0)"), {"r": RUN, "g": gid})
+    await conn.execute(
+        text("INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, status, staging_keys) VALUES (:r, :g, 0, :ro, :st, :k)"),
+        {"r": RUN, "g": gid, "ro": f"{gid}-0", "st": "sealed" if keys else "reserved", "k": keys},
+    )
+
+
+async def _same_as_a_whole_run_cut(engine: Any, sid: str, row: Any) -> None:
+    """Take a whole-run cut now (another snapshot, no pre-cut) and compare everything."""
+    ref_sid = sid + "-whole"
+    async with engine.begin() as conn:  # one open snapshot per run: this one is done
+        await conn.execute(text("UPDATE snapshots SET outcome = 'published' WHERE run_id = :r AND snapshot_id = :s"), {"r": RUN, "s": sid})
+    await _data_plane(engine, ref_sid)
+    ref = await repo.take_cut(engine, RUN, ref_sid)
+    assert "cut_recopied_groups" not in ref.counts
+    assert await _cut_of(engine, sid) == await _cut_of(engine, ref_sid)
+    assert row.cut_staging_keys == ref.cut_staging_keys
+    assert (row.counts["cut_groups"], row.counts["cut_siblings"]) == (ref.counts["cut_groups"], ref.counts["cut_siblings"])
+
+
+async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_whole_run_cut(engine: Any) -> None:
+    async with engine.begin() as conn:
+        await _add_group(conn, "g0", keys=["tq/g0"])  # stays untouched
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 3  # g0, g1, g2 (g3 is finalized)
+    assert await _stored(engine, "p") == 3
+    # Between the pre-cut and the barrier: a seal (attempt and sibling rows), a deleted group
+    # (its children go through the trigger), a new group.
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/new}' WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"), {"r": RUN}
+        )
+        await conn.execute(text("UPDATE siblings SET row_attempts_used = 9 WHERE run_id = :r AND group_id = 'g1' AND generation_index = 2"), {"r": RUN})
+        await conn.execute(text("DELETE FROM prompt_groups WHERE run_id = :r AND group_id = 'g2'"), {"r": RUN})
+        await _add_group(conn, "g5", keys=["tq/g5"])
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert row.counts["cut_pre_cut_groups"] == 3
+    assert row.counts["cut_recopied_groups"] == 3  # g1, g2 (gone), g5; not g0
+    assert [g[0] for g in (await _cut_of(engine, "p"))[0]] == ["g0", "g1", "g5"]
+    assert "tq/new" in row.cut_staging_keys and "tq/g5" in row.cut_staging_keys and "tq/\u00e9" not in row.cut_staging_keys
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_cut(engine: Any) -> None:
+    await _committing(engine, "p")
+    # A seal's transaction is open (its write invisible) while the pre-cut copies; it commits after.
+    async with engine.begin() as writer:  # commits when the block ends
+        await writer.execute(
+            text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/late}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
+        )
+        assert await repo.pre_cut(engine, RUN, "p") == 2
+    stale = await _rows(engine, "SELECT status FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
+    assert stale[0][0] == "reserved"  # the pre-cut did not see it
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert row.counts["cut_recopied_groups"] == 1
+    got = await _rows(engine, "SELECT status, staging_keys FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
+    assert tuple(got[0]) == ("sealed", ["tq/late"])
+    assert "tq/late" in row.cut_staging_keys
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_nothing_changed_since_the_pre_cut_copies_nothing(engine: Any) -> None:
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 2
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert row.counts["cut_recopied_groups"] == 0
+    # Idempotent: a second barrier answers the same and copies nothing more.
+    again = await repo.take_cut(engine, RUN, "p")
+    assert again.cut_at == row.cut_at and again.cut_staging_keys == row.cut_staging_keys
+    assert await _stored(engine, "p") == 2
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: Any) -> None:
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 2
+    async with engine.begin() as conn:
+        # As if two billion transactions had run since: 32-bit xids no longer compare.
+        await conn.execute(text("UPDATE snapshots SET cut_base_xid = cut_base_xid - 2000000000 WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})
+        await conn.execute(text("UPDATE prompt_groups SET status = 'finalized' WHERE run_id = :r AND group_id = 'g2'"), {"r": RUN})
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert "cut_recopied_groups" not in row.counts and row.counts["cut_groups"] == 1
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> None:
+    await _committing(engine, "p")
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed")
+    assert await repo.pre_cut(engine, RUN, "p") is None
+    assert await _stored(engine, "p") == 0
+    async with engine.connect() as conn:
+        assert (await repo.get(conn, RUN, "p")).counts == {"candidates": 3}
+    # At the barrier (the runner never pre-cuts then) and twice: refused, nothing written.
+    await _data_plane(engine, "b")
+    assert await repo.pre_cut(engine, RUN, "b") is None
+    assert await _stored(engine, "b") == 0
+
+
+async def test_a_snapshot_that_does_not_publish_takes_its_pre_cut_with_it(engine: Any) -> None:
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 2
+    assert await repo.pre_cut(engine, RUN, "p") is None  # once per snapshot
+    assert await _stored(engine, "p") == 2
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed")
+    assert await _stored(engine, "p") == 0
