@@ -27,7 +27,10 @@ barrier, capture file, captured). Reported per snapshot and as medians:
   the coordinator's own time = total - trainer's share - Gym calls in flight;
 * the ledger cut: latency of the barrier POST (``ledger.snapshots.take_cut``), and its ratio to a
   plain ``INSERT ... SELECT`` of the same rows (groups and attempts) into bare tables (no key, no
-  index, no foreign key), measured right after each snapshot;
+  index, no foreign key), measured right after each snapshot; the pre-cut (the whole-run copy the
+  runner takes beside Gym's prepare and commit, ``phase_timings.pre_cut``) and how many groups the
+  barrier copied again; ``take_cut`` of the whole run called in-process (what the barrier costs
+  without a pre-cut); with ``--ab`` as many snapshots again without the pre-cut, alternating;
 * the cost of reading the snapshot row (what the runner polls every 50 ms, twice over, while parked),
   and of the candidates query (gate phase).
 
@@ -35,7 +38,7 @@ Targets (issue): total coordinator time <= 1.5 s, ledger cut <= 1 s. They are re
 into an exit status (the machine is shared); the exit status is 1 only if a snapshot did not publish.
 
     python bench/snapshot_overhead.py [--live 200000] [--in-flight 10000] [--instances 4] [--snapshots 3]
-                                      [--turn-seconds 30] [--quick]
+                                      [--turn-seconds 30] [--ab] [--quick]
 """
 
 from __future__ import annotations
@@ -109,6 +112,19 @@ def _serve_timed(port: str, timing_file: str) -> int:
                 dump()  # once per burst of calls, never while one is in flight
 
     channel.ControlChannel.post = post  # type: ignore[method-assign]
+
+    # --ab: while the benchmark holds this file, the runner takes no pre-cut (the barrier then
+    # copies the whole run), so both ways are measured in one run on the same ledger.
+    from checkpoint_coordinator.snapshots import runner as snapshot_runner
+
+    original_pre_cut = snapshot_runner.SnapshotRunner._pre_cut
+    no_pre_cut = timing_file + ".no-pre-cut"
+
+    async def pre_cut(self: Any, job: Any, timings: Any) -> None:
+        if not os.path.exists(no_pre_cut):
+            await original_pre_cut(self, job, timings)
+
+    snapshot_runner.SnapshotRunner._pre_cut = pre_cut  # type: ignore[method-assign]
     return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
 
 
@@ -538,8 +554,14 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
               f"the coordinator's or PostgreSQL's CPU", flush=True)
 
         results = []
-        for k in range(1, args.snapshots + 1):
+        no_pre_cut = Path(coord.timing_file + ".no-pre-cut")
+        for k in range(1, (2 if args.ab else 1) * args.snapshots + 1):
             sid = f"s{k}"
+            with_pre_cut = not (args.ab and k % 2 == 0)
+            if with_pre_cut:
+                no_pre_cut.unlink(missing_ok=True)
+            else:
+                no_pre_cut.touch()
             res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout)
             rec = res["record"]
             if args.show_calls:
@@ -564,7 +586,7 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                             "coord_total": pt["total"] - res["trainer_s"], "cut": res["cut_s"], "captured": res["captured_s"],
                             "ref": ref_s, "ref_rows": ref_rows, "direct": direct_s, "exported": exported, "drained": rec["detail"].get("drained"),
                             "cut_groups": rec["counts"].get("cut_groups"), "cut_siblings": rec["counts"].get("cut_siblings"),
-                            "pre_cut": pt.get("pre_cut"), "recopied": rec["counts"].get("cut_recopied_groups"),
+                            "pre_cut": pt.get("pre_cut"), "recopied": rec["counts"].get("cut_recopied_groups"), "with_pre_cut": with_pre_cut,
                             "keys": res["staging_keys"], "body": res["barrier_body_bytes"], "trainer": res["trainer_s"]})
             x = results[-1]
             print(f"snapshot_overhead: {sid} published: cut {x['cut_groups']:,} groups + {x['cut_siblings']:,} siblings, "
@@ -584,8 +606,11 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
     finally:
         await episodes.close()
 
-    def m(key: str) -> float:
-        return statistics.median(r[key] for r in results)
+    without = [r for r in results if not r["with_pre_cut"]]
+    results = [r for r in results if r["with_pre_cut"]]
+
+    def m(key: str, rs: list[dict[str, Any]] | None = None) -> float:
+        return statistics.median(r[key] for r in (results if rs is None else rs))
 
     def mp(key: str) -> float:
         return statistics.median(r["pt"].get(key, 0.0) for r in results)
@@ -610,6 +635,11 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
         print("snapshot_overhead: no pre-cut was taken: every barrier copied the whole run")
     print(f"snapshot_overhead: whole-run take_cut called in this process (no pre-cut, no HTTP, no JSON answer, no runner polling beside it) {fmt_s(m('direct'))}; "
           f"ratio to the reference = {m('direct') / m('ref'):.2f}")
+    if without:
+        print(f"snapshot_overhead: A/B, the {len(without)} snapshot(s) taken in between without a pre-cut (medians): ledger cut "
+              f"{fmt_s(m('cut', without))}, coordinator's own time {fmt_s(m('own', without))}, gym_parked_seconds {m('parked', without):.3f} s, "
+              f"Gym calls in flight {fmt_s(m('gym_busy', without))}; with the pre-cut: {fmt_s(m('cut'))}, {fmt_s(m('own'))}, "
+              f"{m('parked'):.3f} s, {fmt_s(m('gym_busy'))}")
     print(f"snapshot_overhead: snapshot row read by the runner's polls {costs['poll_s'] * 1000:.1f} ms "
           f"(manifest {costs['manifest_text'] / 1e6:.1f} MB as text, {costs['keys']:,} cut staging keys, {(costs['manifest_stored'] + costs['keys_stored']) / 1e6:.1f} MB stored) "
           f"vs {costs['narrow_poll_s'] * 1000:.1f} ms for the columns the polls look at; candidates query {costs['candidates_s'] * 1000:.1f} ms "
@@ -619,7 +649,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                "medians": {"coord_total": m("coord_total"), "own": m("own"), "gym_busy": m("gym_busy"), "cut": m("cut"), "ref": m("ref"),
                            "ratio": m("cut") / m("ref"), "parked": m("parked"),
                            "direct": m("direct"), "direct_ratio": m("direct") / m("ref"),
-                           "pre_cut": statistics.median(pre) if pre else None}}
+                           "pre_cut": statistics.median(pre) if pre else None},
+               "without_pre_cut": without}
     print("snapshot_overhead: json " + json.dumps(summary, sort_keys=True, default=str))
     if args.explain:
         for line in explain_cut(pg.url, run_id):
@@ -643,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
     ap.add_argument("--snapshot-timeout", type=float, default=600.0)
     ap.add_argument("--show-calls", action="store_true", help="list every Gym control call of each snapshot with its timing")
+    ap.add_argument("--ab", action="store_true",
+                    help="also take --snapshots snapshots without the pre-cut, alternating (A/B in the same run; medians reported apart)")
     ap.add_argument("--no-explain", dest="explain", action="store_false", help="skip EXPLAIN ANALYZE of the cut's statements")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)

@@ -70,16 +70,18 @@ class GymSave:
         checkpoint_id: str | None = None,
         snapshot_id: str | int | None = None,
         before_prepare_hook: Callable[[], Awaitable[None]] | None = None,
+        candidates_hook: Callable[[], Awaitable[Mapping[str, Iterable[Episode]]]] | None = None,
         stop: bool = False,
         write_manifest_file: bool = False,
     ) -> None:
-        unknown = set(candidates) - set(topology)
-        if unknown:
-            raise ValueError(f"candidates name instances outside the topology: {sorted(unknown)}")
         self.client = client
         self.topology = topology
         self.snapshot_dir = snapshot_dir
-        self.candidates = {iid: sorted(set(candidates.get(iid, ()))) for iid in topology}
+        self._set_candidates(candidates)
+        # When given, awaited once prepare answered (the candidates are first needed for the
+        # commit scopes) and its answer replaces ``candidates``: the caller's query then runs
+        # while the prepare calls are in flight.
+        self.candidates_hook = candidates_hook
         self.drain_hook = drain_hook
         self.capture_hook = capture_hook
         self.drain_timeout_s = drain_timeout_s
@@ -96,6 +98,12 @@ class GymSave:
         self._abort_reason = ""
         self._started = False
         self._run_started = 0.0
+
+    def _set_candidates(self, candidates: Mapping[str, Iterable[Episode]]) -> None:
+        unknown = set(candidates) - set(self.topology)
+        if unknown:
+            raise ValueError(f"candidates name instances outside the topology: {sorted(unknown)}")
+        self.candidates = {iid: sorted(set(candidates.get(iid, ()))) for iid in self.topology}
 
     @property
     def cut_done(self) -> bool:
@@ -169,6 +177,9 @@ class GymSave:
         try:
             await renewer.start()
             renewer.check()
+            if self.candidates_hook is not None:
+                self._set_candidates(await _race(self.candidates_hook(), renewer))
+                renewer.check()
             lap("renew")
             scopes: dict[str, list[Episode]] = {}
             restarted: dict[str, list[Episode]] = {}

@@ -399,14 +399,17 @@ def _delta_usable(base_xid: int | None, next_xid: int) -> bool:
 # before the pre-cut but after its xmin makes its groups count as changed, which only costs a copy.
 # Rows are deleted only with their group (trigger ``prompt_groups_drop_children``) or by a restore,
 # which cannot run while a snapshot is open.
+# The run's groups are read once (``live``): the gone ones are a hash anti join against it, not
+# 25 000 index probes.
 _CHANGED_GROUPS_SQL = (
-    "WITH b AS MATERIALIZED (SELECT age(CAST(CAST(:bx AS text) AS xid)) AS b) "
+    "WITH b AS MATERIALIZED (SELECT age(CAST(CAST(:bx AS text) AS xid)) AS b), "
+    "live AS MATERIALIZED (SELECT g.group_id, age(g.xmin) <= (SELECT b FROM b) AS changed FROM prompt_groups g WHERE g.run_id = :r) "
     "SELECT array_agg(group_id) FROM ("
     " SELECT a.group_id FROM attempts a WHERE a.run_id = :r AND age(a.xmin) <= (SELECT b FROM b) "
     " UNION SELECT s.group_id FROM siblings s WHERE s.run_id = :r AND age(s.xmin) <= (SELECT b FROM b) "
-    " UNION SELECT g.group_id FROM prompt_groups g WHERE g.run_id = :r AND age(g.xmin) <= (SELECT b FROM b) "
+    " UNION SELECT l.group_id FROM live l WHERE l.changed "
     " UNION SELECT c.group_id FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
-    " AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = c.run_id AND g.group_id = c.group_id)) AS x"
+    " AND NOT EXISTS (SELECT 1 FROM live l WHERE l.group_id = c.group_id)) AS x"
 )
 
 # The barrier's answer and the snapshot row: the staging keys (the cut's, those of the Gym

@@ -49,6 +49,7 @@ class SnapshotJob:
     task: asyncio.Task[None] | None = None
     save: GymSave | None = None
     pre_cut: asyncio.Task[None] | None = None
+    candidates: asyncio.Task[dict[str, list[tuple[str, int]]]] | None = None
     abort_reason: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -142,9 +143,11 @@ class SnapshotRunner:
             raise _NoGym()
         await repo.set_phase(self.engine, run_id, sid, "retire")
         client = self.gym.for_run(run_id, cfg)
-        cands = await repo.candidates(self.engine, run_id)
-        unknown = sorted(set(cands) - set(topology))
-        candidates = {iid: [Episode(r, a) for r, a in cands.get(iid, [])] for iid in topology}
+        # The candidates (the gate is closed: no dispatch adds to them) are first needed for the
+        # commit scopes: their query runs beside the retire delivery and the prepare calls.
+        job.candidates = asyncio.create_task(repo.candidates(self.engine, run_id), name=f"candidates-{run_id}-{sid}")
+        unknown: list[str] = []
+        counts: dict[str, Any] = {}
         timings["gate"] = time.monotonic() - t0
         checkpoint_id = client.new_checkpoint_id(sid)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / sid)
@@ -153,14 +156,21 @@ class SnapshotRunner:
         async def before_prepare() -> None:
             # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
             await self.outbox.deliver_run(run_id, ignore_schedule=True)
-            await repo.set_phase(self.engine, run_id, sid, "prepare", gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir,
-                                 counts={"candidates": sum(len(v) for v in candidates.values()), "unknown_instances": unknown})
+            await repo.set_phase(self.engine, run_id, sid, "prepare", gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
             # The gate is closed: copy the ledger now, beside Gym's prepare and commit, so that the
             # barrier (while Gym and the trainer wait) copies only the groups written since.
             job.pre_cut = asyncio.create_task(self._pre_cut(job, timings), name=f"pre-cut-{run_id}-{sid}")
 
+        async def gym_candidates() -> dict[str, list[Episode]]:
+            assert job.candidates is not None
+            cands = await job.candidates
+            unknown.extend(sorted(set(cands) - set(topology)))
+            candidates = {iid: [Episode(r, a) for r, a in cands.get(iid, [])] for iid in topology}
+            counts.update(candidates=sum(len(v) for v in candidates.values()), unknown_instances=unknown)
+            return candidates
+
         async def on_commit() -> None:
-            await repo.set_phase(self.engine, run_id, sid, "commit")
+            await repo.set_phase(self.engine, run_id, sid, "commit", counts=counts)
 
         async def drain(pending: dict[str, set[Episode]]) -> None:
             await repo.set_phase(self.engine, run_id, sid, "drain")
@@ -195,7 +205,8 @@ class SnapshotRunner:
             _PhaseRecordingClient(client, on_commit),  # type: ignore[arg-type]
             topology,
             snapshot_dir=snapshot_dir,
-            candidates=candidates,
+            candidates={},
+            candidates_hook=gym_candidates,
             drain_hook=drain,
             capture_hook=capture,
             drain_timeout_s=float(cfg.get("drain_timeout_s", 120)),
@@ -299,6 +310,11 @@ class SnapshotRunner:
         # An unfinished pre-cut would otherwise write its copy after end() deleted the cut rows
         # (it checks the snapshot again before committing; waiting keeps the log and timings clean).
         await self._await_pre_cut(job)
+        if job.candidates is not None and not job.candidates.done():
+            job.candidates.cancel()
+        if job.candidates is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await job.candidates
         timings["total"] = time.monotonic() - started
         row, losses = await repo.end(
             self.engine, job.run_id, job.snapshot_id, outcome, reason, detail=detail, timings=timings,
