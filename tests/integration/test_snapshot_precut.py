@@ -60,6 +60,14 @@ async def _add_group(conn: Any, gid: str, status: str = "generating", keys: list
     )
 
 
+async def _quiet_groups(engine: Any, n: int = 10) -> None:
+    """Groups nothing touches after the pre-cut: the barrier re-copies only when at most a third
+    of the pre-cut's groups changed (past that, one whole copy is cheaper)."""
+    async with engine.begin() as conn:
+        for k in range(n):
+            await _add_group(conn, f"q{k:02d}", keys=[f"tq/q{k:02d}"])
+
+
 async def _same_as_a_whole_run_cut(engine: Any, sid: str, row: Any) -> None:
     """Take a whole-run cut now (another snapshot, no pre-cut) and compare everything."""
     ref_sid = sid + "-whole"
@@ -74,11 +82,10 @@ async def _same_as_a_whole_run_cut(engine: Any, sid: str, row: Any) -> None:
 
 
 async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_whole_run_cut(engine: Any) -> None:
-    async with engine.begin() as conn:
-        await _add_group(conn, "g0", keys=["tq/g0"])  # stays untouched
+    await _quiet_groups(engine)
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 3  # g0, g1, g2 (g3 is finalized)
-    assert await _stored(engine, "p") == 3
+    assert await repo.pre_cut(engine, RUN, "p") == 12  # g1, g2, q00-q09 (g3 is finalized)
+    assert await _stored(engine, "p") == 12
     # Between the pre-cut and the barrier: a seal (attempt and sibling rows), a deleted group
     # (its children go through the trigger), a new group.
     async with engine.begin() as conn:
@@ -90,21 +97,22 @@ async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_who
         await _add_group(conn, "g5", keys=["tq/g5"])
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
-    assert row.counts["cut_pre_cut_groups"] == 3
-    assert row.counts["cut_recopied_groups"] == 3  # g1, g2 (gone), g5; not g0
-    assert [g[0] for g in (await _cut_of(engine, "p"))[0]] == ["g0", "g1", "g5"]
+    assert row.counts["cut_pre_cut_groups"] == 12
+    assert row.counts["cut_recopied_groups"] == 3  # g1, g2 (gone), g5; none of the quiet ones
+    assert [g[0] for g in (await _cut_of(engine, "p"))[0]] == ["g1", "g5"] + [f"q{k:02d}" for k in range(10)]
     assert "tq/new" in row.cut_staging_keys and "tq/g5" in row.cut_staging_keys and "tq/\u00e9" not in row.cut_staging_keys
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 
 async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_cut(engine: Any) -> None:
+    await _quiet_groups(engine)
     await _committing(engine, "p")
     # A seal's transaction is open (its write invisible) while the pre-cut copies; it commits after.
     async with engine.begin() as writer:  # commits when the block ends
         await writer.execute(
             text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/late}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
         )
-        assert await repo.pre_cut(engine, RUN, "p") == 2
+        assert await repo.pre_cut(engine, RUN, "p") == 12
     stale = await _rows(engine, "SELECT status FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
     assert stale[0][0] == "reserved"  # the pre-cut did not see it
     await _to_data_plane(engine, "p")
@@ -139,6 +147,17 @@ async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: An
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
     assert "cut_recopied_groups" not in row.counts and row.counts["cut_groups"] == 1
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_when_most_groups_changed_the_barrier_copies_the_whole_run(engine: Any) -> None:
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 2
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE attempts SET refusals = refusals + 1 WHERE run_id = :r AND generation_index = 0"), {"r": RUN})
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert row.counts["cut_pre_cut_groups"] == 2 and "cut_recopied_groups" not in row.counts
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 

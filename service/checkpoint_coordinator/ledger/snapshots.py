@@ -326,10 +326,14 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             )
         ).one()
         extra: dict[str, Any] = {}
+        changed: list[str] | None = None
         if _delta_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
             changed = list(
                 (await conn.execute(text(_CHANGED_GROUPS_SQL), {"r": run_id, "s": snapshot_id, "bx": str(base.cut_base_xid % 2**32)})).scalar() or []
             )
+            if len(changed) * _DELTA_MAX_SHARE > base.pre_cut_groups:
+                changed = None  # deleting and re-copying most groups costs more than one whole copy
+        if changed is not None:
             if changed:
                 await conn.execute(
                     text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[]))"),
@@ -341,8 +345,10 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
         else:
             if base.pre_cut_groups:
-                # A pre-cut whose base cannot be trusted (xid epoch moved too far): copy everything.
+                # A pre-cut whose base cannot be trusted (the xid counter moved too far), or one
+                # that most groups changed since: copy everything.
                 await delete_cut_rows(conn, run_id, [snapshot_id])
+                extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})
         r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra)})).one()
@@ -382,6 +388,8 @@ async def _cut_settings(conn: AsyncConnection) -> None:
 
 # Above this many groups to copy again at the barrier, the whole-run plan settings are used.
 _DELTA_HASH_FROM = 2000
+# When more than 1/this of the pre-cut's groups changed, the barrier copies the whole run instead.
+_DELTA_MAX_SHARE = 3
 # A pre-cut's base is trusted while the xid counter moved less than this since (32-bit xids
 # compare correctly within 2**31 of each other).
 _DELTA_MAX_XIDS = 1_000_000_000
