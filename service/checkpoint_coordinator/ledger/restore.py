@@ -175,49 +175,41 @@ async def load_cut(
 # Disposition codes, as ``domain.restore_plan.DISPOSITION_CODES``: 1 reused, 2 continued,
 # 3 restarted, 4 gym_restarted, 5 rerun, 6 dispatch.
 #
-# Whether the cut passes the pure plan's checks, the live siblings and the skipped groups, in
-# plain aggregates (one parallel pass over the cut, no grouping by group, which cost 2-3x more
-# at 1M rows). Per-row checks are counted. That every sibling has exactly one current attempt:
-# let D(g) = (sum of 2^index over g's rows) - (2^N - 1) for a group of N <= 31 siblings. N powers
-# of two sum to 2^N - 1 only if they are distinct (a repeat carries and leaves fewer ones than
-# terms), so when every D(g) is 0 each group has at least N rows, and when the row count also
-# equals the sum of N, exactly N distinct ones. The statement compares sum(h(g) * D(g)) with 0
-# for odd weights h(g) (a hash of the group id): one broken group always shows; several could
-# cancel only by an exact coincidence of weights (the pure function's check, which the
-# differential test runs on broken cuts too, stays the reference). Groups of more than 31
-# siblings (``big``) are checked by grouping their rows (_PLAN_DUPLICATES).
+# The plan reads the cut storage itself (``snapshot_cut_groups``: one row per group, its siblings
+# in an array) rather than the views: a group and its rows are one table row, so no statement
+# joins the cut with its groups, and a group's rows are unnested only when the group matters.
+#
+# One pass over the cut's groups checks the cut as the pure plan does and finds the skipped
+# groups, the live rows and the prompt_group cohorts that rerun. Per group (a lateral aggregate
+# over its own array): every row is checked; exactly one row per sibling index holds when the
+# group has N rows, each index is in [0, N) and the indexes' bits cover 0..N-1 (N rows covering N
+# values are all distinct). Groups of more than 62 siblings (``big``, beyond a bigint's bits) are
+# checked by _PLAN_DUPLICATES. Group ids are unique by the table's primary key. A cohort is
+# reused when all its rows are sealed and dispatched as it is when none was sent; anything else
+# reruns.
 _PLAN_SUMMARY = (
-    "WITH g AS MATERIALIZED (SELECT group_id, restore_level AS lvl, expected_generations AS n, group_attempt AS ga, "
-    "status AS gst, status IN ('generating', 'ready') AS live, hashtext(group_id)::bigint | 1 AS h "
-    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s), "
-    "r AS (SELECT count(*) AS k, count(*) FILTER (WHERE (g.group_id IS NULL OR sa.generation_index < 0 "
-    "OR sa.generation_index >= g.n OR sa.group_attempt <> g.ga "
-    "OR sa.status NOT IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned') OR sa.gym_attempt < 0 "
-    "OR (sa.gym_attempt > 0 AND (g.lvl <> 'turn' OR sa.gym_instance_id IS NULL)) "
-    "OR (g.live AND sa.status = 'returned' AND g.lvl <> 'prompt_group')) IS NOT FALSE) AS bad, "
-    "sum(g.h * (1::bigint << sa.generation_index)) FILTER (WHERE g.n <= 31 AND sa.generation_index BETWEEN 0 AND 30) AS w "
-    "FROM snapshot_attempts sa LEFT JOIN g ON g.group_id = sa.group_id WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s), "
-    "q AS (SELECT count(*) AS groups, count(DISTINCT group_id) AS distinct_groups, COALESCE(sum(n), 0) AS k, "
-    "sum(h * ((1::bigint << n) - 1)) FILTER (WHERE n <= 31) AS w, "
-    "count(*) FILTER (WHERE lvl NOT IN ('turn', 'sibling', 'prompt_group') OR n < 1 OR n >= 65536 OR ga < 0 "
-    "OR gst NOT IN ('generating', 'ready', 'finalized', 'abandoned')) AS bad, bool_or(n > 31) AS big, "
-    "COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
-    "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped FROM g) "
-    "SELECT r.bad > 0 OR q.bad > 0 OR q.groups <> q.distinct_groups OR r.k <> q.k OR r.w IS DISTINCT FROM q.w AS broken, "
-    "COALESCE(q.big, false), q.live_rows, q.skipped FROM r, q"
-)
-# The prompt_group cohorts that rerun: a cohort is reused when all its rows are sealed and
-# dispatched as it is when none was sent; anything else reruns.
-_PLAN_COHORTS = (
-    "SELECT sa.group_id FROM snapshot_attempts sa JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s "
-    "AND g.group_id = sa.group_id AND g.restore_level = 'prompt_group' AND g.status IN ('generating', 'ready') "
-    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s GROUP BY sa.group_id "
-    "HAVING min(sa.status) <> max(sa.status) OR min(sa.status) NOT IN ('sealed', 'reserved')"
+    "SELECT COALESCE(bool_or(bad > 0 OR lvl NOT IN ('turn', 'sibling', 'prompt_group') OR n < 1 OR n >= 65536 OR ga < 0 "
+    "OR gst NOT IN ('generating', 'ready', 'finalized', 'abandoned') OR k <> n "
+    "OR (n <= 62 AND bits IS DISTINCT FROM (1::bigint << n) - 1)), false) AS broken, "
+    "COALESCE(bool_or(n > 62), false) AS big, COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
+    "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped, "
+    "COALESCE(array_agg(group_id) FILTER (WHERE live AND lvl = 'prompt_group' "
+    "AND (smin <> smax OR smin NOT IN ('sealed', 'reserved'))), '{}') AS bumped "
+    "FROM (SELECT c.group_id, c.restore_level AS lvl, c.expected_generations AS n, c.group_attempt AS ga, "
+    "c.status AS gst, c.status IN ('generating', 'ready') AS live, x.* FROM snapshot_cut_groups c CROSS JOIN LATERAL ("
+    "SELECT count(*) AS k, count(*) FILTER (WHERE (s.generation_index < 0 OR s.generation_index >= c.expected_generations "
+    "OR s.group_attempt <> c.group_attempt "
+    "OR s.status NOT IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned') OR s.gym_attempt < 0 "
+    "OR (s.gym_attempt > 0 AND (c.restore_level <> 'turn' OR s.gym_instance_id IS NULL)) "
+    "OR (c.status IN ('generating', 'ready') AND s.status = 'returned' AND c.restore_level <> 'prompt_group')) IS NOT FALSE) AS bad, "
+    "bit_or(1::bigint << s.generation_index) FILTER (WHERE s.generation_index BETWEEN 0 AND 62) AS bits, "
+    "min(s.status) AS smin, max(s.status) AS smax FROM unnest(c.siblings) AS s) AS x "
+    "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s) AS g"
 )
 _PLAN_DUPLICATES = (
-    "SELECT EXISTS (SELECT 1 FROM snapshot_attempts sa JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s "
-    "AND g.group_id = sa.group_id AND g.expected_generations > 31 WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s "
-    "GROUP BY sa.group_id, sa.generation_index HAVING count(*) > 1)"
+    "SELECT EXISTS (SELECT 1 FROM snapshot_cut_groups c CROSS JOIN LATERAL (SELECT count(DISTINCT s.generation_index) AS d "
+    "FROM unnest(c.siblings) AS s) AS x WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.expected_generations > 62 "
+    "AND x.d <> c.expected_generations)"
 )
 # Every manifest entry must be the current attempt of a live turn-level sibling on that instance
 # at that Gym attempt, and a saved one still running in Gym: the matches, per kind, must number
@@ -225,22 +217,22 @@ _PLAN_DUPLICATES = (
 _PLAN_MANIFEST = (
     "SELECT count(*) FILTER (WHERE m.saved), count(*) FILTER (WHERE NOT m.saved) "
     "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
-    "JOIN snapshot_attempts sa ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
-    "JOIN snapshot_groups g ON g.run_id = %(r)s AND g.snapshot_id = %(s)s AND g.group_id = sa.group_id "
-    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s AND g.restore_level = 'turn' AND g.status IN ('generating', 'ready') "
-    "AND (NOT m.saved OR sa.status = 'dispatched' OR (sa.status = 'reserved' AND sa.gym_attempt > 0))"
+    "JOIN (SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
+    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
+    "AND c.restore_level = 'turn' AND c.status IN ('generating', 'ready')) sa "
+    "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
+    "WHERE NOT m.saved OR sa.status = 'dispatched' OR (sa.status = 'reserved' AND sa.gym_attempt > 0)"
 )
 # The rows the plan sends (every live row but reused ones), in cut order, with their code; a
 # turn-level row that is neither sealed nor never sent is ``restarted`` (3) here, and continued
 # or gym_restarted when the manifest lists it (decided by the caller, see plan_in_sql).
 _PLAN_SEND = (
-    "WITH g AS MATERIALIZED (SELECT group_id, restore_level AS lvl, b.g IS NOT NULL AS bumped FROM snapshot_groups "
-    "LEFT JOIN unnest(%(bumped)s::text[]) AS b(g) ON b.g = group_id "
-    "WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('generating', 'ready')) "
-    "SELECT sa.group_id, sa.generation_index, sa.attempt_id, sa.rollout_id, sa.gym_instance_id, sa.gym_attempt, "
-    "sa.group_attempt, sa.status, CASE WHEN g.bumped THEN 5 WHEN sa.status = 'reserved' AND (g.lvl <> 'turn' OR sa.gym_attempt = 0) "
-    "THEN 6 WHEN g.lvl = 'turn' THEN 3 ELSE 5 END FROM snapshot_attempts sa JOIN g ON g.group_id = sa.group_id "
-    "WHERE sa.run_id = %(r)s AND sa.snapshot_id = %(s)s AND (g.bumped OR sa.status <> 'sealed') ORDER BY sa.attempt_id"
+    "SELECT c.group_id, s.generation_index, s.attempt_id, s.rollout_id, s.gym_instance_id, s.gym_attempt, "
+    "s.group_attempt, s.status, CASE WHEN c.bumped THEN 5 WHEN s.status = 'reserved' AND (c.restore_level <> 'turn' "
+    "OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = 'turn' THEN 3 ELSE 5 END "
+    "FROM (SELECT group_id, restore_level, siblings, group_id = ANY(%(bumped)s::text[]) AS bumped FROM snapshot_cut_groups "
+    "WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('generating', 'ready')) AS c "
+    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.bumped OR s.status <> 'sealed' ORDER BY s.attempt_id"
 )
 _CONTINUED, _RESTARTED, _GYM_RESTARTED = 2, 3, 4
 
@@ -278,10 +270,10 @@ async def plan_in_sql(
     for knob in ("enable_nestloop", "enable_mergejoin"):
         await conn.execute(text(f"SET LOCAL {knob} = off"))
     await conn.execute(text("SET LOCAL work_mem = '128MB'"))
-    ((broken, big, live_rows, skipped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
+    ((broken, big, live_rows, skipped, bumped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
     if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
         return None
-    bumped = [x for (x,) in await fetch(conn, _PLAN_COHORTS, p, binary=False)]
+    bumped = sorted(bumped)
     rows = await fetch(conn, _PLAN_SEND, {**p, "bumped": bumped}, binary=False)
     codes = bytearray(r[8] for r in rows)
     entries: dict[str, tuple[str, int, bool]] = {}
