@@ -174,9 +174,12 @@ class _Breakdown:
             if dt >= 0.1:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
-        inner = repo.fetch
+        # The statements that go through the driver directly (binary parameters, plain tuples).
+        for name in ("fetch", "execute_binary"):
+            setattr(repo, name, self._timed(getattr(repo, name)))
 
-        async def fetch(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:
+    def _timed(self, inner: Any) -> Any:
+        async def timed(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:
             t = time.perf_counter()
             try:
                 return await inner(conn, sql, *a, **kw)
@@ -186,7 +189,7 @@ class _Breakdown:
                 if dt >= 0.1:
                     self.lines.append(f"{dt:6.2f}s  {' '.join(sql.split())[:110]}")
 
-        repo.fetch = fetch  # type: ignore[assignment]
+        return timed
 
 
 async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None) -> dict[str, Any]:

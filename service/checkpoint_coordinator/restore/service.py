@@ -615,6 +615,7 @@ def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, i
         c = plan.rows.columns(Disposition.continued)
         rw.continued_ids = list(map(int, c.attempt_id))
         rw.continued_rollouts = list(c.rollout_id)
+        rw.continued_groups = list(c.group_id)
     for d in NEW_ATTEMPT_DISPOSITIONS:
         c = plan.rows.columns(d)
         rw.new_old_ids.extend(map(int, c.attempt_id))
