@@ -763,6 +763,9 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         "sa.gym_attempt, sa.group_attempt, sa.status, sa.refusals, sa.receipt, sa.reward, sa.mask_sample, sa.staging_keys, "
         "sa.gym_owned"
     )
+    # The same columns read from the cut storage itself: the group id is the cut row's, the rest
+    # the sibling's (``sa`` an element of ``c.siblings``).
+    cut_focus_cols = focus_cols.replace("sa.group_id", "c.group_id")
     bumped_list = sorted(bumped)
     if everything:
         await conn.execute(
@@ -782,9 +785,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         # filter unnests the whole cut (1.1 s at 1M against ~0.1 s).
         await execute_binary(
             conn,
-            "CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT sa.attempt_id, c.group_id, sa.generation_index, "
-            "sa.row_attempts_used, sa.rollout_id, sa.gym_instance_id, sa.gym_attempt, sa.group_attempt, sa.status, "
-            "sa.refusals, sa.receipt, sa.reward, sa.mask_sample, sa.staging_keys, sa.gym_owned, true AS cont, "
+            f"CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT {cut_focus_cols}, true AS cont, "
             "c.group_id = ANY(%(bumped)s::text[]) AS bumped "
             "FROM snapshot_cut_groups c CROSS JOIN LATERAL unnest(c.siblings) AS sa "
             "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.group_id = ANY(%(cg)s::text[]) "
@@ -808,9 +809,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
             # By group key, as above.
             await execute_binary(
                 conn,
-                "INSERT INTO restore_focus SELECT sa.attempt_id, c.group_id, sa.generation_index, sa.row_attempts_used, "
-                "sa.rollout_id, sa.gym_instance_id, sa.gym_attempt, sa.group_attempt, sa.status, sa.refusals, sa.receipt, "
-                "sa.reward, sa.mask_sample, sa.staging_keys, sa.gym_owned, false, false "
+                f"INSERT INTO restore_focus SELECT {cut_focus_cols}, false, false "
                 "FROM snapshot_cut_groups c CROSS JOIN LATERAL unnest(c.siblings) AS sa "
                 "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.group_id = ANY(%(g)s::text[]) "
                 "AND NOT (sa.attempt_id = ANY(%(cid)s::bigint[]))",

@@ -445,13 +445,6 @@ class _PreCutVoid(Exception):
 
 
 async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
-    try:
-        return await _pre_cut(engine, run_id, snapshot_id)
-    except _PreCutVoid:
-        return None
-
-
-async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
     """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
     this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
     the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
@@ -462,6 +455,13 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | 
     must not wait for it); the closing conditional update decides, and a snapshot that ended
     meanwhile rolls the copy back (``end`` deletes the cut rows of every snapshot it does not
     publish, after waiting for this update's row lock)."""
+    try:
+        return await _pre_cut(engine, run_id, snapshot_id)
+    except _PreCutVoid:
+        return None
+
+
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
     async with engine.begin() as conn:
         st = (
             await conn.execute(

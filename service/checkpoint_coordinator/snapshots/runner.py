@@ -310,9 +310,8 @@ class SnapshotRunner:
         # An unfinished pre-cut would otherwise write its copy after end() deleted the cut rows
         # (it checks the snapshot again before committing; waiting keeps the log and timings clean).
         await self._await_pre_cut(job)
-        if job.candidates is not None and not job.candidates.done():
-            job.candidates.cancel()
         if job.candidates is not None:
+            job.candidates.cancel()  # no-op once it has its answer
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await job.candidates
         timings["total"] = time.monotonic() - started
