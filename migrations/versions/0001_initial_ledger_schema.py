@@ -227,6 +227,8 @@ def upgrade() -> None:
     sa.Column('gym_manifest', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('cut_staging_keys', postgresql.ARRAY(sa.Text()), nullable=True),
     sa.Column('cut_base_xid', sa.BigInteger(), nullable=True),
+    sa.Column('cut_xmin', sa.BigInteger(), nullable=True),
+    sa.Column('cut_system_id', sa.Text(), nullable=True),
     sa.Column('data_plane_ref', postgresql.JSONB(astext_type=sa.Text()), nullable=True),
     sa.Column('counts', postgresql.JSONB(astext_type=sa.Text()), server_default=sa.text("'{}'::jsonb"), nullable=False),
     sa.Column('gym_parked_seconds', sa.Float(), nullable=True),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from checkpoint_coordinator.errors import Conflict
 from checkpoint_coordinator.ledger import restore as repo
@@ -19,7 +20,9 @@ from .test_restore_support import fetch, manifest_doc, publish_snapshot
 INSTANCE = "math/replica-0"
 
 
-async def _scenario(client: Any, admin: dict[str, str], app: Any, run_id: str) -> tuple[RunApi, dict[str, list[dict[str, Any]]]]:
+async def _scenario(
+    client: Any, admin: dict[str, str], app: Any, run_id: str, edges: bool = False
+) -> tuple[RunApi, dict[str, list[dict[str, Any]]]]:
     """Every disposition at every level, a snapshot with Gym state, then what happens after the
     cut: a new group, a seal, a transport failure replaced and re-sent, a never-sent row sent,
     and a continued row's group touched (T gets a row sent after the cut)."""
@@ -41,7 +44,13 @@ async def _scenario(client: Any, admin: dict[str, str], app: Any, run_id: str) -
     await api.dispatch([r["rollout_id"] for r in T[:4] + U[:2] + S[:2] + rows["P1"] + rows["P2"]], INSTANCE)
     await api.seal([T[0], S[0]] + rows["P1"] + rows["P2"][:1])
     manifest = manifest_doc({INSTANCE: {"episodes": [(T[1]["rollout_id"], 0), (U[0]["rollout_id"], 0)], "restarts": [(T[2]["rollout_id"], 0)]}})
+    if edges:
+        await _edge_rows_before_cut(app, api, rows)
     await publish_snapshot(app.state.engine, run_id, "s1", 3, manifest=manifest, snapshot_dir="/tmp/s1")
+    if edges:
+        # E was finalized before the cut (so not in it) and is live again after it, its attempt rows
+        # untouched since before the cut (as after a restore of an older snapshot that reopened it).
+        await _sql(app, "UPDATE prompt_groups SET status = 'generating', ended_at = NULL WHERE run_id = :r AND group_id = 'E'", r=run_id)
     late = (await api.admit(group_body("LATE", 1)))["groups"][0]["rows"]
     await api.dispatch([late[0]["rollout_id"]], INSTANCE)
     await api.seal([T[3]])
@@ -49,6 +58,26 @@ async def _scenario(client: Any, admin: dict[str, str], app: Any, run_id: str) -
     await api.dispatch([failed["groups"][0]["rows_to_send"][0]["rollout_id"]], INSTANCE)
     await api.dispatch([T[4]["rollout_id"], rows["P3"][0]["rollout_id"]], INSTANCE)
     return api, rows
+
+
+async def _sql(app: Any, sql: str, **params: Any) -> None:
+    async with app.state.engine.begin() as conn:
+        await conn.execute(text(sql), params)
+
+
+async def _edge_rows_before_cut(app: Any, api: RunApi, rows: dict[str, list[dict[str, Any]]]) -> None:
+    """Rows written before the cut that the cut does not know although their group is live at
+    the restore: a current attempt (dispatched) of a group that was finalized at the cut, and an
+    attempt that is no longer current but still dispatched. The restore must retire both."""
+    e = (await api.admit(group_body("E", 1)))["groups"][0]["rows"]
+    await api.dispatch([e[0]["rollout_id"]], INSTANCE)
+    await _sql(app, "UPDATE prompt_groups SET status = 'finalized', ended_at = now() WHERE run_id = :r AND group_id = 'E'", r=api.run_id)
+    await _sql(
+        app,
+        "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, gym_instance_id, status, is_current, dispatched_at) "
+        "VALUES (:r, 'S', 2, :ro, :i, 'dispatched', false, now())",
+        r=api.run_id, ro=rows["S"][2]["rollout_id"].rsplit("_a", 1)[0] + "_a0ddba11", i=INSTANCE,
+    )
 
 
 async def _rewind(app: Any, run_id: str, **kw: Any) -> repo.RewindReport:
@@ -133,10 +162,29 @@ async def test_looking_only_at_what_changed_gives_the_ledger_of_a_full_compariso
         old_ids = {x["rollout_id"] for x in await fetch(app.state.engine, "SELECT rollout_id FROM attempts WHERE run_id = :r", r=run_id)}
         report = await _rewind(app, run_id, compare_every_row=every, tamper=tamper)
         assert report.after_cut and report.groups_removed == 1
+        # The fast paths compare only the attempts written since the cut's xmin.
+        assert report.diff_by_xmin is not every
         ledgers.append(_normalized(await _ledger(app, run_id), old_ids))
     fast, full, ids = ledgers
     for table in fast:
         assert fast[table] == full[table] == ids[table], table
+
+
+async def test_rows_older_than_the_cut_that_it_does_not_know_are_found_without_a_full_comparison(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    ledgers, retired = [], []
+    for run_id, every in (("run-edge-fast", False), ("run-edge-full", True)):
+        await _scenario(client, admin, app, run_id, edges=True)
+        old_ids = {x["rollout_id"] for x in await fetch(app.state.engine, "SELECT rollout_id FROM attempts WHERE run_id = :r", r=run_id)}
+        report = await _rewind(app, run_id, compare_every_row=every)
+        assert report.diff_by_xmin is not every
+        ledgers.append(_normalized(await _ledger(app, run_id), old_ids))
+        outbox = await fetch(app.state.engine, "SELECT rollout_id FROM outbox_items WHERE run_id = :r AND op = 'retire'", r=run_id)
+        retired.append({x["rollout_id"].split("_g")[0] + ("/stale" if x["rollout_id"].endswith("_a0ddba11") else "") for x in outbox})
+    fast, full = ledgers
+    for table in fast:
+        assert fast[table] == full[table], table
+    # Both edge rows were retired by either path.
+    assert {"E", "S/stale"} <= retired[0] == retired[1]
     # The continued rows are Gym-owned continuations at gym_attempt 1, whatever path wrote them.
     cont = [r for r in fast["attempts"] if r["gym_owned"] and r["status"] == "reserved"]
     assert len(cont) == 2 and {r["gym_attempt"] for r in cont} == {1}

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from checkpoint_coordinator.gym.client import GymControlClient
 from checkpoint_coordinator.gym.models import Episode, InstanceSpec
 from checkpoint_coordinator.gym.save import GymSave
-from checkpoint_coordinator.ledger.snapshots import insert_cut_rows
+from checkpoint_coordinator.ledger.snapshots import cut_xid_basis, insert_cut_rows, set_cut_xid_basis
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from .ledger_helpers import RunApi
@@ -51,6 +51,7 @@ async def publish_snapshot(
                 "dp": json.dumps(data_plane_ref or {"path": f"/data/{snapshot_id}", "digest": "sha256:0"}),
             },
         )
+        basis = await cut_xid_basis(conn)
         await insert_cut_rows(
             conn, run_id, snapshot_id,
             "SELECT * FROM prompt_groups WHERE run_id = :r AND status IN ('generating', 'ready')",
@@ -58,6 +59,7 @@ async def publish_snapshot(
             "AND s.generation_index = a.generation_index WHERE a.run_id = :r AND a.is_current",
             {},
         )
+        await set_cut_xid_basis(conn, run_id, snapshot_id, basis)
 
 
 async def fetch(engine: Any, sql: str, **params: Any) -> list[dict[str, Any]]:

@@ -277,6 +277,15 @@ class Snapshot(Base):
     # read under. At the barrier, only groups with a row written by a transaction at or after it
     # (or gone since) are copied again; NULL while no pre-cut was taken.
     cut_base_xid: Mapped[int | None] = mapped_column(BigInteger)
+    # The barrier (``ledger.snapshots.take_cut``): the 64-bit xmin of a snapshot taken once the
+    # barrier's transaction held the run lock, so every row version written by an older
+    # transaction was committed before the cut read the ledger and is the version the cut holds.
+    # A restore compares only newer rows with the cut (``ledger.restore``); NULL for cuts taken
+    # before this column existed and for imported ones (then every row is compared).
+    cut_xmin: Mapped[int | None] = mapped_column(BigInteger)
+    # ... and the PostgreSQL cluster it counts in (``pg_control_system().system_identifier``): xids
+    # mean nothing in another cluster (a logical dump loaded elsewhere writes every row anew).
+    cut_system_id: Mapped[str | None] = mapped_column(Text)
     data_plane_ref: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     counts: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     gym_parked_seconds: Mapped[float | None] = mapped_column(Float)

@@ -27,7 +27,7 @@ from ..errors import Conflict
 from .db import dump_json, fetch
 from .db import execute as execute_binary
 from .runs import RunRow, lock_run
-from .snapshots import insert_cut_rows
+from .snapshots import SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
 
 # -------------------------------------------------------------------------------------------
 # Snapshots
@@ -488,6 +488,8 @@ class RewindReport:
     attempts_inserted: int = 0
     after_cut: list[AfterCut] = field(default_factory=list)
     bumped_after_cut: list[str] = field(default_factory=list)
+    # Whether ``restore_diff`` compared only the rows written since the cut (``cut_xmin``).
+    diff_by_xmin: bool = False
 
 
 Minter = Callable[[str, int], str]
@@ -508,7 +510,8 @@ async def apply_restore(
     ``record = (restore_id, result_of)`` stores ``result_of(report)`` on the restore record in the
     same transaction, so the ledger change and the idempotent answer commit together.
     ``compare_every_row`` compares every cut row with the live ledger, as after a restore applied
-    after the cut (tests use it to check that looking only at what changed gives the same ledger).
+    after the cut, and every live attempt with the cut whatever ``cut_xmin`` says (tests use it to
+    check that looking only at what changed gives the same ledger).
     """
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id, for_update=True, expect_epoch=expect_epoch)
@@ -554,6 +557,64 @@ _TARGET = (
 )
 
 
+# ``restore_diff``: a live attempt ``a`` joined with its cut row ``c`` (by attempt id) is kept when
+# the cut does not know it and it may be current or still run in Gym, or when the cut knew it as
+# never sent and it left ``reserved`` since.
+_CUT_UNSENT = "status = 'reserved' AND gym_attempt = 0"
+_DIFF_KEEP = (
+    "CASE WHEN c.attempt_id IS NULL THEN a.is_current OR a.status IN ('reserved', 'dispatched', 'returned') "
+    "ELSE c.unsent AND a.status <> 'reserved' END"
+)
+_DIFF_COLS = "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement"
+
+
+async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_id: str, cut_xmin: int) -> None:
+    """``restore_diff`` without comparing a million unchanged rows with the cut.
+
+    A row version whose xmin is older than the cut's ``cut_xmin`` was committed before the
+    barrier's transaction read the ledger (it held the run lock, which every ledger write
+    takes), and nothing wrote the row since: it is the version the cut holds. So such a row is
+    known to the cut exactly when it is current and its group is in the cut, and then it cannot
+    have left ``reserved`` since. Of the old rows only those the cut does not know are kept: not
+    current but in flight, or current in a live group the cut lacks (one that had ended before
+    the cut is history, which step 2 drops anyway, so the few others are listed first and no row
+    is probed against the cut's 125 000 group ids). Rows written at or after ``cut_xmin`` (after
+    the cut, or by a transaction still running when the barrier locked the run, which errs on
+    the safe side) are compared with the cut rows of their groups, read by the cut's primary
+    key. The result equals the full comparison (``tests/integration/test_restore_rewind.py``)."""
+    p = {"r": run_id, "s": snapshot_id, "cx": str(cut_xmin % 2**32)}
+    absent = (
+        await conn.execute(
+            text(
+                "SELECT COALESCE(array_agg(g.group_id), '{}') FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS "
+                "(SELECT 1 FROM snapshot_cut_groups cg WHERE cg.run_id = :r AND cg.snapshot_id = :s AND cg.group_id = g.group_id) "
+                f"AND NOT ({_ENDED_BEFORE_CUT})"
+            ),
+            p,
+        )
+    ).scalar()
+    await execute_binary(
+        conn,
+        "CREATE TEMP TABLE restore_since_cut ON COMMIT DROP AS SELECT "
+        f"{_DIFF_COLS}, a.is_current, age(a.xmin) <= age(CAST(%(cx)s AS xid)) AS recent FROM attempts a "
+        "WHERE a.run_id = %(r)s AND (age(a.xmin) <= age(CAST(%(cx)s AS xid)) "
+        "OR NOT a.is_current AND a.status IN ('reserved', 'dispatched', 'returned') "
+        "OR a.is_current AND a.group_id = ANY(%(absent)s::text[]))",
+        {**p, "absent": absent},
+    )
+    groups = (await conn.execute(text("SELECT array_agg(DISTINCT group_id) FROM restore_since_cut WHERE recent"))).scalar() or []
+    await execute_binary(
+        conn,
+        "CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT "
+        f"{_DIFF_COLS}, c.attempt_id IS NOT NULL AS known, c.group_attempt AS cut_group_attempt FROM restore_since_cut a "
+        f"LEFT JOIN (SELECT sa.attempt_id, sa.group_attempt, sa.{_CUT_UNSENT.replace(' gym_attempt', ' sa.gym_attempt')} AS unsent "
+        "FROM snapshot_cut_groups cg CROSS JOIN LATERAL unnest(cg.siblings) AS sa "
+        "WHERE cg.run_id = %(r)s AND cg.snapshot_id = %(s)s AND cg.group_id = ANY(%(g)s::text[])) c "
+        f"ON a.recent AND c.attempt_id = a.attempt_id WHERE {_DIFF_KEEP}",
+        {"r": run_id, "s": snapshot_id, "g": groups},
+    )
+
+
 async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter, compare_every_row: bool = False) -> RewindReport:
     """The steps of :func:`apply_restore`.
 
@@ -583,10 +644,15 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # transaction: rewinding to a vanished cut would empty the ledger.
     still = (
         await conn.execute(
-            text("SELECT outcome FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR SHARE"), p
+            text(
+                "SELECT outcome, cut_xmin, cut_system_id = "
+                f"{SYSTEM_ID_SQL} AS same_cluster, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid "
+                "FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR SHARE"
+            ),
+            p,
         )
-    ).scalar()
-    if still != "published":
+    ).first()
+    if still is None or still.outcome != "published":
         raise Conflict(
             f"snapshot {s!r} is no longer a published snapshot of run {r!r} (removed by retention?); restore another one",
             code="snapshot_gone",
@@ -608,17 +674,20 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     #      attempt's group, sibling and rollout id never change, so the live row stands for the
     #      cut's): never-sent cut rows that reached Gym after the cut (``known``), and live
     #      attempts the cut does not know (admitted or replaced after it).
-    await conn.execute(
-        text(
-            "CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT a.attempt_id, a.group_id, a.generation_index, a.rollout_id, "
-            "a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement, c.attempt_id IS NOT NULL AS known, "
-            "c.group_attempt AS cut_group_attempt FROM attempts a LEFT JOIN (SELECT attempt_id, group_attempt, "
-            "status = 'reserved' AND gym_attempt = 0 AS unsent FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = :s) c "
-            "ON c.attempt_id = a.attempt_id WHERE a.run_id = :r AND CASE WHEN c.attempt_id IS NULL "
-            "THEN a.is_current OR a.status IN ('reserved', 'dispatched', 'returned') ELSE c.unsent AND a.status <> 'reserved' END"
-        ),
-        p,
-    )
+    if not compare_every_row and still.same_cluster and xid_base_usable(still.cut_xmin, still.next_xid):
+        report.diff_by_xmin = True
+        await _restore_diff_since_cut(conn, r, s, still.cut_xmin)
+    else:
+        await conn.execute(
+            text(
+                "CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT a.attempt_id, a.group_id, a.generation_index, a.rollout_id, "
+                "a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement, c.attempt_id IS NOT NULL AS known, "
+                "c.group_attempt AS cut_group_attempt FROM attempts a LEFT JOIN (SELECT attempt_id, group_attempt, "
+                f"{_CUT_UNSENT} AS unsent FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = :s) c "
+                f"ON c.attempt_id = a.attempt_id WHERE a.run_id = :r AND {_DIFF_KEEP}"
+            ),
+            p,
+        )
     # 1. Rows sent under their old identity whose attempt reached Gym after the cut.
     rows = (
         await conn.execute(

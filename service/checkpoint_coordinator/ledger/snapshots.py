@@ -319,6 +319,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             await conn.execute(
                 text(
                     "SELECT cut_base_xid, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid, "
+                    f"{CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
                     "(SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) AS pre_cut_groups "
                     "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
                 ),
@@ -327,7 +328,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         ).one()
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
-        if _delta_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
+        if xid_base_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
             changed = list(
                 (await conn.execute(text(_CHANGED_GROUPS_SQL), {"r": run_id, "s": snapshot_id, "bx": str(base.cut_base_xid % 2**32)})).scalar() or []
             )
@@ -351,7 +352,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
                 extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})
-        r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra)})).one()
+        r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id})).one()
         return SnapshotRow(**dict(r._mapping))
 
 
@@ -390,13 +391,40 @@ async def _cut_settings(conn: AsyncConnection) -> None:
 _DELTA_HASH_FROM = 2000
 # When more than 1/this of the pre-cut's groups changed, the barrier copies the whole run instead.
 _DELTA_MAX_SHARE = 3
-# A pre-cut's base is trusted while the xid counter moved less than this since (32-bit xids
-# compare correctly within 2**31 of each other).
+# A recorded xmin (a pre-cut's base, a cut's ``cut_xmin``) is trusted while the xid counter moved
+# less than this since (32-bit xids compare correctly within 2**31 of each other).
 _DELTA_MAX_XIDS = 1_000_000_000
 
+# The 64-bit xmin of the statement's snapshot: every transaction with an older xid had ended when
+# the snapshot was taken. Rows compare with it through ``age(xmin) <= age(CAST(:x32 AS xid))``
+# (a newer or equal xid has the smaller age), ``:x32`` being the value modulo 2**32 as text.
+CURRENT_XMIN_SQL = "CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint)"
+# The cluster those xids count in (text: an unsigned 64-bit number).
+SYSTEM_ID_SQL = "(SELECT CAST(system_identifier AS text) FROM pg_control_system())"
 
-def _delta_usable(base_xid: int | None, next_xid: int) -> bool:
+
+async def cut_xid_basis(conn: AsyncConnection) -> tuple[int, str]:
+    """``(cut_xmin, cut_system_id)`` for a cut about to be copied in this transaction: read
+    *before* the copy, so every transaction older than that xmin had committed when the copy's
+    statements took their snapshots. ``take_cut`` reads it once it holds the run lock; writers of
+    a cut by other means (benchmarks, tests) call this, then ``set_cut_xid_basis``. An imported
+    cut has none: it did not come from this ledger."""
+    r = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}, {SYSTEM_ID_SQL}"))).one()
+    return int(r[0]), str(r[1])
+
+
+async def set_cut_xid_basis(conn: AsyncConnection, run_id: str, snapshot_id: str, basis: tuple[int, str]) -> None:
+    await conn.execute(
+        text("UPDATE snapshots SET cut_xmin = :x, cut_system_id = :c WHERE run_id = :r AND snapshot_id = :s"),
+        {"r": run_id, "s": snapshot_id, "x": basis[0], "c": basis[1]},
+    )
+
+
+def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
+    """Whether rows can still be compared with ``base_xid`` by ``age()``: recorded, a normal xid
+    (not 0-2), and less than ``_DELTA_MAX_XIDS`` behind ``next_xid`` (the current snapshot's xmax)."""
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
+
 
 
 # The groups whose cut row the pre-cut may have copied stale: every group with a row (group,
@@ -431,7 +459,7 @@ _FINISH_CUT_SQL = (
     "all_keys AS (SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s "
     " UNION ALL SELECT k FROM manifest_keys), "
     "tot AS (SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) "
-    "UPDATE snapshots SET cut_at = now(), "
+    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
     # Sorted by code point, as Python's sorted() did.
     " cut_staging_keys = (SELECT COALESCE(array_agg(DISTINCT k COLLATE \"C\" ORDER BY k COLLATE \"C\"), '{}') FROM all_keys), "
     " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
@@ -472,7 +500,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | 
             return None
         # Taken before the copy's own statement snapshot: anything the copy saw that this base
         # does not is counted as changed at the barrier, never the other way round.
-        base = (await conn.execute(text("SELECT CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint)"))).scalar()
+        base = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar()
         await _cut_settings(conn)
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
         done = (
