@@ -51,6 +51,9 @@ async def _scenario(
         # E was finalized before the cut (so not in it) and is live again after it, its attempt rows
         # untouched since before the cut (as after a restore of an older snapshot that reopened it).
         await _sql(app, "UPDATE prompt_groups SET status = 'generating', ended_at = NULL WHERE run_id = :r AND group_id = 'E'", r=run_id)
+        # P1 (sealed whole, ready in the cut) is consumed after it: its group row changes and the
+        # restore brings it back as it was.
+        await api.post("/groups/finalize", {"group_ids": ["P1"]})
     late = (await api.admit(group_body("LATE", 1)))["groups"][0]["rows"]
     await api.dispatch([late[0]["rollout_id"]], INSTANCE)
     await api.seal([T[3]])
@@ -68,7 +71,8 @@ async def _sql(app: Any, sql: str, **params: Any) -> None:
 async def _edge_rows_before_cut(app: Any, api: RunApi, rows: dict[str, list[dict[str, Any]]]) -> None:
     """Rows written before the cut that the cut does not know although their group is live at
     the restore: a current attempt (dispatched) of a group that was finalized at the cut, and an
-    attempt that is no longer current but still dispatched. The restore must retire both."""
+    attempt that is no longer current but still dispatched. The restore must retire both (and
+    delete the group, admitted again as far as the cut can tell)."""
     e = (await api.admit(group_body("E", 1)))["groups"][0]["rows"]
     await api.dispatch([e[0]["rollout_id"]], INSTANCE)
     await _sql(app, "UPDATE prompt_groups SET status = 'finalized', ended_at = now() WHERE run_id = :r AND group_id = 'E'", r=api.run_id)
@@ -80,15 +84,15 @@ async def _edge_rows_before_cut(app: Any, api: RunApi, rows: dict[str, list[dict
     )
 
 
-async def _rewind(app: Any, run_id: str, **kw: Any) -> repo.RewindReport:
+async def _rewind(app: Any, run_id: str, snapshot_id: str = "s1", **kw: Any) -> repo.RewindReport:
     engine = app.state.engine
-    planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
+    planned = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=True)
     rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
     tamper = kw.pop("tamper", None)
     if tamper is not None:
         tamper(rw)
     return await repo.apply_restore(
-        engine, run_id, rw, after_cut_minter=rollout_minter(run_id, "s1", planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch, **kw
+        engine, run_id, rw, after_cut_minter=rollout_minter(run_id, snapshot_id, planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch, **kw
     )
 
 
@@ -185,6 +189,36 @@ async def test_rows_older_than_the_cut_that_it_does_not_know_are_found_without_a
         assert fast[table] == full[table], table
     # Both edge rows were retired by either path.
     assert {"E", "S/stale"} <= retired[0] == retired[1]
+    groups = {g["group_id"]: g for g in fast["groups"]}
+    assert "E" not in groups and groups["P1"]["status"] == "ready"
     # The continued rows are Gym-owned continuations at gym_attempt 1, whatever path wrote them.
     cont = [r for r in fast["attempts"] if r["gym_owned"] and r["status"] == "reserved"]
     assert len(cont) == 2 and {r["gym_attempt"] for r in cont} == {1}
+
+
+async def test_a_group_an_earlier_restore_removed_comes_back_with_the_cut_that_holds_it(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    ledgers = []
+    for run_id, every in (("run-back-fast", False), ("run-back-full", True)):
+        api = await new_run(client, admin, run_id=run_id, target_level="turn")
+        await api.admit(group_body("A", 2))
+        await publish_snapshot(app.state.engine, run_id, "s0", 1)
+        b = (await api.admit(group_body("B", 2)))["groups"][0]["rows"]
+        await api.dispatch([b[0]["rollout_id"]], INSTANCE)
+        await api.seal([b[0]])
+        await publish_snapshot(app.state.engine, run_id, "s1", 2)
+        # Back to s0: B did not exist then and leaves the ledger.
+        first = await _rewind(app, run_id, "s0")
+        assert first.groups_removed == 1
+        # Forward to s1 (a later cut): B is missing from the live ledger and comes back as cut.
+        old_ids = {x["rollout_id"] for x in await fetch(app.state.engine, "SELECT rollout_id FROM attempts WHERE run_id = :r", r=run_id)}
+        old_ids |= {b[0]["rollout_id"], b[1]["rollout_id"]}
+        second = await _rewind(app, run_id, "s1", compare_every_row=every)
+        assert second.diff_by_xmin is not every
+        ledger = _normalized(await _ledger(app, run_id), old_ids)
+        groups = {g["group_id"]: g for g in ledger["groups"]}
+        assert set(groups) == {"A", "B"} and groups["B"]["status"] == "generating"
+        sealed = [a for a in ledger["attempts"] if a["group_id"] == "B" and a["status"] == "sealed" and a["is_current"]]
+        assert [a["rollout_id"] for a in sealed] == ["old:" + b[0]["rollout_id"].rsplit("_a", 1)[0]]
+        ledgers.append(ledger)
+    for table in ledgers[0]:
+        assert ledgers[0][table] == ledgers[1][table], table

@@ -568,7 +568,7 @@ _DIFF_KEEP = (
 _DIFF_COLS = "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement"
 
 
-async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_id: str, cut_xmin: int) -> None:
+async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_id: str, cut_xmin: int) -> "_SinceCut":
     """``restore_diff`` without comparing a million unchanged rows with the cut.
 
     A row version whose xmin is older than the cut's ``cut_xmin`` was committed before the
@@ -583,16 +583,18 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
     the safe side) are compared with the cut rows of their groups, read by the cut's primary
     key. The result equals the full comparison (``tests/integration/test_restore_rewind.py``)."""
     p = {"r": run_id, "s": snapshot_id, "cx": str(cut_xmin % 2**32)}
-    absent = (
+    absent, recent_groups = (
         await conn.execute(
             text(
-                "SELECT COALESCE(array_agg(g.group_id), '{}') FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS "
-                "(SELECT 1 FROM snapshot_cut_groups cg WHERE cg.run_id = :r AND cg.snapshot_id = :s AND cg.group_id = g.group_id) "
-                f"AND NOT ({_ENDED_BEFORE_CUT})"
+                "SELECT COALESCE(array_agg(g.group_id) FILTER (WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_groups cg "
+                "WHERE cg.run_id = :r AND cg.snapshot_id = :s AND cg.group_id = g.group_id) "
+                f"AND NOT ({_ENDED_BEFORE_CUT})), '{{}}'), "
+                "COALESCE(array_agg(g.group_id) FILTER (WHERE age(g.xmin) <= age(CAST(:cx AS xid))), '{}') "
+                "FROM prompt_groups g WHERE g.run_id = :r"
             ),
             p,
         )
-    ).scalar()
+    ).one()
     await execute_binary(
         conn,
         "CREATE TEMP TABLE restore_since_cut ON COMMIT DROP AS SELECT "
@@ -613,6 +615,18 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
         f"ON a.recent AND c.attempt_id = a.attempt_id WHERE {_DIFF_KEEP}",
         {"r": run_id, "s": snapshot_id, "g": groups},
     )
+    return _SinceCut(absent=list(absent), recent_groups=list(recent_groups))
+
+
+@dataclass(frozen=True)
+class _SinceCut:
+    """What :func:`_restore_diff_since_cut` learnt about the run's groups: the live groups the
+    cut lacks that had not ended before it (step 4 deletes exactly these), and the groups whose
+    row was written at or after ``cut_xmin`` (any other live group row is the cut's, so step 6
+    compares only these and the rerunning cohorts)."""
+
+    absent: list[str]
+    recent_groups: list[str]
 
 
 async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter, compare_every_row: bool = False) -> RewindReport:
@@ -674,9 +688,10 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     #      attempt's group, sibling and rollout id never change, so the live row stands for the
     #      cut's): never-sent cut rows that reached Gym after the cut (``known``), and live
     #      attempts the cut does not know (admitted or replaced after it).
+    since: _SinceCut | None = None
     if not compare_every_row and still.same_cluster and xid_base_usable(still.cut_xmin, still.next_xid):
         report.diff_by_xmin = True
-        await _restore_diff_since_cut(conn, r, s, still.cut_xmin)
+        since = await _restore_diff_since_cut(conn, r, s, still.cut_xmin)
     else:
         await conn.execute(
             text(
@@ -763,15 +778,22 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade): they were
     #    admitted after it. Groups that had ended (finalized, abandoned) before the cut are not
     #    in it either; they stay, as history.
-    report.groups_removed = (
-        await conn.execute(
-            text(
-                "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-                f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
-            ),
-            p,
-        )
-    ).rowcount
+    if since is not None:
+        # The same groups, listed by _restore_diff_since_cut in this transaction (nothing wrote
+        # a group row since, and the run is locked).
+        report.groups_removed = await execute_binary(
+            conn, "DELETE FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s::text[])", {"r": r, "g": since.absent}
+        ) if since.absent else 0
+    else:
+        report.groups_removed = (
+            await conn.execute(
+                text(
+                    "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
+                    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
+                ),
+                p,
+            )
+        ).rowcount
 
     # 5. The unknown attempts of the remaining groups end (kept as history, no longer current).
     report.attempts_ended = (
@@ -786,36 +808,55 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
 
     # 6. Groups as in the cut (cohorts that rerun at group_attempt + 1): changed ones rewritten,
     #    missing ones (removed by an earlier restore, or an imported cut) inserted.
-    gparams = {**p, "bumped": sorted(bumped)}
+    gparams: dict[str, Any] = {**p, "bumped": sorted(bumped)}
     gsrc = (
         "SELECT sg.*, sg.group_attempt + CASE WHEN b.g IS NULL THEN 0 ELSE 1 END AS target_attempt FROM snapshot_groups sg "
         "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sg.group_id WHERE sg.run_id = :r AND sg.snapshot_id = :s"
     )
+    # Only groups whose live row may differ from the cut's: with ``cut_xmin``, those written since
+    # the cut and the rerunning cohorts (by the cut's primary key); otherwise every cut group.
+    usrc = gsrc
+    if since is not None:
+        usrc += " AND sg.group_id = ANY(CAST(:cand AS text[]))"
+        gparams["cand"] = sorted(set(since.recent_groups) | bumped)
     changed = (
         await conn.execute(
             text(
                 "UPDATE prompt_groups g SET group_attempt = t.target_attempt, data_attempts_used = t.data_attempts_used, "
                 "status = t.status, ended_at = CASE WHEN t.status IN ('finalized', 'abandoned') THEN COALESCE(g.ended_at, now()) END "
-                f"FROM ({gsrc}) t WHERE g.run_id = :r AND g.group_id = t.group_id AND "
+                f"FROM ({usrc}) t WHERE g.run_id = :r AND g.group_id = t.group_id AND "
                 "(g.group_attempt, g.data_attempts_used, g.status) IS DISTINCT FROM (t.target_attempt, t.data_attempts_used, t.status) "
                 "RETURNING g.group_id"
             ),
             gparams,
         )
     ).scalars().all()
-    new_groups = (
+    # Cut groups missing from the live ledger, found on the keys alone (both primary keys), then
+    # inserted whole: usually none.
+    missing = (
         await conn.execute(
             text(
-                "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-                "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status, ended_at) "
-                "SELECT :r, t.group_id, t.prompt_ref, t.task_digest, t.task_source, t.agent_name, t.restore_level, "
-                "t.expected_generations, t.target_step, t.weight_version, t.target_attempt, t.data_attempts_used, t.status, "
-                f"CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() END FROM ({gsrc}) t "
-                "WHERE NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = :r AND g.group_id = t.group_id) RETURNING group_id"
+                "SELECT COALESCE(array_agg(c.group_id), '{}') FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
+                "AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = :r AND g.group_id = c.group_id)"
             ),
-            gparams,
+            p,
         )
-    ).scalars().all()
+    ).scalar()
+    new_groups: Sequence[str] = []
+    if missing:
+        new_groups = (
+            await conn.execute(
+                text(
+                    "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+                    "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status, ended_at) "
+                    "SELECT :r, t.group_id, t.prompt_ref, t.task_digest, t.task_source, t.agent_name, t.restore_level, "
+                    "t.expected_generations, t.target_step, t.weight_version, t.target_attempt, t.data_attempts_used, t.status, "
+                    f"CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() END FROM ({gsrc} AND sg.group_id = ANY(CAST(:missing AS text[]))) t "
+                    "RETURNING group_id"
+                ),
+                {**gparams, "missing": list(missing)},
+            )
+        ).scalars().all()
     touched.update(changed)
     touched.update(new_groups)
     touched |= bumped
