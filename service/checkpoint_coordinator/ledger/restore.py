@@ -537,10 +537,10 @@ async def apply_restore(
 
 # A live group absent from the cut because it had ended before the cut (the cut holds live
 # groups only): kept as history. Any other group absent from the cut was admitted after it.
+_CUT_TIME = "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
 _ENDED_BEFORE_CUT = (
     "g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-    "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND g.ended_at <= "
-    "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND g.ended_at <= {_CUT_TIME}"
 )
 
 # The target state of a cut attempt (``restore_focus``): as in the cut, or continued (``cont``:
@@ -583,14 +583,18 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
     the safe side) are compared with the cut rows of their groups, read by the cut's primary
     key. The result equals the full comparison (``tests/integration/test_restore_rewind.py``)."""
     p = {"r": run_id, "s": snapshot_id, "cx": str(cut_xmin % 2**32)}
+    # One hash join of the run's groups with the cut's keys (as aggregate filters, NOT EXISTS
+    # subqueries would run once per group). "Ended before the cut" is _ENDED_BEFORE_CUT for a
+    # group the cut lacks.
     absent, recent_groups = (
         await conn.execute(
             text(
-                "SELECT COALESCE(array_agg(g.group_id) FILTER (WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_groups cg "
-                "WHERE cg.run_id = :r AND cg.snapshot_id = :s AND cg.group_id = g.group_id) "
-                f"AND NOT ({_ENDED_BEFORE_CUT})), '{{}}'), "
+                "SELECT COALESCE(array_agg(g.group_id) FILTER (WHERE cg.group_id IS NULL AND NOT "
+                "(g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND g.ended_at <= "
+                f"{_CUT_TIME})), '{{}}'), "
                 "COALESCE(array_agg(g.group_id) FILTER (WHERE age(g.xmin) <= age(CAST(:cx AS xid))), '{}') "
-                "FROM prompt_groups g WHERE g.run_id = :r"
+                "FROM prompt_groups g LEFT JOIN snapshot_cut_groups cg ON cg.run_id = :r AND cg.snapshot_id = :s "
+                "AND cg.group_id = g.group_id WHERE g.run_id = :r"
             ),
             p,
         )
