@@ -181,3 +181,25 @@ async def test_a_snapshot_that_does_not_publish_takes_its_pre_cut_with_it(engine
     assert await _stored(engine, "p") == 2
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed")
     assert await _stored(engine, "p") == 0
+
+
+async def test_the_barrier_records_the_xid_basis_a_restore_compares_rows_with(engine: Any) -> None:
+    """``cut_xmin`` splits the ledger as ``ledger.restore`` needs: rows the cut holds as they are
+    count as older, a row written after the barrier counts as newer; ``cut_system_id`` names this
+    cluster."""
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p") == 12
+    await _to_data_plane(engine, "p")
+    await repo.take_cut(engine, RUN, "p")
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE attempts SET status = 'sealed' WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"), {"r": RUN})
+    (cx, same_cluster), = await _rows(
+        engine, "SELECT cut_xmin, cut_system_id = (SELECT CAST(system_identifier AS text) FROM pg_control_system()) "
+        "FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'"
+    )
+    assert cx is not None and same_cluster
+    newer = await _rows(
+        engine, f"SELECT rollout_id FROM attempts WHERE run_id = :r AND age(xmin) <= age(CAST('{cx % 2**32}' AS xid)) ORDER BY rollout_id"
+    )
+    assert [r[0] for r in newer] == ["g1-2-dispatched"]

@@ -426,7 +426,6 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-
 # The groups whose cut row the pre-cut may have copied stale: every group with a row (group,
 # sibling or attempt) written by a transaction whose xid is at or after the pre-cut's snapshot
 # xmin (age() relative to this transaction: a smaller age is a newer xid), and every copied group
