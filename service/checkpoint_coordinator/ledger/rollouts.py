@@ -24,7 +24,7 @@ from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, GateClosed, NotFound
-from .db import dump_json, execute, fetch, read_rows
+from .db import execute, fetch, read_rows
 from .runs import lock_run
 
 def _hex() -> str:
@@ -481,13 +481,16 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                 conn,
                 "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
                 "expected_generations, target_step, weight_version) "
-                "SELECT %(r)s, g, pr::jsonb, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], %(pr)s::text[], "
+                "SELECT %(r)s, g, pr, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], "
+                "ARRAY(SELECT e FROM jsonb_array_elements(%(pr)s::jsonb) WITH ORDINALITY AS x(e, o) ORDER BY o), "
                 "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
                 "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
                 {
                     "r": run_id,
                     "g": [g.group_id for g in new],
-                    "pr": [dump_json(g.prompt_ref) for g in new],
+                    # The prompt refs travel as one JSON array serialised in one native call
+                    # (jsonb keeps no key order or spacing, so the stored values are the same).
+                    "pr": to_json([g.prompt_ref for g in new]).decode(),
                     "td": [g.task_digest for g in new],
                     "ts": [g.task_source for g in new],
                     "an": [g.agent_name for g in new],
@@ -601,17 +604,14 @@ async def dispatch(
         if todo:
             # Every row gets the same values: one array of ids, no per-row document.
             ids = [a.attempt_id for a in todo]
+            # One statement: the update, and the dispatch_calls row that "stream ended" looks the
+            # dispatch's rows up by (no index on dispatch_id); the id array is sent once.
             await execute(
                 conn,
-                "UPDATE attempts SET status = 'dispatched', gym_instance_id = %(i)s, dispatch_id = %(d)s, dispatched_at = now() "
-                "WHERE attempt_id = ANY(%(ids)s::bigint[])",
-                {"i": instance_id, "d": dispatch_id, "ids": ids},
-            )
-            # What "stream ended" looks the dispatch's rows up by (no index on dispatch_id).
-            await execute(
-                conn,
+                "WITH u AS (UPDATE attempts SET status = 'dispatched', gym_instance_id = %(i)s, dispatch_id = %(d)s, dispatched_at = now() "
+                "WHERE attempt_id = ANY(%(ids)s::bigint[])) "
                 "INSERT INTO dispatch_calls (run_id, dispatch_id, attempt_ids) VALUES (%(r)s, %(d)s, %(ids)s::bigint[])",
-                {"r": run_id, "d": dispatch_id, "ids": ids},
+                {"r": run_id, "i": instance_id, "d": dispatch_id, "ids": ids},
             )
             _count_transitions({"dispatched": len(todo)})
         for r in rows:
