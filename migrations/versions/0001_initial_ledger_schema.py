@@ -76,7 +76,7 @@ def upgrade() -> None:
     sa.CheckConstraint('gym_attempt >= 0', name=op.f('ck_attempts_gym_attempt')),
     sa.PrimaryKeyConstraint('attempt_id', name=op.f('pk_attempts')),
     sa.UniqueConstraint('run_id', 'rollout_id', name=op.f('uq_attempts_run_id_rollout_id')),
-    postgresql_with={'fillfactor': '70'}
+    postgresql_with={'fillfactor': '40'}
     )
     op.create_index('uq_attempts_current_per_sibling', 'attempts', ['run_id', 'group_id', 'generation_index'], unique=True, postgresql_where=sa.text('is_current'))
     op.create_table('runs',

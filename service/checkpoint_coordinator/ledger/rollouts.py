@@ -10,6 +10,7 @@ typed 409 naming each refused row.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
@@ -24,8 +25,17 @@ from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
 from ..errors import Conflict, GateClosed, NotFound
-from .db import dump_json, execute, fetch, read_rows
+from .db import execute, fetch, read_rows
 from .runs import lock_run
+
+# Every batch statement here is planned for its own arguments, never run as a prepared
+# statement: after psycopg prepares a statement (its fifth run on a connection) PostgreSQL
+# switches to a generic plan, which plans the arrays of thousands of ids as if they held a
+# handful (the ingest benchmark's statements on one connection: 35 us of server CPU per
+# transition prepared, 28-30 us planned each time).
+_fetch = functools.partial(fetch, prepare=False)
+_execute = functools.partial(execute, prepare=False)
+
 
 def _hex() -> str:
     return secrets.token_hex(16)
@@ -162,13 +172,13 @@ async def _lock_groups(conn: AsyncConnection, run_id: str, group_ids: Iterable[s
     ids = sorted(set(group_ids))
     if not ids:
         return {}
-    rows = await fetch(conn, _GROUP_SQL + "WHERE run_id = %(r)s AND group_id = ANY(%(ids)s) ORDER BY group_id FOR UPDATE", {"r": run_id, "ids": ids})
+    rows = await _fetch(conn, _GROUP_SQL + "WHERE run_id = %(r)s AND group_id = ANY(%(ids)s) ORDER BY group_id FOR UPDATE", {"r": run_id, "ids": ids})
     return _group_rows(rows)
 
 
 async def _lock_groups_of(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> dict[str, GroupRow]:
     """Lock (in id order) the groups that own these rollouts: one query, no prior read."""
-    rows = await fetch(
+    rows = await _fetch(
         conn,
         _GROUP_SQL + "WHERE run_id = %(r)s AND group_id IN (SELECT DISTINCT group_id FROM attempts WHERE run_id = %(r)s AND rollout_id = ANY(%(ids)s)) "
         "ORDER BY group_id FOR UPDATE",
@@ -207,14 +217,21 @@ async def _lock_and_read(conn: AsyncConnection, run_id: str, rollout_ids: Sequen
     through the attempts, as before, so the lock order stays the group-id order either way."""
     guess = _groups_named_by(rollout_ids)
     if guess:
-        await execute(conn, "SAVEPOINT ckpt_lock_guess", {})
+        await _execute(conn, "SAVEPOINT ckpt_lock_guess", {})
         groups = await _lock_groups(conn, run_id, guess)
         atts: dict[str, AttemptRow] = {}
         if groups:
             wanted = set(rollout_ids)
-            rows = await fetch(
+            # One probe of uq_attempts_current_per_sibling per locked group, whatever the
+            # statistics say: the plain "group_id = ANY(...)" form was planned, with the run's
+            # row count underestimated while it grows, as a scan of the whole run filtered by the
+            # 1 000-element array (~120-140 ms per 8 000-row batch at 200 000 attempts, growing with
+            # the run) instead of ~15 ms. OFFSET 0 keeps the subquery from being flattened into a
+            # hash join over the run.
+            rows = await _fetch(
                 conn,
-                f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current",
+                f"SELECT {_ATT_COLS}, 0 FROM unnest(%(g)s::text[]) AS t(g) CROSS JOIN LATERAL "
+                "(SELECT * FROM attempts WHERE run_id = %(r)s AND group_id = t.g AND is_current OFFSET 0) AS a",
                 {"r": run_id, "g": list(groups)},
             )
             atts = {r[3]: AttemptRow(*r) for r in rows if r[3] in wanted}
@@ -222,9 +239,9 @@ async def _lock_and_read(conn: AsyncConnection, run_id: str, rollout_ids: Sequen
             rest = [rid for rid in rollout_ids if rid not in atts]
             atts.update(await _attempts_by_rollout(conn, run_id, rest))
         if all(a.group_id in groups for a in atts.values()):
-            await execute(conn, "RELEASE SAVEPOINT ckpt_lock_guess", {})
+            await _execute(conn, "RELEASE SAVEPOINT ckpt_lock_guess", {})
             return groups, atts
-        await execute(conn, "ROLLBACK TO SAVEPOINT ckpt_lock_guess", {})
+        await _execute(conn, "ROLLBACK TO SAVEPOINT ckpt_lock_guess", {})
     groups = await _lock_groups_of(conn, run_id, rollout_ids)
     return groups, await _attempts_by_rollout(conn, run_id, rollout_ids)
 
@@ -233,12 +250,12 @@ async def _attempts_by_rollout(conn: AsyncConnection, run_id: str, rollout_ids: 
     """The named attempts, without their sibling's ``row_attempts_used`` (left 0): dispatch, seal
     and refusal never read it, and a failure takes it from the current attempts of its locked
     group. Saves a primary-key probe into ``siblings`` per row of every batch."""
-    rows = await fetch(conn, f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
+    rows = await _fetch(conn, f"SELECT {_ATT_COLS}, 0 FROM attempts a WHERE a.run_id = %(r)s AND a.rollout_id = ANY(%(ids)s)", {"r": run_id, "ids": list(rollout_ids)})
     return {r[3]: AttemptRow(*r) for r in rows}
 
 
 async def _current_attempts(conn: AsyncConnection, run_id: str, group_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
-    rows = await fetch(
+    rows = await _fetch(
         conn,
         _ATT_SQL + "WHERE a.run_id = %(r)s AND a.group_id = ANY(%(ids)s) AND a.is_current ORDER BY a.group_id, a.generation_index",
         {"r": run_id, "ids": list(group_ids)},
@@ -315,7 +332,7 @@ class _Plan:
     async def apply(self, conn: AsyncConnection) -> None:
         await self._apply_attempt_updates(conn)
         if self.new_attempts:
-            await execute(
+            await _execute(
                 conn,
                 "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
                 "SELECT %(r)s, g, i, ro, ga FROM unnest(%(g)s::text[], %(i)s::int[], %(ro)s::text[], %(ga)s::int[]) AS t(g, i, ro, ga)",
@@ -329,7 +346,7 @@ class _Plan:
             )
         if self.row_attempts:
             keys = list(self.row_attempts)
-            await execute(
+            await _execute(
                 conn,
                 "UPDATE siblings s SET row_attempts_used = t.n FROM unnest(%(g)s::text[], %(i)s::int[], %(n)s::int[]) AS t(g, i, n) "
                 "WHERE s.run_id = %(r)s AND s.group_id = t.g AND s.generation_index = t.i",
@@ -352,7 +369,7 @@ class _Plan:
             sets = ", ".join(f"{c} = t.{c}" for c in cols)
             if "status" in cols:
                 sets += ", ended_at = CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() ELSE g.ended_at END"
-            await execute(
+            await _execute(
                 conn,
                 f"UPDATE prompt_groups g SET {sets} FROM unnest(%(gids)s::text[], {casts}) AS t(gid, {', '.join(cols)}) "
                 "WHERE g.run_id = %(r)s AND g.group_id = t.gid",
@@ -375,7 +392,7 @@ class _Plan:
                 sets.append("ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END")
                 sets.append("dispatched_at = CASE WHEN t.status = 'dispatched' THEN now() ELSE a.dispatched_at END")
             record = ", ".join(["id bigint", *(f"{c} {_COL_TYPES[c]}" for c in cols)])
-            await execute(
+            await _execute(
                 conn,
                 f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id",
                 {"doc": doc},
@@ -414,7 +431,7 @@ async def enqueue_retires(conn: AsyncConnection, run_id: str, attempts: Sequence
     items = [a for a in attempts if a.gym_instance_id is not None]
     if not items:
         return
-    await execute(
+    await _execute(
         conn,
         "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
         "SELECT %(r)s, inst, 'retire', ro, ga, aid, %(cp)s FROM unnest(%(inst)s::text[], %(ro)s::text[], %(ga)s::int[], %(aid)s::bigint[]) AS t(inst, ro, ga, aid)",
@@ -477,17 +494,20 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
         minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
         if new:
-            await execute(
+            await _execute(
                 conn,
                 "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
                 "expected_generations, target_step, weight_version) "
-                "SELECT %(r)s, g, pr::jsonb, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], %(pr)s::text[], "
+                "SELECT %(r)s, g, pr, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], "
+                "ARRAY(SELECT e FROM jsonb_array_elements(%(pr)s::jsonb) WITH ORDINALITY AS x(e, o) ORDER BY o), "
                 "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
                 "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
                 {
                     "r": run_id,
                     "g": [g.group_id for g in new],
-                    "pr": [dump_json(g.prompt_ref) for g in new],
+                    # The prompt refs travel as one JSON array serialised in one native call
+                    # (jsonb keeps no key order or spacing, so the stored values are the same).
+                    "pr": to_json([g.prompt_ref for g in new]).decode(),
                     "td": [g.task_digest for g in new],
                     "ts": [g.task_source for g in new],
                     "an": [g.agent_name for g in new],
@@ -498,14 +518,14 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
                 },
             )
             sizes = {"r": run_id, "g": [g.group_id for g in new], "n": [g.expected_generations for g in new]}
-            await execute(
+            await _execute(
                 conn,
                 "INSERT INTO siblings (run_id, group_id, generation_index) "
                 "SELECT %(r)s, t.g, i FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i",
                 sizes,
             )
             # Rollout ids are minted here, one fresh random 32-hex suffix per attempt (section 1).
-            rows = await fetch(
+            rows = await _fetch(
                 conn,
                 "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
                 "SELECT %(r)s, t.g, i, t.g || '_g' || i || '_a' || replace(gen_random_uuid()::text, '-', ''), 0 "
@@ -601,17 +621,14 @@ async def dispatch(
         if todo:
             # Every row gets the same values: one array of ids, no per-row document.
             ids = [a.attempt_id for a in todo]
-            await execute(
+            # One statement: the update, and the dispatch_calls row that "stream ended" looks the
+            # dispatch's rows up by (no index on dispatch_id); the id array is sent once.
+            await _execute(
                 conn,
-                "UPDATE attempts SET status = 'dispatched', gym_instance_id = %(i)s, dispatch_id = %(d)s, dispatched_at = now() "
-                "WHERE attempt_id = ANY(%(ids)s::bigint[])",
-                {"i": instance_id, "d": dispatch_id, "ids": ids},
-            )
-            # What "stream ended" looks the dispatch's rows up by (no index on dispatch_id).
-            await execute(
-                conn,
+                "WITH u AS (UPDATE attempts SET status = 'dispatched', gym_instance_id = %(i)s, dispatch_id = %(d)s, dispatched_at = now() "
+                "WHERE attempt_id = ANY(%(ids)s::bigint[])) "
                 "INSERT INTO dispatch_calls (run_id, dispatch_id, attempt_ids) VALUES (%(r)s, %(d)s, %(ids)s::bigint[])",
-                {"r": run_id, "d": dispatch_id, "ids": ids},
+                {"r": run_id, "i": instance_id, "d": dispatch_id, "ids": ids},
             )
             _count_transitions({"dispatched": len(todo)})
         for r in rows:
@@ -715,7 +732,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             if cohorts:
                 cohort_rows = [
                     r
-                    for r in await fetch(
+                    for r in await _fetch(
                         conn,
                         "WITH done AS (SELECT a.group_id FROM attempts a JOIN prompt_groups g ON g.run_id = a.run_id AND g.group_id = a.group_id "
                         "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
@@ -732,7 +749,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                     _count_transitions({"sealed": sum(groups[g].expected_generations for g in cohort_sealed)})
             newly_ready = [
                 r[0]
-                for r in await fetch(
+                for r in await _fetch(
                     conn,
                     "UPDATE prompt_groups g SET status = 'ready' WHERE g.run_id = %(r)s AND g.group_id = ANY(%(g)s) AND g.status = 'generating' "
                     "AND (SELECT count(*) FROM attempts a WHERE a.run_id = g.run_id AND a.group_id = g.group_id AND a.is_current AND a.status = 'sealed') "
@@ -749,7 +766,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         # Every group of the batch that is ready now, so a retried batch whose first answer was
         # lost still tells the trainer which groups it may consume.
         batch_groups = sorted({atts[r["rollout_id"]].group_id for r in results})
-        ready = [r[0] for r in await fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
+        ready = [r[0] for r in await _fetch(conn, "SELECT group_id FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s) AND status = 'ready' ORDER BY 1",
                                            {"r": run_id, "g": batch_groups})] if batch_groups else []
         return {"rows": results, "ready_groups": ready, "cohorts_sealed": sorted(cohort_sealed)}
 
@@ -760,7 +777,7 @@ async def _seal_rows(conn: AsyncConnection, updates: list[dict[str, Any]]) -> No
     ``jsonb_to_recordset``, as ``_Plan`` writes its updates, without its per-row bookkeeping."""
     if not updates:
         return
-    await execute(
+    await _execute(
         conn,
         "UPDATE attempts a SET mask_sample = t.mask_sample, receipt = t.receipt, reward = t.reward, staging_keys = t.staging_keys, "
         "status = t.status, ended_at = CASE WHEN t.status IN ('sealed','failed','abandoned') THEN now() ELSE a.ended_at END "
@@ -935,7 +952,7 @@ async def stream_ended(
         # that a dispatch stays a heap-only update); each attempt's own dispatch_id decides.
         gids = [
             r[0]
-            for r in await fetch(
+            for r in await _fetch(
                 conn,
                 "SELECT DISTINCT a.group_id FROM dispatch_calls c CROSS JOIN LATERAL unnest(c.attempt_ids) AS u(id) "
                 "JOIN attempts a ON a.attempt_id = u.id WHERE c.run_id = %(r)s AND c.dispatch_id = %(d)s "
