@@ -282,8 +282,9 @@ class Snapshot(Base):
     # (or gone since) are copied again; NULL while no pre-cut was taken.
     cut_base_xid: Mapped[int | None] = mapped_column(BigInteger)
     # The barrier (``ledger.snapshots.take_cut``): the 64-bit xmin of a snapshot taken once the
-    # barrier's transaction held the run lock, so every row version written by an older
-    # transaction was committed before the cut read the ledger and is the version the cut holds.
+    # barrier's transaction held the run lock and before it copied anything, so every row version
+    # written by an older transaction was committed before the cut read the ledger and is the
+    # version the cut holds.
     # A restore compares only newer rows with the cut (``ledger.restore``); NULL for cuts taken
     # before this column existed and for imported ones (then every row is compared).
     cut_xmin: Mapped[int | None] = mapped_column(BigInteger)

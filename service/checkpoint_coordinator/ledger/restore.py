@@ -572,8 +572,10 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
     """``restore_diff`` without comparing a million unchanged rows with the cut.
 
     A row version whose xmin is older than the cut's ``cut_xmin`` was committed before the
-    barrier's transaction read the ledger (it held the run lock, which every ledger write
-    takes), and nothing wrote the row since: it is the version the cut holds. So such a row is
+    barrier read anything (``cut_xmin`` is taken before its first copy; any transaction still
+    running then, or started later, has a newer xid), and nothing wrote the row since: the
+    barrier's copy saw this version, and a group it took from the pre-cut had no row newer than
+    the pre-cut's base (``_CHANGED_GROUPS_SQL``), so the cut holds it as it is. So such a row is
     known to the cut exactly when it is current and its group is in the cut, and then it cannot
     have left ``reserved`` since. Of the old rows only those the cut does not know are kept: not
     current but in flight, or current in a live group the cut lacks (one that had ended before
