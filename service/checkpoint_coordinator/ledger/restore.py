@@ -27,7 +27,7 @@ from ..errors import Conflict
 from .db import dump_json, fetch
 from .db import execute as execute_binary
 from .runs import RunRow, lock_run
-from .snapshots import SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
+from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
 
 # -------------------------------------------------------------------------------------------
 # Snapshots
@@ -537,10 +537,13 @@ async def apply_restore(
 
 # A live group absent from the cut because it had ended before the cut (the cut holds live
 # groups only): kept as history. Any other group absent from the cut was admitted after it.
-_CUT_TIME = "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+_ENDED_BY_CUT_TIME = (
+    "g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND g.ended_at <= "
+    "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+)
 _ENDED_BEFORE_CUT = (
-    "g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND g.ended_at <= {_CUT_TIME}"
+    f"{_ENDED_BY_CUT_TIME} AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
+    "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id)"
 )
 
 # The target state of a cut attempt (``restore_focus``): as in the cut, or continued (``cont``:
@@ -557,15 +560,23 @@ _TARGET = (
 )
 
 
-# ``restore_diff``: a live attempt ``a`` joined with its cut row ``c`` (by attempt id) is kept when
-# the cut does not know it and it may be current or still run in Gym, or when the cut knew it as
-# never sent and it left ``reserved`` since.
-_CUT_UNSENT = "status = 'reserved' AND gym_attempt = 0"
-_DIFF_KEEP = (
-    "CASE WHEN c.attempt_id IS NULL THEN a.is_current OR a.status IN ('reserved', 'dispatched', 'returned') "
-    "ELSE c.unsent AND a.status <> 'reserved' END"
-)
 _DIFF_COLS = "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement"
+
+
+def _restore_diff_sql(live: str, cut_groups: str = "") -> str:
+    """``restore_diff``: the live attempts ``a`` read from ``live`` (a run's attempts, or those
+    _restore_diff_since_cut kept) joined with their cut rows ``c`` by attempt id (``cut_groups``:
+    an extra filter naming the cut groups to read). An attempt is kept when the cut does not know
+    it and it may be current or still run in Gym, or when the cut knew it as never sent and it
+    left ``reserved`` since."""
+    return (
+        f"CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT {_DIFF_COLS}, c.attempt_id IS NOT NULL AS known, "
+        f"c.group_attempt AS cut_group_attempt FROM {live} LEFT JOIN (SELECT attempt_id, group_attempt, "
+        "status = 'reserved' AND gym_attempt = 0 AS unsent FROM snapshot_attempts "
+        f"WHERE run_id = %(r)s AND snapshot_id = %(s)s{cut_groups}) c ON c.attempt_id = a.attempt_id "
+        "WHERE CASE WHEN c.attempt_id IS NULL THEN a.is_current OR a.status IN ('reserved', 'dispatched', 'returned') "
+        "ELSE c.unsent AND a.status <> 'reserved' END"
+    )
 
 
 async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_id: str, cut_xmin: int) -> "_SinceCut":
@@ -586,14 +597,11 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
     key. The result equals the full comparison (``tests/integration/test_restore_rewind.py``)."""
     p = {"r": run_id, "s": snapshot_id, "cx": str(cut_xmin % 2**32)}
     # One hash join of the run's groups with the cut's keys (as aggregate filters, NOT EXISTS
-    # subqueries would run once per group). "Ended before the cut" is _ENDED_BEFORE_CUT for a
-    # group the cut lacks.
+    # subqueries would run once per group): _ENDED_BEFORE_CUT for a group the cut lacks.
     absent, recent_groups = (
         await conn.execute(
             text(
-                "SELECT COALESCE(array_agg(g.group_id) FILTER (WHERE cg.group_id IS NULL AND NOT "
-                "(g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND g.ended_at <= "
-                f"{_CUT_TIME})), '{{}}'), "
+                f"SELECT COALESCE(array_agg(g.group_id) FILTER (WHERE cg.group_id IS NULL AND NOT ({_ENDED_BY_CUT_TIME})), '{{}}'), "
                 "COALESCE(array_agg(g.group_id) FILTER (WHERE age(g.xmin) <= age(CAST(:cx AS xid))), '{}') "
                 "FROM prompt_groups g LEFT JOIN snapshot_cut_groups cg ON cg.run_id = :r AND cg.snapshot_id = :s "
                 "AND cg.group_id = g.group_id WHERE g.run_id = :r"
@@ -611,14 +619,12 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
         {**p, "absent": absent},
     )
     groups = (await conn.execute(text("SELECT array_agg(DISTINCT group_id) FROM restore_since_cut WHERE recent"))).scalar() or []
+    # The cut rows of the recent rows' groups only (the view's group filter is the cut's primary
+    # key). An old row kept above is never among them: the cut holds current attempts, and an old
+    # row is either not current or of a group the cut lacks.
     await execute_binary(
         conn,
-        "CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT "
-        f"{_DIFF_COLS}, c.attempt_id IS NOT NULL AS known, c.group_attempt AS cut_group_attempt FROM restore_since_cut a "
-        f"LEFT JOIN (SELECT sa.attempt_id, sa.group_attempt, sa.{_CUT_UNSENT.replace(' gym_attempt', ' sa.gym_attempt')} AS unsent "
-        "FROM snapshot_cut_groups cg CROSS JOIN LATERAL unnest(cg.siblings) AS sa "
-        "WHERE cg.run_id = %(r)s AND cg.snapshot_id = %(s)s AND cg.group_id = ANY(%(g)s::text[])) c "
-        f"ON a.recent AND c.attempt_id = a.attempt_id WHERE {_DIFF_KEEP}",
+        _restore_diff_sql("restore_since_cut a", " AND group_id = ANY(%(g)s::text[])"),
         {"r": run_id, "s": snapshot_id, "g": groups},
     )
     return _SinceCut(absent=list(absent), recent_groups=list(recent_groups))
@@ -666,7 +672,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         await conn.execute(
             text(
                 "SELECT outcome, cut_xmin, cut_system_id = "
-                f"{SYSTEM_ID_SQL} AS same_cluster, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid "
+                f"{SYSTEM_ID_SQL} AS same_cluster, {NEXT_XID_SQL} AS next_xid "
                 "FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR SHARE"
             ),
             p,
@@ -699,16 +705,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
         report.diff_by_xmin = True
         since = await _restore_diff_since_cut(conn, r, s, still.cut_xmin)
     else:
-        await conn.execute(
-            text(
-                "CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT a.attempt_id, a.group_id, a.generation_index, a.rollout_id, "
-                "a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement, c.attempt_id IS NOT NULL AS known, "
-                "c.group_attempt AS cut_group_attempt FROM attempts a LEFT JOIN (SELECT attempt_id, group_attempt, "
-                f"{_CUT_UNSENT} AS unsent FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = :s) c "
-                f"ON c.attempt_id = a.attempt_id WHERE a.run_id = :r AND {_DIFF_KEEP}"
-            ),
-            p,
-        )
+        await execute_binary(conn, _restore_diff_sql("(SELECT * FROM attempts WHERE run_id = %(r)s) a"), p)
     # 1. Rows sent under their old identity whose attempt reached Gym after the cut.
     rows = (
         await conn.execute(

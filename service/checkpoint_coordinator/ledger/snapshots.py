@@ -318,7 +318,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         base = (
             await conn.execute(
                 text(
-                    "SELECT cut_base_xid, CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint) AS next_xid, "
+                    f"SELECT cut_base_xid, {NEXT_XID_SQL} AS next_xid, "
                     f"{CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
                     "(SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) AS pre_cut_groups "
                     "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
@@ -399,6 +399,8 @@ _DELTA_MAX_XIDS = 1_000_000_000
 # the snapshot was taken. Rows compare with it through ``age(xmin) <= age(CAST(:x32 AS xid))``
 # (a newer or equal xid has the smaller age), ``:x32`` being the value modulo 2**32 as text.
 CURRENT_XMIN_SQL = "CAST(CAST(pg_snapshot_xmin(pg_current_snapshot()) AS text) AS bigint)"
+# The 64-bit xid the next transaction gets (the snapshot's xmax), which ``xid_base_usable`` measures against.
+NEXT_XID_SQL = "CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint)"
 # The cluster those xids count in (text: an unsigned 64-bit number).
 SYSTEM_ID_SQL = "(SELECT CAST(system_identifier AS text) FROM pg_control_system())"
 
