@@ -374,7 +374,16 @@ class Api:
         while True:
             try:
                 doc = yield from self._call(req)
-                return RestoreResult.parse(doc, rid)
+                result = RestoreResult.parse(doc, rid)
+                # A large answer comes in pages (the first with the POST); join them so the caller
+                # holds every row. Pages of an applied restore never change.
+                cursor = doc.get("next_cursor") if isinstance(doc, Mapping) else None
+                path = self._run_path(f"/restores/{_seg(result.restore_id)}/rows")
+                while cursor is not None:
+                    page = yield from self._call(RequestSpec("GET", path, params={"cursor": cursor}))
+                    result = result.with_more_rows(page)
+                    cursor = page.get("next_cursor") if isinstance(page, Mapping) else None
+                return result
             except Conflict as e:
                 if e.code != "restore_in_progress":
                     raise

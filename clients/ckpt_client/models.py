@@ -9,7 +9,7 @@ absence raises :class:`~ckpt_client.errors.ProtocolError`.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from .errors import ProtocolError
@@ -825,6 +825,11 @@ class RestoreResult:
             epoch=_opt_int(d.get("epoch")),
             raw=d,
         )
+
+    def with_more_rows(self, page: Any) -> RestoreResult:
+        """This result with the rows of a ``GET /restores/{id}/rows`` page appended."""
+        d = _obj(page, "restore rows page")
+        return replace(self, rows=self.rows + [PlanRow.parse(r) for r in _list(d.get("rows"))])
 
 
 @dataclass(frozen=True)

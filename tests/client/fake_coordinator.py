@@ -92,6 +92,7 @@ class FakeCoordinator:
                 Route("/v1/runs/{run_id}/snapshots/{sid}/captured", self.captured, methods=["POST"]),
                 Route("/v1/runs/{run_id}/restore-plan", self.restore_plan, methods=["GET"]),
                 Route("/v1/runs/{run_id}/restores", self.restores, methods=["POST"]),
+                Route("/v1/runs/{run_id}/restores/{rid}/rows", self.restore_rows, methods=["GET"]),
                 Route("/v1/runs/{run_id}/counts", self.counts, methods=["GET"]),
                 Route("/v1/runs/{run_id}/attempts/dispatch", self.dispatch, methods=["POST"]),
             ]
@@ -163,8 +164,23 @@ class FakeCoordinator:
         if self.restore_busy > 0:
             self.restore_busy -= 1
             return problem(409, "restore_in_progress", "still running", restore_id=body["restore_id"])
+        # Like the coordinator: the first page of rows with the answer, the rest by cursor.
+        page = self.plan_rows[: self.plan_page]
         return JSONResponse(
-            {"restore_id": body["restore_id"], "snapshot_id": "s1", "state": "applied", "epoch": 2, "counts": {"rerun": 1}, "rows": self.plan_rows}
+            {
+                "restore_id": body["restore_id"], "snapshot_id": "s1", "state": "applied", "epoch": 2, "counts": {"rerun": 1},
+                "rows": page, "rows_total": len(self.plan_rows), "next_cursor": len(page) if len(page) < len(self.plan_rows) else None,
+            }
+        )
+
+    async def restore_rows(self, request: Request) -> Response:
+        await self._note("restore_rows", request)
+        cursor = int(request.query_params.get("cursor", 0))
+        page = self.plan_rows[cursor : cursor + self.plan_page]
+        end = cursor + len(page)
+        return JSONResponse(
+            {"restore_id": request.path_params["rid"], "rows": page, "rows_total": len(self.plan_rows),
+             "next_cursor": end if end < len(self.plan_rows) else None}
         )
 
     async def counts(self, request: Request) -> Response:

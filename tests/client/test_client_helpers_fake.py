@@ -198,6 +198,18 @@ async def test_restore_waits_while_the_same_restore_is_still_running(h: Harness)
     assert h.time.sleeps == [3.0, 3.0]
 
 
+async def test_restore_joins_the_pages_of_a_large_answer(h: Harness) -> None:
+    h.fake.plan_rows = [
+        {"group_id": f"g{i}", "generation_index": 0, "disposition": "rerun", "rollout_id": f"g{i}_g0_a{i:032x}", "capture_key": f"g{i}_g0_a{i:032x}"}
+        for i in range(5)
+    ]
+    done = await h.call("restore", "r-9", step=9, with_gym_state=False, timeout=60)
+    assert [r.group_id for r in done.rows_to_send] == [f"g{i}" for i in range(5)]
+    pages = [c for c in h.fake.calls if c[0] == "restore_rows"]
+    assert [p[2] for p in pages] == [{"cursor": "2"}, {"cursor": "4"}]
+    assert all(p[1].endswith("/restores/r-9/rows") for p in pages)
+
+
 async def test_503_is_retried_then_surfaces_typed_when_it_persists(h: Harness) -> None:
     h.fake.unavailable = 2
     counts = await h.call("counts")

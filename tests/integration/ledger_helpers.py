@@ -19,9 +19,9 @@ class RunApi:
         assert r.status_code == expect, (path, r.status_code, r.text)
         return r.json()
 
-    async def get(self, path: str) -> dict[str, Any]:
+    async def get(self, path: str, expect: int = 200) -> dict[str, Any]:
         r = await self.c.get(f"/v1/runs/{self.run_id}{path}", headers=self.h)
-        assert r.status_code == 200, r.text
+        assert r.status_code == expect, r.text
         return r.json()
 
     async def admit(self, *groups: dict[str, Any], expect: int = 200) -> dict[str, Any]:

@@ -327,3 +327,53 @@ async def test_restore_after_an_earlier_restore_rewrites_every_row_that_differs(
     assert ans["counts"]["reused"] == 2
     live = await fetch(app.state.engine, "SELECT status, receipt, gym_owned FROM attempts WHERE rollout_id = :r", r=g2[0]["rollout_id"])
     assert live == [{"status": "sealed", "receipt": {"rollout_id": g2[0]["capture_key"]}, "gym_owned": False}]
+
+
+async def test_a_large_restore_answer_comes_in_pages(client, admin, app, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from checkpoint_coordinator.ledger import restore as repo
+    from checkpoint_coordinator.restore import service
+
+    # Pages of 3 rows over stored chunks of 4: pages and chunks do not line up.
+    monkeypatch.setattr(service, "ANSWER_PAGE_ROWS", 3)
+    monkeypatch.setattr(repo, "RESTORE_ROWS_PER_CHUNK", 4)
+    api, rows = await _table_run(client, admin)
+    await publish_snapshot(app.state.engine, api.run_id, "s1", 3, snapshot_dir="/tmp/s1")
+    await _after_cut_changes(api, rows)
+    engine = app.state.engine
+
+    ans = await api.post("/restores", {"restore_id": "r1", "with_gym_state": False})
+    total = sum(n for d, n in ans["counts"].items() if d != "reused")
+    assert ans["rows_total"] == total == 12 and len(ans["rows"]) == 3 and ans["next_cursor"] == 3
+    chunks = await fetch(engine, "SELECT chunk FROM restore_row_chunks WHERE run_id = :r AND restore_id = 'r1' ORDER BY chunk", r=api.run_id)
+    assert [c["chunk"] for c in chunks] == [0, 1, 2]
+    # Every page, by the cursor each one names, equals the whole answer read as one page.
+    whole = await api.get("/restores/r1/rows?limit=100000")
+    assert whole["rows_total"] == 12 and whole["next_cursor"] is None and len(whole["rows"]) == 12
+    joined, cursor = list(ans["rows"]), ans["next_cursor"]
+    while cursor is not None:
+        page = await api.get(f"/restores/r1/rows?cursor={cursor}")
+        assert page["cursor"] == cursor and len(page["rows"]) <= 3
+        joined += page["rows"]
+        cursor = page["next_cursor"]
+    assert joined == whole["rows"]
+    by = _by_sibling(joined)
+    assert len(by) == 12 and by[("T", 4)]["disposition"] == "restarted"  # the after-cut adjustment is stored too
+    assert all(r["capture_key"] == r["rollout_id"] for r in joined if r["gym_attempt"] == 0)
+    assert [r["disposition"] for r in joined].count("rerun") == ans["counts"]["rerun"]
+    # A repeat and the record answer the same first page; past the end a page is empty.
+    assert await api.post("/restores", {"restore_id": "r1", "with_gym_state": False}) == ans
+    assert (await api.get("/restores/r1"))["answer"] == ans
+    end = await api.get("/restores/r1/rows?cursor=12")
+    assert end["rows"] == [] and end["next_cursor"] is None
+    # Refusals are typed: an unknown restore, one that has no rows (not applied), a bad cursor.
+    assert (await api.get("/restores/nope/rows", expect=404))["code"] == "restore_not_found"
+    async with engine.begin() as conn:
+        from sqlalchemy import text
+
+        await conn.execute(
+            text("INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state) VALUES (:r, 'r-run', 's1', 'running', false)"),
+            {"r": api.run_id},
+        )
+    running = await api.get("/restores/r-run/rows", expect=409)
+    assert running["code"] == "restore_not_applied" and running["state"] == "running"
+    assert (await api.get("/restores/r1/rows?cursor=-1", expect=422))["status"] == 422

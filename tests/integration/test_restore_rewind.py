@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from checkpoint_coordinator.errors import Conflict
 from checkpoint_coordinator.ledger import restore as repo
@@ -105,6 +107,7 @@ async def _ledger(app: Any, run_id: str) -> dict[str, Any]:
         "outbox": "SELECT * FROM outbox_items WHERE run_id = :r ORDER BY item_id",
         "run": "SELECT * FROM runs WHERE run_id = :r",
         "restores": "SELECT * FROM restores WHERE run_id = :r ORDER BY restore_id",
+        "answer_rows": "SELECT * FROM restore_row_chunks WHERE run_id = :r ORDER BY restore_id, chunk",
     }
     return {k: await fetch(app.state.engine, sql, r=run_id) for k, sql in q.items()}
 
@@ -126,6 +129,37 @@ async def test_a_failing_rewind_leaves_the_ledger_untouched(client, admin, app) 
     # ... and the same restore without the collision applies.
     report = await _rewind(app, api.run_id)
     assert report.epoch == before["run"][0]["epoch"] + 1 and report.attempts_inserted > 0
+
+
+async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    api, _ = await _scenario(client, admin, app, "run-rows")
+    before = await _ledger(app, api.run_id)
+    rows = repo.AnswerRows()
+    rows.append("T", 1, "restarted", "T_g1_a" + "e" * 32, 0, 0, None, "T_g1_a" + "f" * 32)
+
+    def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
+        return {"answer": {"rows_total": len(rows)}}, rows
+
+    # The rows are written after every rewind step, in the same transaction: when they cannot be
+    # (here: no restore record was claimed under that id), nothing of the rewind stays.
+    with pytest.raises((IntegrityError, psycopg.errors.IntegrityError)):
+        await _rewind(app, api.run_id, record=("never-claimed", result_of))
+    assert await _ledger(app, api.run_id) == before
+    async with app.state.engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state) VALUES (:r, 'claimed', 's1', 'running', true)"),
+            {"r": api.run_id},
+        )
+    # A value the chunk encoding cannot carry is refused before anything is sent.
+    bad = repo.AnswerRows()
+    bad.append("T", 1, "restarted", "T_g1_a\x1f", 0, 0, None, None)
+    async with app.state.engine.begin() as conn:
+        with pytest.raises(ValueError, match="rollout_ids"):
+            await repo.store_answer_rows(conn, api.run_id, "claimed", bad)
+    report = await _rewind(app, api.run_id, record=("claimed", result_of))
+    stored = await fetch(app.state.engine, "SELECT chunk, rollout_ids, replaces_rollout_ids FROM restore_row_chunks WHERE run_id = :r", r=api.run_id)
+    assert stored == [{"chunk": 0, "rollout_ids": rows.rollout_ids, "replaces_rollout_ids": rows.replaces_rollout_ids}]
+    assert report.epoch == before["run"][0]["epoch"] + 1
 
 
 def _normalized(ledger: dict[str, Any], old_ids: set[str]) -> dict[str, Any]:

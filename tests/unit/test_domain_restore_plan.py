@@ -627,6 +627,22 @@ def test_columns_are_the_rows_of_a_disposition(case: tuple[Cut, GymManifest | No
             assert list(getattr(cols, name)) == [getattr(r, name) for r in rows], (d, name)
 
 
+@settings(max_examples=150, deadline=None)
+@given(cuts_with_manifest(), st.booleans())
+def test_sent_columns_are_the_rows_that_are_not_reused(case: tuple[Cut, GymManifest | None], gym: bool) -> None:
+    cut, m = case
+    plan = plan_restore(cut, m, counter_ids()) if gym else restore_without_gym_state(cut, counter_ids())
+    plan = demote_continuations(plan, counter_ids()) if gym and plan.counts[D.continued] % 2 else plan
+    sent = [r for r in plan.rows if r.disposition is not D.reused]
+    cols = plan.rows.sent_columns()
+    assert cols.disposition == [r.disposition.value for r in sent]
+    assert cols.instance_id == [r.instance_id if r.disposition is D.continued else None for r in sent]
+    for name in ("group_id", "generation_index", "rollout_id", "gym_attempt", "group_attempt", "replaces_rollout_id", "attempt_id"):
+        assert getattr(cols, name) == [getattr(r, name) for r in sent], name
+    # The capture key the answer derives is the row's.
+    assert [rid if n == 0 else f"{rid}-a{n}" for rid, n in zip(cols.rollout_id, cols.gym_attempt)] == [r.capture_key for r in sent]
+
+
 # -- a plan assembled from dispositions decided elsewhere (the ledger's SQL) -------------------
 
 

@@ -92,6 +92,22 @@ async def get_restore(
     return await service.restore_record(request.app.state.engine, str(caller.run_id), restore_id)
 
 
+@router.get("/restores/{restore_id}/rows", operation_id="get_restore_rows")
+async def get_restore_rows(
+    request: Request,
+    restore_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
+    cursor: int = Query(0, ge=0, description="Rows to skip (next_cursor of the previous page)."),
+    limit: int | None = Query(None, ge=1, le=100_000, description="Rows per page (default 10 000)."),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """A page of the rows an applied restore answers (``POST /restores`` answers the first
+    ``10 000``, with ``next_cursor`` when there are more). ``409 restore_not_applied`` for a restore
+    that is running, refused or failed."""
+    return await service.answer_rows_page(
+        request.app.state.engine, str(caller.run_id), restore_id, cursor, limit or service.ANSWER_PAGE_ROWS
+    )
+
+
 @router.get("/snapshots/{snapshot_id}/gym-manifest", operation_id="get_snapshot_gym_manifest")
 async def get_snapshot_gym_manifest(
     request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)

@@ -223,6 +223,20 @@ class PlanColumns(NamedTuple):
     replaces_rollout_id: tuple[str | None, ...]
 
 
+class SentColumns(NamedTuple):
+    """The rows a restore sends (:meth:`PlanRows.sent_columns`) as parallel lists."""
+
+    group_id: list[str]
+    generation_index: list[int]
+    disposition: list[str]
+    rollout_id: list[str]
+    gym_attempt: list[int]
+    group_attempt: list[int]
+    instance_id: list[str | None]
+    replaces_rollout_id: list[str | None]
+    attempt_id: list[AttemptId]
+
+
 class PlanRows(Sequence[PlanRow]):
     """The rows of a plan, in the order of the cut's attempts (skipped groups left out).
 
@@ -313,6 +327,44 @@ class PlanRows(Sequence[PlanRow]):
         new = tuple(new_ids[p] for p in pos)
         ga = tuple(a + 1 if g in bumped else a for g, a in zip(gid, gratt)) if bumped else gratt
         return PlanColumns(gid, idx, aid, new, (0,) * len(pos), ga, (None,) * len(pos), rid)
+
+    def sent_columns(self) -> "SentColumns":
+        """Every row but the reused ones, in row order, as columns: the fields of the rows a
+        restore answers (equal, row by row, to the :class:`PlanRow` fields of the same name;
+        ``instance_id`` only for continued rows, which must go back to their instance). No row
+        object is built: at a million siblings this is the answer's critical path."""
+        cols: SentColumns = SentColumns([], [], [], [], [], [], [], [], [])
+        gids, idxs, disps, rids, gatts, gratts, insts, reps, aids = cols
+        att, codes, new_ids, bumped = self._attempts, self._disp, self._new_ids, self._bumped
+        names = [d.value if d is not None else "" for d in _DISP_BY_CODE]
+        for p in range(len(codes)) if self._positions is None else self._positions:
+            code = codes[p]
+            if code == _REUSED or not code:
+                continue
+            gid, idx, aid, rid, inst, gatt, gratt = att[p][:7]
+            gids.append(gid)
+            idxs.append(idx)
+            disps.append(names[code])
+            aids.append(aid)
+            if code == _CONTINUED:
+                rids.append(rid)
+                gatts.append(gatt + 1)
+                gratts.append(gratt)
+                insts.append(inst)
+                reps.append(None)
+            elif code == _DISPATCH:
+                rids.append(rid)
+                gatts.append(gatt)
+                gratts.append(gratt)
+                insts.append(None)
+                reps.append(None)
+            else:
+                rids.append(new_ids[p])
+                gatts.append(0)
+                gratts.append(gratt + 1 if gid in bumped else gratt)
+                insts.append(None)
+                reps.append(rid)
+        return cols
 
     def with_disposition(self, disposition: Disposition) -> Iterator[PlanRow]:
         """Rows of one disposition, without building the others."""

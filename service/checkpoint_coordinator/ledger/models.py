@@ -435,6 +435,39 @@ class Restore(Base):
     ended_at: Mapped[datetime | None] = mapped_column(TS)
 
 
+class RestoreRowChunk(Base):
+    """The rows an applied restore answers (what the trainer sends next), in answer order, as
+    column arrays of up to ``RESTORE_ROWS_PER_CHUNK`` rows each: written with the rewind in its
+    transaction (the idempotent answer commits with the ledger change) and read back by page.
+    A million-sibling restore answers ~400 000 rows; as one JSON document on ``restores.result``
+    they cost ~9 s to build and store (and the answer was ~120 MB); as chunks, ~1 s on the
+    benchmark machine, most of it the server taking ~30 MB of values. Capture keys are not stored:
+    ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored
+    uncompressed (``SET STORAGE EXTERNAL`` in the migration): pglz made the write ~1.6x slower."""
+
+    __tablename__ = "restore_row_chunks"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "restore_id", "chunk"),
+        ForeignKeyConstraint(["run_id", "restore_id"], ["restores.run_id", "restores.restore_id"], ondelete="CASCADE"),
+        CheckConstraint("chunk >= 0", name="chunk"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    restore_id: Mapped[str] = mapped_column(Text)
+    chunk: Mapped[int] = mapped_column(Integer)
+    group_ids: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    generation_indexes: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    dispositions: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    rollout_ids: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    gym_attempts: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    group_attempts: Mapped[list[int]] = mapped_column(ARRAY(Integer))
+    instance_ids: Mapped[list[str | None]] = mapped_column(ARRAY(Text))
+    replaces_rollout_ids: Mapped[list[str | None]] = mapped_column(ARRAY(Text))
+
+
+RESTORE_ROWS_PER_CHUNK = 10_000
+RESTORE_ROW_CHUNK_TEXT_COLUMNS = ("group_ids", "dispositions", "rollout_ids", "instance_ids", "replaces_rollout_ids")
+
+
 # Written by hand into the migration (autogenerate does not see functions or triggers); keep the
 # two in step. It replaces the ``ON DELETE CASCADE`` foreign keys ``siblings -> prompt_groups``
 # and ``attempts -> siblings``, whose per-row checks were most of the cost of an admit: one

@@ -24,8 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from ..domain.restore_plan import RetireItem, may_run_in_gym
 from ..errors import Conflict
-from .db import dump_json, fetch
+from .db import driver_connection, dump_json, fetch
 from .db import execute as execute_binary
+from .models import RESTORE_ROWS_PER_CHUNK
 from .runs import RunRow, lock_run
 from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
 
@@ -495,20 +496,149 @@ class RewindReport:
 Minter = Callable[[str, int], str]
 
 
+@dataclass
+class AnswerRows:
+    """The rows a restore answers (what the trainer sends next), as columns in answer order;
+    stored in ``restore_row_chunks`` with the rewind and read back by page. The capture key is
+    derived: ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<gym_attempt>``."""
+
+    group_ids: list[str] = field(default_factory=list)
+    generation_indexes: list[int] = field(default_factory=list)
+    dispositions: list[str] = field(default_factory=list)
+    rollout_ids: list[str] = field(default_factory=list)
+    gym_attempts: list[int] = field(default_factory=list)
+    group_attempts: list[int] = field(default_factory=list)
+    instance_ids: list[str | None] = field(default_factory=list)
+    replaces_rollout_ids: list[str | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.group_ids)
+
+    def append(
+        self, group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
+        instance_id: str | None, replaces: str | None,
+    ) -> None:
+        self.group_ids.append(group_id)
+        self.generation_indexes.append(index)
+        self.dispositions.append(disposition)
+        self.rollout_ids.append(rollout_id)
+        self.gym_attempts.append(gym_attempt)
+        self.group_attempts.append(group_attempt)
+        self.instance_ids.append(instance_id)
+        self.replaces_rollout_ids.append(replaces)
+
+    def page(self, start: int, stop: int) -> list[dict[str, Any]]:
+        """Rows ``start``..``stop - 1`` as the JSON rows of the answer."""
+        return [
+            answer_row_json(*cols)
+            for cols in zip(
+                self.group_ids[start:stop], self.generation_indexes[start:stop], self.dispositions[start:stop],
+                self.rollout_ids[start:stop], self.gym_attempts[start:stop], self.group_attempts[start:stop],
+                self.instance_ids[start:stop], self.replaces_rollout_ids[start:stop],
+            )
+        ]
+
+
+def answer_row_json(
+    group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
+    instance_id: str | None, replaces: str | None,
+) -> dict[str, Any]:
+    return {
+        "group_id": group_id,
+        "generation_index": index,
+        "disposition": disposition,
+        "rollout_id": rollout_id,
+        "capture_key": rollout_id if gym_attempt == 0 else f"{rollout_id}-a{gym_attempt}",
+        "gym_attempt": gym_attempt,
+        "group_attempt": group_attempt,
+        "instance_id": instance_id,
+        "replaces_rollout_id": replaces,
+    }
+
+
+_CHUNK_COLUMNS = (
+    "group_ids", "generation_indexes", "dispositions", "rollout_ids", "gym_attempts", "group_attempts", "instance_ids",
+    "replaces_rollout_ids",
+)
+
+
+# Sent as one string per column and chunk, split by the server: psycopg dumps a list element by
+# element in Python (~0.3 s per 383 330-string column), a join and ``string_to_array`` cost a
+# tenth of that. The separator (unit separator, U+001F) cannot occur in any of these values: ids
+# and instance names match NAME_PATTERN-like patterns, dispositions are fixed words; '' is NULL
+# (no value is empty).
+_SEP = "\x1f"
+_INT_COLUMNS = frozenset({"generation_indexes", "gym_attempts", "group_attempts"})
+
+
+def _joined(values: Sequence[Any], ints: bool) -> str:
+    if ints:
+        return _SEP.join(map(str, values))
+    return _SEP.join(values) if None not in values else _SEP.join([v or "" for v in values])
+
+
+async def store_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, rows: AnswerRows) -> int:
+    """Write ``rows`` as chunks of ``RESTORE_ROWS_PER_CHUNK`` (one pipelined batch of inserts);
+    returns the number of rows."""
+    n = len(rows)
+    if not n:
+        return 0
+    per = RESTORE_ROWS_PER_CHUNK
+    columns = {col: getattr(rows, col) for col in _CHUNK_COLUMNS}
+    for col, values in columns.items():
+        if col not in _INT_COLUMNS and ("" in values or _SEP in "".join(filter(None, values))):
+            raise ValueError(f"restore answer column {col} holds an empty value or a U+001F")
+    params = [
+        {"r": run_id, "i": restore_id, "c": k, **{col: _joined(values[k * per:(k + 1) * per], col in _INT_COLUMNS) for col, values in columns.items()}}
+        for k in range((n + per - 1) // per)
+    ]
+    split = [
+        f"string_to_array(%({c})s, chr(31), '')" + ("::int[]" if c in _INT_COLUMNS else "") for c in _CHUNK_COLUMNS
+    ]
+    sql = (
+        f"INSERT INTO restore_row_chunks (run_id, restore_id, chunk, {', '.join(_CHUNK_COLUMNS)}) "
+        f"VALUES (%(r)s, %(i)s, %(c)s, {', '.join(split)})"
+    )
+    cur = (await driver_connection(conn)).cursor()
+    await cur.executemany(sql, params)
+    return n
+
+
+async def read_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, start: int, limit: int) -> list[dict[str, Any]]:
+    """Rows ``start``..``start + limit - 1`` of a stored answer (fewer at its end)."""
+    if limit <= 0:
+        return []
+    per = RESTORE_ROWS_PER_CHUNK
+    first, last = start // per, (start + limit - 1) // per
+    chunks = await fetch(
+        conn,
+        f"SELECT chunk, {', '.join(_CHUNK_COLUMNS)} FROM restore_row_chunks WHERE run_id = %(r)s AND restore_id = %(i)s "
+        "AND chunk BETWEEN %(a)s AND %(b)s ORDER BY chunk",
+        {"r": run_id, "i": restore_id, "a": first, "b": last},
+    )
+    out: list[dict[str, Any]] = []
+    for chunk, *cols in chunks:
+        base = chunk * per
+        lo, hi = max(start - base, 0), min(start + limit - base, len(cols[0]))
+        out.extend(answer_row_json(*row) for row in zip(*(c[lo:hi] for c in cols)))
+    return out
+
+
 async def apply_restore(
     engine: AsyncEngine,
     run_id: str,
     rw: Rewind,
     *,
     after_cut_minter: Minter,
-    record: tuple[str, Callable[[RewindReport], dict[str, Any]]] | None = None,
+    record: tuple[str, Callable[[RewindReport], tuple[dict[str, Any], AnswerRows]]] | None = None,
     expect_epoch: int | None = None,
     compare_every_row: bool = False,
 ) -> RewindReport:
     """Make the run's live ledger the cut with the plan applied, in one transaction.
 
-    ``record = (restore_id, result_of)`` stores ``result_of(report)`` on the restore record in the
-    same transaction, so the ledger change and the idempotent answer commit together.
+    ``record = (restore_id, result_of)``: ``result_of(report)`` gives the restore record's result
+    and the rows it answers; both are stored in the same transaction (the rows as
+    ``restore_row_chunks``), so the ledger change and the idempotent answer commit together.
     ``compare_every_row`` compares every cut row with the live ledger, as after a restore applied
     after the cut, and every live attempt with the cut whatever ``cut_xmin`` says (tests use it to
     check that looking only at what changed gives the same ledger).
@@ -525,12 +655,14 @@ async def apply_restore(
             ) from e
         if record is not None:
             restore_id, result_of = record
+            result, rows = result_of(report)
+            await store_answer_rows(conn, run_id, restore_id, rows)
             await conn.execute(
                 text(
                     "UPDATE restores SET state = 'applied', result = CAST(:res AS jsonb), ended_at = now() "
                     "WHERE run_id = :r AND restore_id = :i"
                 ),
-                {"r": run_id, "i": restore_id, "res": _json(result_of(report))},
+                {"r": run_id, "i": restore_id, "res": _json(result)},
             )
         return report
 

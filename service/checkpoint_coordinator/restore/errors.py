@@ -81,6 +81,10 @@ class RestoreInProgress(Conflict):
     code, title = "restore_in_progress", "A restore of this run is in progress"
 
 
+class RestoreNotApplied(Conflict):
+    code, title = "restore_not_applied", "The restore has no rows: it was not applied"
+
+
 class RestoreRefusedEarlier(CoordinatorError):
     """A repeat of a restore that was refused after Gym had been touched: same answer again."""
 

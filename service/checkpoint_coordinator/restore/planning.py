@@ -18,6 +18,7 @@ from typing import Any
 
 from ..domain.cut import Cut
 from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym, retire_items
+from ..ledger.restore import answer_row_json
 
 # Dispositions that are sent to Gym, in the order the answer lists them.
 SEND_DISPOSITIONS = (
@@ -66,18 +67,17 @@ def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
 
 
 def row_json(r: PlanRow, *, include_staging_keys: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "group_id": r.group_id,
-        "generation_index": r.generation_index,
-        "disposition": r.disposition.value,
-        "rollout_id": r.rollout_id,
-        "capture_key": r.capture_key,
-        "gym_attempt": r.gym_attempt,
-        "group_attempt": r.group_attempt,
+    out = answer_row_json(
+        r.group_id,
+        r.generation_index,
+        r.disposition.value,
+        r.rollout_id,
+        r.gym_attempt,
+        r.group_attempt,
         # Set only for continuations: they must go to the instance holding their Gym state.
-        "instance_id": r.instance_id if r.disposition is Disposition.continued else None,
-        "replaces_rollout_id": r.replaces_rollout_id,
-    }
+        r.instance_id if r.disposition is Disposition.continued else None,
+        r.replaces_rollout_id,
+    )
     if include_staging_keys:
         out["staging_keys"] = list(r.staging_keys)
     return out

@@ -63,6 +63,7 @@ from .errors import (
     NoCompatibleSnapshot,
     RestoreConflict,
     RestoreInProgress,
+    RestoreNotApplied,
     RestoreRefusedEarlier,
     SnapshotNotFound,
     SnapshotUnusable,
@@ -366,7 +367,7 @@ async def execute_restore(
         run = await get_run(conn, run_id)
         existing = await repo.get_restore(conn, run_id, req.restore_id)
     if existing is not None:
-        return _replay(existing, req)
+        return await _stored_answer(engine, run_id, req.restore_id, _replay(existing, req))
     if run.state != "open":
         raise RunClosed(f"run {run_id!r} is closed")
     p = await load_and_plan(engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state)
@@ -374,7 +375,7 @@ async def execute_restore(
         engine, run_id, req.restore_id, p.snap.snapshot_id, req.with_gym_state, req.stored(), stale_after_s=_stale_after_s(p.cfg)
     )
     if claimed is not None:
-        return _replay(claimed, req)
+        return await _stored_answer(engine, run_id, req.restore_id, _replay(claimed, req))
     try:
         answer = await _restore(engine, run_id, req, p, transport)
     except _BeforeGym as e:
@@ -443,9 +444,16 @@ async def _restore(
             assert p.manifest is not None
             client, result, gym, plan, retire = await _gym_restore(engine, run_id, req, p, transport, gym)
         rw = _rewind_of(p, plan, retire, installed=result is not None)
-        record = (req.restore_id, lambda report: {"request": req.stored(), "answer": _answer(run_id, req, p, plan, report, gym)})
+        built: list[tuple[dict[str, Any], repo.AnswerRows]] = []
+
+        def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
+            built.append(_answer(run_id, req, p, plan, report, gym))
+            summary, rows = built[-1]
+            return {"request": req.stored(), "answer": summary}, rows
+
+        record = (req.restore_id, result_of)
         try:
-            report = await repo.apply_restore(
+            await repo.apply_restore(
                 engine,
                 run_id,
                 rw,
@@ -456,16 +464,16 @@ async def _restore(
         except BaseException as exc:
             await _ledger_failed(engine, run_id, req, client, result, gym, exc)
             raise
-        answer = _answer(run_id, req, p, plan, report, gym)
+        summary, rows = built[-1]
         if client is not None and result is not None:
             resumed = await client.finish_restore(result)
             rep = resumed.resume
             gym["resume"] = {"ok": rep is None or rep.ok, "failure": rep.failure.to_dict() if rep is not None and rep.failure else None}
             if rep is not None and rep.failure is not None:
                 log.warning("run %s restore %s: Gym resume failed (leases reopen Gym): %s", run_id, req.restore_id, rep.failure)
-            answer["gym"] = gym
-            await repo.update_restore_result(engine, run_id, req.restore_id, {"answer": answer})
-        return answer
+            summary["gym"] = gym
+            await repo.update_restore_result(engine, run_id, req.restore_id, {"answer": summary})
+        return _with_page(summary, rows.page(0, ANSWER_PAGE_ROWS), 0)
     finally:
         if client is not None:
             await client.aclose()
@@ -626,33 +634,37 @@ def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, i
     return rw
 
 
+# Rows per page of a restore's answer: ``POST /restores`` answers the first page, ``GET
+# /restores/{id}/rows`` the others (``next_cursor``).
+ANSWER_PAGE_ROWS = 10_000
+
+
 def _answer(
     run_id: str, req: RestoreRequest, p: Planned, plan: RestorePlan, report: repo.RewindReport, gym: dict[str, Any]
-) -> dict[str, Any]:
-    adjusted = {int(a.attempt_id): a for a in report.after_cut}
+) -> tuple[dict[str, Any], repo.AnswerRows]:
+    """The answer without its rows (``rows_total`` of them), and the rows, in plan order."""
     counts = counts_json(plan)
-    rows: list[dict[str, Any]] = []
-    for r in plan.rows:
-        adj = adjusted.get(int(r.attempt_id))
-        if adj is not None:
+    c = plan.rows.sent_columns()
+    rows = repo.AnswerRows(
+        c.group_id, c.generation_index, c.disposition, c.rollout_id, c.gym_attempt, c.group_attempt, c.instance_id,
+        c.replaces_rollout_id,
+    )
+    if report.after_cut:
+        # Rows sent under their old identity whose attempt reached Gym after the cut: new ids.
+        adjusted = {int(a.attempt_id): a for a in report.after_cut}
+        for k, aid in enumerate(c.attempt_id):
+            adj = adjusted.get(int(aid))
+            if adj is None:
+                continue
             counts["dispatch"] -= 1
             counts[adj.disposition] += 1
-            rows.append(
-                {
-                    "group_id": r.group_id,
-                    "generation_index": r.generation_index,
-                    "disposition": adj.disposition,
-                    "rollout_id": adj.rollout_id,
-                    "capture_key": adj.rollout_id,
-                    "gym_attempt": 0,
-                    "group_attempt": adj.group_attempt,
-                    "instance_id": None,
-                    "replaces_rollout_id": adj.replaces_rollout_id,
-                }
-            )
-        elif r.disposition is not Disposition.reused:
-            rows.append(row_json(r))
-    return {
+            rows.dispositions[k] = adj.disposition
+            rows.rollout_ids[k] = adj.rollout_id
+            rows.gym_attempts[k] = 0
+            rows.group_attempts[k] = adj.group_attempt
+            rows.instance_ids[k] = None
+            rows.replaces_rollout_ids[k] = adj.replaces_rollout_id
+    summary = {
         "restore_id": req.restore_id,
         "run_id": run_id,
         **_snapshot_fields(p),
@@ -666,8 +678,48 @@ def _answer(
         "dispatched_after_cut": len(report.after_cut),
         "retires_queued": report.retires_queued,
         "groups_removed": report.groups_removed,
-        "rows": rows,
+        "rows_total": len(rows),
     }
+    return summary, rows
+
+
+def _with_page(summary: dict[str, Any], page: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
+    total = int(summary.get("rows_total", len(page)))
+    end = cursor + len(page)
+    return {**summary, "rows": page, "next_cursor": end if end < total else None}
+
+
+async def _stored_answer(engine: AsyncEngine, run_id: str, restore_id: str, summary: dict[str, Any]) -> dict[str, Any]:
+    """A stored answer with its first page of rows (an answer stored before the rows moved to
+    ``restore_row_chunks`` still holds all of them)."""
+    if "rows" in summary:
+        return {**summary, "next_cursor": summary.get("next_cursor")}
+    async with engine.connect() as conn:
+        page = await repo.read_answer_rows(conn, run_id, restore_id, 0, ANSWER_PAGE_ROWS)
+    return _with_page(summary, page, 0)
+
+
+async def answer_rows_page(engine: AsyncEngine, run_id: str, restore_id: str, cursor: int, limit: int) -> dict[str, Any]:
+    """``GET /restores/{id}/rows``: rows ``cursor``.. of an applied restore's answer."""
+    async with engine.connect() as conn:
+        await get_run(conn, run_id)
+        rec = await repo.get_restore(conn, run_id, restore_id)
+        if rec is None:
+            from ..errors import NotFound
+
+            raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
+        answer = (rec.result or {}).get("answer")
+        if rec.state != "applied" or answer is None:
+            raise RestoreNotApplied(
+                f"restore {restore_id!r} is {rec.state}: only an applied restore has rows", restore_id=restore_id, state=rec.state
+            )
+        total = int(answer.get("rows_total", len(answer.get("rows") or ())))
+        if "rows" in answer:
+            page = list(answer["rows"][cursor:cursor + limit])
+        else:
+            page = await repo.read_answer_rows(conn, run_id, restore_id, cursor, limit)
+    end = cursor + len(page)
+    return {"restore_id": restore_id, "rows_total": total, "cursor": cursor, "rows": page, "next_cursor": end if end < total else None}
 
 
 async def _ledger_failed(
@@ -709,6 +761,9 @@ async def restore_record(engine: AsyncEngine, run_id: str, restore_id: str) -> d
 
         raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
     res = rec.result or {}
+    answer = res.get("answer")
+    if answer is not None:
+        answer = await _stored_answer(engine, run_id, restore_id, answer)
     return {
         "restore_id": rec.restore_id,
         "snapshot_id": rec.snapshot_id,
@@ -716,7 +771,7 @@ async def restore_record(engine: AsyncEngine, run_id: str, restore_id: str) -> d
         "with_gym_state": rec.with_gym_state,
         "gym_restore_id": rec.gym_restore_id,
         "request": res.get("request"),
-        "answer": res.get("answer"),
+        "answer": answer,
         "problem": res.get("problem"),
         "created_at": rec.created_at.isoformat(),
     }
