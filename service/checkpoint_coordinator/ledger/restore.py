@@ -1173,26 +1173,30 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
     retire already queued for the same rollout (at this attempt or later) is not queued again.
     Only attempts that stay in the ledger (the unknown ones) record ``retire_pending``; the
     others are the cut's, which the rewind deletes (replaced) or resets."""
-    res = await conn.execute(
-        text(
+    # Through the driver with binary arrays: ``extra`` is every row the cut knows as running when
+    # Gym keeps running (~80 000 at a million siblings), which as text parameters psycopg escapes
+    # element by element in Python.
+    ((queued,),) = await fetch(
+        conn,
+        (
             "WITH items AS ("
             "SELECT u.attempt_id, u.rollout_id, u.gym_attempt, COALESCE(u.gym_instance_id, gi.instance_id) AS instance_id "
-            "FROM restore_unknown u LEFT JOIN gym_instances gi ON u.gym_instance_id IS NULL AND gi.run_id = :r "
+            "FROM restore_unknown u LEFT JOIN gym_instances gi ON u.gym_instance_id IS NULL AND gi.run_id = %(r)s "
             "WHERE u.retirement = 'none' AND (u.status = 'dispatched' OR (u.status = 'reserved' AND u.gym_owned AND u.gym_instance_id IS NOT NULL)) "
             "UNION ALL "
-            "SELECT x.aid, x.ro, x.ga, COALESCE(x.inst, gi.instance_id) FROM unnest(CAST(:aid AS bigint[]), CAST(:ro AS text[]), "
-            "CAST(:ga AS int[]), CAST(:inst AS text[])) AS x(aid, ro, ga, inst) "
-            "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = :r"
+            "SELECT x.aid, x.ro, x.ga, COALESCE(x.inst, gi.instance_id) FROM unnest(%(aid)s::bigint[], %(ro)s::text[], "
+            "%(ga)s::int[], %(inst)s::text[]) AS x(aid, ro, ga, inst) "
+            "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = %(r)s"
             "), ins AS ("
             "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT DISTINCT :r, i.instance_id, 'retire', i.rollout_id, i.gym_attempt, i.attempt_id, 'retire' FROM items i "
-            "WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = :r "
+            "SELECT DISTINCT %(r)s, i.instance_id, 'retire', i.rollout_id, i.gym_attempt, i.attempt_id, 'retire' FROM items i "
+            "WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = %(r)s "
             "AND o.state = 'pending' AND o.op = 'retire' AND o.instance_id = i.instance_id AND o.rollout_id = i.rollout_id "
             "AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
             "), upd AS ("
             "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT i.attempt_id FROM ins i "
             "JOIN restore_unknown u ON u.attempt_id = i.attempt_id) i "
-            "WHERE a.attempt_id = i.attempt_id AND a.run_id = :r AND a.retirement = 'none' RETURNING 1"
+            "WHERE a.attempt_id = i.attempt_id AND a.run_id = %(r)s AND a.retirement = 'none' RETURNING 1"
             ") SELECT count(*) FROM ins"
         ),
         {
@@ -1203,7 +1207,7 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
             "inst": [x.instance_id for x in extra],
         },
     )
-    return int(res.scalar() or 0)
+    return int(queued or 0)
 
 
 # -------------------------------------------------------------------------------------------
