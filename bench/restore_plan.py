@@ -53,6 +53,7 @@ from checkpoint_coordinator.restore.service import (  # noqa: E402
     ANSWER_PAGE_ROWS,
     RestoreRequest,
     _answer,
+    execute_restore,
     _rewind_of,
     _with_page,
     answer_rows_page,
@@ -271,6 +272,28 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
     }
 
 
+async def measure_without_gym(engine: Any, run_id: str) -> dict[str, Any]:
+    """``--without-gym-state``: the whole of what ``POST /restores`` does for a restore without
+    Gym state (``restore.service.execute_restore``: plan, claim, rewind with every running row
+    retired, stored answer, its first page), HTTP aside."""
+    gc.collect()
+    t0 = time.perf_counter()
+    ans = await execute_restore(engine, run_id, RestoreRequest("bench-no-gym", "s1", None, False))
+    t1 = time.perf_counter()
+    again = await execute_restore(engine, run_id, RestoreRequest("bench-no-gym", "s1", None, False))
+    t2 = time.perf_counter()
+    assert again == ans and ans["rows_total"] == ans["total"] - ans["counts"]["reused"], (ans["rows_total"], ans["counts"])
+    return {
+        "siblings": ans["total"],
+        "counts": ans["counts"],
+        "total_s": t1 - t0,
+        "replay_s": t2 - t1,
+        "rows_to_send": ans["rows_total"],
+        "retires_queued": ans["retires_queued"],
+        "first_page_bytes": len(json.dumps(ans)),
+    }
+
+
 async def verify(engine: Any, run_id: str, counts: dict[str, int]) -> None:
     """The rewind did what the plan says (a benchmark that measures a no-op proves nothing)."""
     async with engine.connect() as conn:
@@ -307,6 +330,30 @@ async def calibrate(engine: Any) -> tuple[float, float]:
     for i in range(10_000_000):
         acc += i
     return pg_s, time.perf_counter() - t
+
+
+async def main_without_gym(sizes: list[int]) -> int:
+    pg = Postgres()
+    engine = make_async_engine(pg.url)
+    try:
+        for n in sizes:
+            run_id = f"bench-{n}"
+            print(f"restore_plan: building a ledger of {n:,} siblings ...", flush=True)
+            await build(engine, run_id, n // SIBLINGS_PER_GROUP)
+            res = await measure_without_gym(engine, run_id)
+            print(
+                f"restore_plan: without Gym state, {n:,} siblings: execute_restore {res['total_s']:.2f}s "
+                f"({res['total_s'] / (n / 100_000):.3f}s per 100k), {res['rows_to_send']:,} rows to send, "
+                f"{res['retires_queued']:,} retires queued, first answer page {res['first_page_bytes'] / 1e6:.1f} MB, "
+                f"replay {res['replay_s']:.2f}s; {res['counts']}",
+                flush=True,
+            )
+    finally:
+        await engine.dispose()
+        pg.close()
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"restore_plan: peak RSS of this process: {rss / (1 << 20):.0f} MiB (not a target here: --without-gym-state reports only)")
+    return 0
 
 
 async def main_async(sizes: list[int], check: bool, breakdown: bool = False, compare_plan: bool = False) -> int:
@@ -387,6 +434,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test; targets are reported, not checked")
     ap.add_argument("--no-check", action="store_true", help="report the targets without turning a miss into exit status 1")
     ap.add_argument("--breakdown", action="store_true", help="also print the plan's and every rewind statement over 0.1 s")
+    ap.add_argument(
+        "--without-gym-state", action="store_true",
+        help="instead, time the whole restore without Gym state as POST /restores runs it (reported, no target)",
+    )
     ap.add_argument("--compare-plan", action="store_true", help="after each measurement, time the plan in SQL and the pure function alternately")
     args = ap.parse_args(argv)
     if args.quick:
@@ -395,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
     if not sizes or any(n <= 0 or n % SIBLINGS_PER_GROUP for n in sizes):
         ap.error("sizes must be positive multiples of 8 (groups of 8 siblings)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop PostgreSQL
+    if args.without_gym_state:
+        return asyncio.run(main_without_gym(sizes))
     return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown, compare_plan=args.compare_plan))
 
 

@@ -125,3 +125,16 @@ def test_stopped_half_way_leaves_nothing(tmp_path: Path, script: str, after: str
             proc.wait()
     assert proc.returncode != 0
     _assert_no_leftovers(env["TMPDIR"])
+
+
+def test_restore_plan_quick(tmp_path: Path) -> None:
+    out = _run("restore_plan.py", tmp_path, "--quick")
+    # Both sizes measured, the rewind verified (a no-op would fail ``verify``), the answer paged.
+    assert len(re.findall(r"restore_plan:\s+plan [\d.]+s \+ rewind [\d.]+s = [\d.]+s", out)) == 2, out
+    assert re.search(r"15,330 answer rows, the pages after the first read in [\d.]+s", out), out
+    assert re.search(r"peak RSS of this process: \d+ MiB", out) and "ratio" in out, out
+
+
+def test_restore_plan_without_gym_state_quick(tmp_path: Path) -> None:
+    out = _run("restore_plan.py", tmp_path, "--quick", "--without-gym-state")
+    assert re.search(r"without Gym state, 40,000 siblings: execute_restore [\d.]+s .* 15,330 rows to send, 3,998 retires queued", out), out
