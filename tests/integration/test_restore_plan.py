@@ -377,3 +377,30 @@ async def test_a_large_restore_answer_comes_in_pages(client, admin, app, monkeyp
     running = await api.get("/restores/r-run/rows", expect=409)
     assert running["code"] == "restore_not_applied" and running["state"] == "running"
     assert (await api.get("/restores/r1/rows?cursor=-1", expect=422))["status"] == 422
+
+
+async def test_an_answer_stored_whole_before_the_chunks_still_pages(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    # Restores applied before migration 0002 hold every row in restores.result.
+    import json
+
+    from sqlalchemy import text
+
+    api = await new_run(client, admin)
+    rows = [
+        {"group_id": "g", "generation_index": i, "disposition": "rerun", "rollout_id": f"g_g{i}_a{i:032x}", "capture_key": f"g_g{i}_a{i:032x}",
+         "gym_attempt": 0, "group_attempt": 1, "instance_id": None, "replaces_rollout_id": None}
+        for i in range(3)
+    ]
+    answer = {"restore_id": "old", "state": "applied", "counts": {"rerun": 3}, "rows": rows}
+    async with app.state.engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state, result) "
+                "VALUES (:r, 'old', 's1', 'applied', false, CAST(:res AS jsonb))"
+            ),
+            {"r": api.run_id, "res": json.dumps({"request": {"snapshot_id": None, "step": None, "with_gym_state": False}, "answer": answer})},
+        )
+    assert (await api.post("/restores", {"restore_id": "old", "with_gym_state": False}))["rows"] == rows
+    assert (await api.get("/restores/old"))["answer"]["rows"] == rows
+    page = await api.get("/restores/old/rows?cursor=1&limit=1")
+    assert page["rows"] == rows[1:2] and page["rows_total"] == 3 and page["next_cursor"] == 2
