@@ -684,7 +684,8 @@ def _answer(
 
 
 def _with_page(summary: dict[str, Any], page: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
-    total = int(summary.get("rows_total", len(page)))
+    """``summary`` with the page of rows that starts at ``cursor`` and the cursor of the next."""
+    total = int(summary.get("rows_total", cursor + len(page)))
     end = cursor + len(page)
     return {**summary, "rows": page, "next_cursor": end if end < total else None}
 
@@ -702,24 +703,28 @@ async def _stored_answer(engine: AsyncEngine, run_id: str, restore_id: str, summ
 async def answer_rows_page(engine: AsyncEngine, run_id: str, restore_id: str, cursor: int, limit: int) -> dict[str, Any]:
     """``GET /restores/{id}/rows``: rows ``cursor``.. of an applied restore's answer."""
     async with engine.connect() as conn:
-        await get_run(conn, run_id)
-        rec = await repo.get_restore(conn, run_id, restore_id)
-        if rec is None:
-            from ..errors import NotFound
-
-            raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
+        rec = await _restore_or_404(conn, run_id, restore_id)
         answer = (rec.result or {}).get("answer")
         if rec.state != "applied" or answer is None:
             raise RestoreNotApplied(
                 f"restore {restore_id!r} is {rec.state}: only an applied restore has rows", restore_id=restore_id, state=rec.state
             )
-        total = int(answer.get("rows_total", len(answer.get("rows") or ())))
-        if "rows" in answer:
+        if "rows" in answer:  # stored whole, before restore_row_chunks
             page = list(answer["rows"][cursor:cursor + limit])
         else:
             page = await repo.read_answer_rows(conn, run_id, restore_id, cursor, limit)
-    end = cursor + len(page)
-    return {"restore_id": restore_id, "rows_total": total, "cursor": cursor, "rows": page, "next_cursor": end if end < total else None}
+    total = int(answer.get("rows_total", len(answer.get("rows") or ())))
+    return _with_page({"restore_id": restore_id, "rows_total": total, "cursor": cursor}, page, cursor)
+
+
+async def _restore_or_404(conn: Any, run_id: str, restore_id: str) -> repo.RestoreRecord:
+    await get_run(conn, run_id)
+    rec = await repo.get_restore(conn, run_id, restore_id)
+    if rec is None:
+        from ..errors import NotFound
+
+        raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
+    return rec
 
 
 async def _ledger_failed(
@@ -754,12 +759,7 @@ async def _ledger_failed(
 
 async def restore_record(engine: AsyncEngine, run_id: str, restore_id: str) -> dict[str, Any]:
     async with engine.connect() as conn:
-        await get_run(conn, run_id)
-        rec = await repo.get_restore(conn, run_id, restore_id)
-    if rec is None:
-        from ..errors import NotFound
-
-        raise NotFound(f"restore {restore_id!r} not found in run {run_id!r}", code="restore_not_found")
+        rec = await _restore_or_404(conn, run_id, restore_id)
     res = rec.result or {}
     answer = res.get("answer")
     if answer is not None:
