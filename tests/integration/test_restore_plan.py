@@ -363,8 +363,9 @@ async def test_a_large_restore_answer_comes_in_pages(client, admin, app, monkeyp
     # A repeat and the record answer the same first page; past the end a page is empty.
     assert await api.post("/restores", {"restore_id": "r1", "with_gym_state": False}) == ans
     assert (await api.get("/restores/r1"))["answer"] == ans
-    end = await api.get("/restores/r1/rows?cursor=12")
-    assert end["rows"] == [] and end["next_cursor"] is None
+    for past in (12, 10**30):
+        end = await api.get(f"/restores/r1/rows?cursor={past}")
+        assert end["rows"] == [] and end["next_cursor"] is None and end["rows_total"] == 12
     # Refusals are typed: an unknown restore, one that has no rows (not applied), a bad cursor.
     assert (await api.get("/restores/nope/rows", expect=404))["code"] == "restore_not_found"
     async with engine.begin() as conn:

@@ -441,7 +441,7 @@ class RestoreRowChunk(Base):
     transaction (the idempotent answer commits with the ledger change) and read back by page.
     A million-sibling restore answers ~400 000 rows; as one JSON document on ``restores.result``
     they cost ~9 s to build and store (and the answer was ~120 MB); as chunks, ~1 s on the
-    benchmark machine, most of it the server taking ~30 MB of values. Capture keys are not stored:
+    benchmark machine, most of it the server taking ~35 MB of values. Capture keys are not stored:
     ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored
     uncompressed (``SET STORAGE EXTERNAL`` in the migration): pglz made the write ~1.6x slower."""
 

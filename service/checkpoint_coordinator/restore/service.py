@@ -709,11 +709,13 @@ async def answer_rows_page(engine: AsyncEngine, run_id: str, restore_id: str, cu
             raise RestoreNotApplied(
                 f"restore {restore_id!r} is {rec.state}: only an applied restore has rows", restore_id=restore_id, state=rec.state
             )
+        total = int(answer.get("rows_total", len(answer.get("rows") or ())))
         if "rows" in answer:  # stored whole, before restore_row_chunks
             page = list(answer["rows"][cursor:cursor + limit])
+        elif cursor >= total:  # past the end: nothing to read (any cursor is accepted)
+            page = []
         else:
             page = await repo.read_answer_rows(conn, run_id, restore_id, cursor, limit)
-    total = int(answer.get("rows_total", len(answer.get("rows") or ())))
     return _with_page({"restore_id": restore_id, "rows_total": total, "cursor": cursor}, page, cursor)
 
 
