@@ -75,7 +75,10 @@ async def get_restore_plan(
 async def create_restore(body: RestoreIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Restore the run from a published snapshot: checks, Gym restore, one ledger transaction.
 
-    Idempotent per ``restore_id``; the same id with another body is ``409 restore_conflict``."""
+    Answers the summary and the first 10 000 rows to send (``rows_total`` in all); when there are
+    more, ``next_cursor`` is the cursor of ``GET /restores/{restore_id}/rows``. Idempotent per
+    ``restore_id`` (a repeat answers the same); the same id with another body is
+    ``409 restore_conflict``."""
     req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state)
     return await service.execute_restore(
         request.app.state.engine, str(caller.run_id), req, transport=getattr(request.app.state, "gym_transport", None)
