@@ -341,6 +341,9 @@ class Api:
             params["with_gym_state"] = "false"
         if include_reused:
             params["include_reused"] = "true"
+        # The largest page the server gives: every page recomputes the plan (~4 s at a million
+        # siblings), so 100 000-row pages join a 383 330-row plan in 4 requests instead of 39.
+        params["limit"] = PLAN_PAGE_ROWS
         path = self._run_path("/restore-plan")
         doc = yield from self._call(RequestSpec("GET", path, params=params))
         plan = RestorePlan.parse(doc)
@@ -391,6 +394,10 @@ class Api:
                 if remaining <= 0:
                     raise
                 yield Sleep(min(poll_interval, remaining))
+
+
+#: Rows per page of a joined restore plan (the server's maximum).
+PLAN_PAGE_ROWS = 100_000
 
 
 def _wants_barrier(snap: Snapshot) -> bool:

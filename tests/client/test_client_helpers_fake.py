@@ -183,7 +183,7 @@ async def test_restore_plan_joins_pages_pinned_to_one_snapshot(h: Harness) -> No
     assert [r.group_id for r in plan.rows] == [f"g{i}" for i in range(5)] and plan.counts["rerun"] == 2
     assert plan.snapshot_id == "s-newest" and plan.anchor_step == 7
     pages = [c[2] for c in h.fake.calls if c[0] == "plan"]
-    assert len(pages) == 3 and pages[0] == {"step": "9"}
+    assert len(pages) == 3 and pages[0] == {"step": "9", "limit": "100000"}  # the largest page: each recomputes the plan
     # Later pages name the first page's snapshot instead of the step.
     assert all(p.get("snapshot_id") == "s-newest" and "step" not in p for p in pages[1:])
 
