@@ -48,15 +48,13 @@ from checkpoint_coordinator.domain.config import load_recovery_config  # noqa: E
 from checkpoint_coordinator.ledger import restore as repo  # noqa: E402
 from checkpoint_coordinator.ledger.db import make_async_engine  # noqa: E402
 from checkpoint_coordinator.ledger.snapshots import cut_xid_basis, insert_cut_rows, set_cut_xid_basis  # noqa: E402
-from checkpoint_coordinator.restore.planning import rollout_minter  # noqa: E402
 from checkpoint_coordinator.restore.service import (  # noqa: E402
     ANSWER_PAGE_ROWS,
     RestoreRequest,
-    _answer,
-    execute_restore,
-    _rewind_of,
     _with_page,
     answer_rows_page,
+    apply_and_record,
+    execute_restore,
     load_and_plan,
 )
 
@@ -229,19 +227,8 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
     req = RestoreRequest("bench-restore", "s1", None, True)
     claimed = await repo.claim_restore(engine, run_id, req.restore_id, planned.snap.snapshot_id, True, req.stored(), stale_after_s=600)
     assert claimed is None, claimed
-    rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
     gym = {"installed": True, "restore_id": "bench-gym-restore", "source_checkpoint_id": "snap-s1-00000000"}
-    built: list[Any] = []
-
-    def result_of(rep: Any) -> Any:
-        built.append(_answer(run_id, req, planned, planned.plan, rep, gym))
-        return {"request": req.stored(), "answer": built[-1][0]}, built[-1][1]
-
-    report = await repo.apply_restore(
-        engine, run_id, rw, after_cut_minter=rollout_minter(run_id, "s1", planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch,
-        record=(req.restore_id, result_of),
-    )
-    summary, answer_rows = built[-1]
+    summary, answer_rows, report = await apply_and_record(engine, run_id, req, planned, planned.plan, planned.retire, gym, installed=True)
     first = _with_page(summary, answer_rows.page(0, ANSWER_PAGE_ROWS), 0)
     t2 = time.perf_counter()
     if breakdown is not None:
@@ -256,7 +243,6 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
         n_rows += len(page["rows"])
         cursor = page["next_cursor"]
     assert n_rows == summary["rows_total"], (n_rows, summary["rows_total"])
-    rows = range(n_rows)
     t3 = time.perf_counter()
     return {
         "siblings": planned.plan.total,
@@ -264,7 +250,7 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
         "plan_s": t1 - t0,
         "rewind_s": t2 - t1,
         "total_s": t2 - t0,
-        "rows_to_send": len(rows),
+        "rows_to_send": n_rows,
         "answer_rows_s": t3 - t2,
         "rewritten": report.attempts_rewritten,
         "inserted": report.attempts_inserted,

@@ -26,7 +26,7 @@ from ..domain.restore_plan import RetireItem, may_run_in_gym
 from ..errors import Conflict
 from .db import driver_connection, dump_json, fetch
 from .db import execute as execute_binary
-from .models import RESTORE_ROWS_PER_CHUNK
+from .models import RESTORE_ROW_CHUNK_TEXT_COLUMNS, RESTORE_ROWS_PER_CHUNK
 from .runs import RunRow, lock_run
 from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
 
@@ -564,17 +564,22 @@ _CHUNK_COLUMNS = (
 
 # Sent as one string per column and chunk, split by the server: psycopg dumps a list element by
 # element in Python (~0.3 s per 383 330-string column before the server parses it); a join and
-# ``string_to_array`` took 0.15 s for the same column, server included. The separator (unit separator, U+001F) cannot occur in any of these values: ids
-# and instance names match NAME_PATTERN-like patterns, dispositions are fixed words; '' is NULL
-# (no value is empty).
+# ``string_to_array`` took 0.15 s for the same column, server included. The separator (unit
+# separator, U+001F) cannot occur in these values (ids and instance names match NAME_PATTERN-like
+# patterns, dispositions are fixed words) and '' stands for NULL (no value is empty); a value
+# that breaks either is refused before anything is sent.
 _SEP = "\x1f"
-_INT_COLUMNS = frozenset({"generation_indexes", "gym_attempts", "group_attempts"})
 
 
-def _joined(values: Sequence[Any], ints: bool) -> str:
-    if ints:
+def _joined(col: str, values: Sequence[Any]) -> str:
+    if col not in RESTORE_ROW_CHUNK_TEXT_COLUMNS:
         return _SEP.join(map(str, values))
-    return _SEP.join(values) if None not in values else _SEP.join([v or "" for v in values])
+    if "" in values:
+        raise ValueError(f"restore answer column {col} holds an empty value")
+    out = _SEP.join(values) if None not in values else _SEP.join([v or "" for v in values])
+    if out.count(_SEP) != len(values) - 1:
+        raise ValueError(f"restore answer column {col} holds a value with U+001F")
+    return out
 
 
 async def store_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, rows: AnswerRows) -> int:
@@ -585,15 +590,12 @@ async def store_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str,
         return 0
     per = RESTORE_ROWS_PER_CHUNK
     columns = {col: getattr(rows, col) for col in _CHUNK_COLUMNS}
-    for col, values in columns.items():
-        if col not in _INT_COLUMNS and ("" in values or _SEP in "".join(filter(None, values))):
-            raise ValueError(f"restore answer column {col} holds an empty value or a U+001F")
     params = [
-        {"r": run_id, "i": restore_id, "c": k, **{col: _joined(values[k * per:(k + 1) * per], col in _INT_COLUMNS) for col, values in columns.items()}}
+        {"r": run_id, "i": restore_id, "c": k, **{col: _joined(col, values[k * per:(k + 1) * per]) for col, values in columns.items()}}
         for k in range((n + per - 1) // per)
     ]
     split = [
-        f"string_to_array(%({c})s, chr(31), '')" + ("::int[]" if c in _INT_COLUMNS else "") for c in _CHUNK_COLUMNS
+        f"string_to_array(%({c})s, chr(31), '')" + ("" if c in RESTORE_ROW_CHUNK_TEXT_COLUMNS else "::int[]") for c in _CHUNK_COLUMNS
     ]
     sql = (
         f"INSERT INTO restore_row_chunks (run_id, restore_id, chunk, {', '.join(_CHUNK_COLUMNS)}) "

@@ -443,28 +443,11 @@ async def _restore(
         if p.install:
             assert p.manifest is not None
             client, result, gym, plan, retire = await _gym_restore(engine, run_id, req, p, transport, gym)
-        rw = _rewind_of(p, plan, retire, installed=result is not None)
-        built: list[tuple[dict[str, Any], repo.AnswerRows]] = []
-
-        def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
-            built.append(_answer(run_id, req, p, plan, report, gym))
-            summary, rows = built[-1]
-            return {"request": req.stored(), "answer": summary}, rows
-
-        record = (req.restore_id, result_of)
         try:
-            await repo.apply_restore(
-                engine,
-                run_id,
-                rw,
-                after_cut_minter=rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "after-cut"),
-                record=record,
-                expect_epoch=p.run.epoch,
-            )
+            summary, rows, _ = await apply_and_record(engine, run_id, req, p, plan, retire, gym, installed=result is not None)
         except BaseException as exc:
             await _ledger_failed(engine, run_id, req, client, result, gym, exc)
             raise
-        summary, rows = built[-1]
         if client is not None and result is not None:
             resumed = await client.finish_restore(result)
             rep = resumed.resume
@@ -477,6 +460,39 @@ async def _restore(
     finally:
         if client is not None:
             await client.aclose()
+
+
+async def apply_and_record(
+    engine: AsyncEngine,
+    run_id: str,
+    req: RestoreRequest,
+    p: Planned,
+    plan: RestorePlan,
+    retire: Sequence[RetireItem],
+    gym: dict[str, Any],
+    *,
+    installed: bool,
+) -> tuple[dict[str, Any], repo.AnswerRows, repo.RewindReport]:
+    """The one ledger transaction of a claimed restore: the rewind, and the answer stored with it
+    (its summary on the restore record, its rows as chunks). Returns the summary, the rows and
+    what the rewind did."""
+    built: list[tuple[dict[str, Any], repo.AnswerRows]] = []
+
+    def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
+        built.append(_answer(run_id, req, p, plan, report, gym))
+        summary, rows = built[-1]
+        return {"request": req.stored(), "answer": summary}, rows
+
+    report = await repo.apply_restore(
+        engine,
+        run_id,
+        _rewind_of(p, plan, retire, installed=installed),
+        after_cut_minter=rollout_minter(run_id, p.snap.snapshot_id, p.run.epoch, "after-cut"),
+        record=(req.restore_id, result_of),
+        expect_epoch=p.run.epoch,
+    )
+    summary, rows = built[-1]
+    return summary, rows, report
 
 
 async def _gym_restore(
