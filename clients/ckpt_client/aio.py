@@ -293,7 +293,8 @@ class AsyncCoordinatorClient:
         poll_interval: float = 2.0,
     ) -> RestoreResult:
         """Apply a restore (idempotent per ``restore_id``, minted here if not given) and answer
-        what to send next (every page of the answer's rows joined). ``with_gym_state=False`` when the Gym instances survived the crash
-        (they are not fresh): continuations become restarts. Waits while the same restore id
+        what to send next (every page of the answer's rows joined). ``with_gym_state=False``
+        when the Gym instances survived the crash (they are not fresh): continuations become
+        restarts. Waits while the same restore id
         is still running elsewhere, up to ``timeout`` seconds in all."""
         return await self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout, poll_interval))
