@@ -470,13 +470,20 @@ def _tamper(kind: str) -> tuple[str, Callable[[int, Any], tuple[int, Any]]]:
         body["run_episode_ids"] = []
         return status, body
 
+    def run_claims_outside(status: int, body: Any) -> tuple[int, Any]:
+        body["episode_ids"] = [*body["episode_ids"], "not-in-scope"]
+        body["run_episode_ids"] = [*body["episode_ids"]]
+        return status, body
+
     return {
         "kind": ("policy_model", manifest_field("kind", "agent")),
         "participant": ("workplace_agent", manifest_field("instance", "someone_else")),
         "checkpoint": ("calendar_resources", manifest_field("checkpoint_id", "snap-other-00000000")),
-        "outside-scope": ("calendar_resources", outside),
+        # Section 13 P2: only the model's exports must stay inside the scope.
+        "outside-scope": ("policy_model", outside),
         "staging-mismatch": ("policy_model", staging),
         "stranded": ("workplace_agent", run_outside),
+        "run-outside-scope": ("workplace_agent", run_claims_outside),
     }[kind]
 
 
@@ -488,7 +495,7 @@ async def test_c45_invalid_commit_replies_fail_as_protocol_error(
     await wait_running(inst, ["r1"])
     topo = await topology(client, inst)
     # One tampered reply per save; the episode keeps running across them (each save resumes).
-    for kind in ("kind", "participant", "checkpoint", "outside-scope", "staging-mismatch", "stranded"):
+    for kind in ("kind", "participant", "checkpoint", "outside-scope", "staging-mismatch", "stranded", "run-outside-scope"):
         server, fn = _tamper(kind)
         recorder.rewrites.clear()
         recorder.rewrite(f"/s/{server}/", "commit", fn)
@@ -503,6 +510,38 @@ async def test_c45_invalid_commit_replies_fail_as_protocol_error(
         assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS), kind
         if kind == "stranded":
             assert "stranded sessions: 1" in str(err)
+        if kind == "run-outside-scope":
+            assert "run_episode_ids outside the scope" in str(err)
+
+
+async def test_c45_agent_and_resources_exports_outside_the_scope_are_counted_not_saved(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    """Section 13 P2: published agents and resources export every live session. Those outside
+    the scope are accepted, left out of E and of the staging keys, and counted per kind."""
+    inst = start_gym()
+    rows.start(inst, "r1")
+    rows.start(inst, "r2")
+    await wait_running(inst, ["r1", "r2"])
+    topo = await topology(client, inst)
+
+    def add_r2(status: int, body: Any) -> tuple[int, Any]:
+        if "r2" not in body["episode_ids"]:
+            body["episode_ids"] = sorted([*body["episode_ids"], "r2"])
+        body.pop("run_episode_ids", None)  # a published agent sends none (P1)
+        return status, body
+
+    recorder.rewrite("/s/workplace_agent/", "commit", add_r2)
+    recorder.rewrite("/s/calendar_resources/", "commit", add_r2)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    result = await save.run()
+    ic = result.commit.instances[inst.instance_id]
+    assert ic.episodes == (Episode("r1", 0),)
+    assert ic.outside_scope == {"agent": 1, "resources": 1} and ic.exported_outside_scope == 2
+    assert ic.figures()["exported_outside_scope"] == 2
+    assert result.manifest["instances"][inst.instance_id]["episodes"] == [{"rollout_id": "r1", "attempt": 0}]
+    assert all("/r2/" not in k for k in result.manifest["instances"][inst.instance_id]["staging_keys"])
 
 
 async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym, client: GymControlClient, tmp_path: Any) -> None:
@@ -863,3 +902,51 @@ async def test_c53_recover_orphans_at_discovery(start_gym: StartGym) -> None:
         with pytest.raises(GymControlError) as info:
             await client.recover_orphans(await topology(client, inst))
         assert info.value.failure_class is FailureClass.CONFLICT
+
+
+async def test_p7_a_second_prepare_never_resumes_this_clients_own_open_checkpoint(
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+) -> None:
+    """Section 13 P7: the first checkpoint is this client's own and still open, so it is no
+    orphan: the second prepare fails as ``conflict`` without a call, and the first stays open."""
+    inst = start_gym()
+    topo = await topology(client, inst)
+    first = client.new_checkpoint_id("p7a")
+    await client.prepare(first, topo)
+    recorder.clear()
+    with pytest.raises(GymControlError) as info:
+        await client.prepare(client.new_checkpoint_id("p7b"), topo)
+    assert info.value.failure_class is FailureClass.CONFLICT and not info.value.transient
+    assert first in str(info.value)
+    assert recorder.ops("prepare") == [] and recorder.ops("resume") == []
+    assert {s["checkpoint_id"] for n, s in (await state(inst))["servers"].items() if n in PARTICIPANTS} == {first}
+    # The first checkpoint goes on as if nothing happened, and afterwards a new one is fine.
+    await client.renew(first, topo)
+    await client.resume(first, topo)
+    second = await client.prepare(client.new_checkpoint_id("p7c"), topo)
+    await client.resume(second.checkpoint_id, topo)
+    assert_all_idle(inst)
+
+
+async def test_c46_a_model_without_staging_keys_by_episode_keeps_all_of_its_keys(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    """An older published model replies `staging_keys` only. The snapshot then keeps every key
+    it lists (a superset of E's keys, so nothing the restore needs is dropped)."""
+    inst = start_gym()
+    rows.start(inst, "r1")
+    await wait_running(inst, ["r1"])
+    topo = await topology(client, inst)
+    seen: dict[str, Any] = {}
+
+    def drop_map(status: int, body: Any) -> tuple[int, Any]:
+        seen["keys"] = list(body["staging_keys"])
+        body.pop("staging_keys_by_episode")
+        return status, body
+
+    recorder.rewrite("/s/policy_model/", "commit", drop_map)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    result = await save.run()
+    assert seen["keys"], "the model held staging keys for r1"
+    assert result.manifest["instances"][inst.instance_id]["staging_keys"] == sorted(seen["keys"])

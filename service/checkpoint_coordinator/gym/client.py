@@ -10,11 +10,13 @@ retire while a checkpoint of its own is open.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -170,6 +172,8 @@ class GymControlClient:
         self._prepared_ids: set[str] = set()
         # instance id -> the checkpoint or restore id this client has open on it.
         self._open: dict[str, str] = {}
+        # checkpoint id -> the restarts its prepare replies reported, per instance.
+        self._prepare_restarts: dict[str, Mapping[str, frozenset[Episode]]] = {}
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -214,6 +218,15 @@ class GymControlClient:
         """The id this client has open on an instance (prepared or restored, not yet resumed)."""
         return self._open.get(instance_id)
 
+    def release(self, checkpoint_id: str, topology: Iterable[str]) -> None:
+        """Stop driving ``checkpoint_id`` on these instances without resuming it (a stopping
+        snapshot leaves Gym parked); from now on it counts as an orphan of this coordinator."""
+        for iid in topology:
+            if self._open.get(iid) == checkpoint_id:
+                del self._open[iid]
+        if checkpoint_id not in self._open.values():
+            self._prepare_restarts.pop(checkpoint_id, None)
+
     def _is_orphan_of_ours(self, checkpoint_id: str) -> bool:
         return self.issued(checkpoint_id) and checkpoint_id not in self._open.values()
 
@@ -223,16 +236,20 @@ class GymControlClient:
         """The participants of one instance, sorted by ``(stage, server_name)``; all or nothing."""
         return list((await self.discover_instance(spec)).participants)
 
-    async def discover_all(self, specs: Iterable[InstanceSpec]) -> dict[str, InstanceTopology]:
+    async def discover_all(
+        self, specs: Iterable[InstanceSpec], *, log_warnings: bool = True
+    ) -> dict[str, InstanceTopology]:
+        """``log_warnings=False`` leaves the topology's warnings to the caller: registration logs
+        them once per run, and the discovery before a restore does not repeat them."""
         specs = list(specs)
-        outcomes = await asyncio.gather(*(_catch(self.discover_instance(s)) for s in specs))
+        outcomes = await asyncio.gather(*(_catch(self.discover_instance(s, log_warnings=log_warnings)) for s in specs))
         errors = [o for o in outcomes if isinstance(o, GymControlError)]
         if errors:
             # All or nothing across instances too: a restore or setup needs every one of them.
             raise GymControlError.combine(errors)
         return {s.instance_id: o for s, o in zip(specs, outcomes) if isinstance(o, InstanceTopology)}
 
-    async def discover_instance(self, spec: InstanceSpec) -> InstanceTopology:
+    async def discover_instance(self, spec: InstanceSpec, *, log_warnings: bool = True) -> InstanceTopology:
         iid = spec.instance_id
         targets = [Target(iid, name, url, spec.token) for name, url in spec.servers.items()]
         probes = await asyncio.gather(*(_catch(self._probe(t)) for t in targets))
@@ -253,7 +270,11 @@ class GymControlClient:
                 {iid: failures},
                 f"discovery of {iid} failed on {', '.join(sorted(failures))}",
             )
-        return self._build_topology(spec, statuses, skipped)
+        topology = self._build_topology(spec, statuses, skipped)
+        if log_warnings:
+            for text in topology.warnings:
+                log.warning("%s", text)
+        return topology
 
     async def _probe(self, target: Target) -> StatusReply | None:
         status, content = await self._channel.get_status(target, self.discovery_timeout_s)
@@ -326,7 +347,7 @@ class GymControlClient:
             seen.setdefault((kind, st.instance), []).append(name)
             if mode is None:
                 warnings.append(
-                    f"{iid}/{name} reports no checkpoint mode (Gym before #4957); it is not "
+                    f"{iid}/{name} reports no checkpoint mode (published Gym reports one for resources only); it is not "
                     f"treated as restart-only"
                 )
             if st.instance != name:
@@ -373,8 +394,6 @@ class GymControlClient:
                     f"{s}: {p['detail']}" for s, p in sorted(parts.items())
                 )
             )
-        for text in warnings:
-            log.warning("%s", text)
         participants.sort(key=lambda p: p.sort_key)
         return InstanceTopology(
             spec=spec,
@@ -443,6 +462,18 @@ class GymControlClient:
         On any failure (not ready, a reply saying ``idle``, an error) every participant of every
         instance gets resume before the failure is raised, with any resume failure attached.
         """
+        held = {iid: self._open[iid] for iid in topology if self._open.get(iid, checkpoint_id) != checkpoint_id}
+        if held:
+            # Section 13 P7: this client's own open checkpoint is no orphan. Refuse the second
+            # prepare instead of letting the participant's conflict lead to resuming the first.
+            raise GymControlError.from_parts(
+                {
+                    iid: {INSTANCE_WIDE: server_failure(FailureClass.CONFLICT, "prepare", f"checkpoint {cid} of this coordinator is still open")}
+                    for iid, cid in held.items()
+                },
+                f"prepare of {checkpoint_id} refused: this coordinator still has "
+                + ", ".join(f"{cid} open on {iid}" for iid, cid in sorted(held.items())),
+            )
         self._claim_id(checkpoint_id)
         for iid in topology:
             self._open[iid] = checkpoint_id
@@ -456,9 +487,11 @@ class GymControlClient:
             report = await self._resume_all(checkpoint_id, topology)
             error.resume_failure = report.failure
             raise error
+        restarts = {iid: frozenset(o.restarts) for iid, o in zip(topology, outcomes)}
+        self._prepare_restarts[checkpoint_id] = restarts
         return PrepareResult(
             checkpoint_id=checkpoint_id,
-            restarts={iid: frozenset(o.restarts) for iid, o in zip(topology, outcomes)},
+            restarts=restarts,
             deadlines={iid: o.deadlines for iid, o in zip(topology, outcomes)},
             first_sent_at=first_sent_at,
             finished_at=self.clock.time(),
@@ -596,57 +629,135 @@ class GymControlClient:
         ``scopes`` must already exclude every restart (see :func:`policy.compute_scope`);
         ``restarts`` only travels into the result. The caller resumes on failure.
         """
-        prepared: dict[str, tuple[str, list[Episode], bytes]] = {}
         deadline = self.clock.time() + self.control_timeout_s
+        dirs: dict[str, str] = {}
+        scope_of: dict[str, list[Episode]] = {}
+        restarts_of: dict[str, list[Episode]] = {}
         for iid in topology:
             directory = checkpoint_dirs[iid]
             if not os.path.isabs(directory):
                 raise ValueError(f"checkpoint_dir of {iid} must be absolute, got {directory!r}")
-            scope = sorted(set(scopes.get(iid, ())))
-            body: dict[str, Any] = {
-                "checkpoint_id": checkpoint_id,
-                "deadline_ts": deadline,
-                "checkpoint_dir": directory,
-                # Always sent, even empty: participants need the scope to know what to export.
-                "episode_ids": [ep.to_wire() for ep in scope],
-            }
-            if stop:
-                # Omitted otherwise: Gym versions that predate `stop` refuse unknown fields.
-                body["stop"] = True
-            prepared[iid] = (directory, scope, encode_body(body))
+            dirs[iid] = directory
+            scope_of[iid] = sorted(set(scopes.get(iid, ())))
+            restarts_of[iid] = sorted(set((restarts or {}).get(iid, ())))
         # Participants write into the directory; creating it is the coordinator's job (5.4).
-        await asyncio.to_thread(_make_dirs, [d for d, _, _ in prepared.values()])
+        await asyncio.to_thread(_make_dirs, dirs.values())
         pairs = [(iid, inst, p) for iid, inst in topology.items() for p in inst.participants]
-        replies = await asyncio.gather(
-            *(
-                _catch(
-                    self._channel.post(self._target(inst, p), "commit", prepared[iid][2], deadline, CommitReply)
+        with_stop = [stop] * len(pairs)
+        sent_scope: list[list[Episode]] = [scope_of[iid] for iid, _, _ in pairs]
+        bodies: dict[tuple[str, int, bool], bytes] = {}
+
+        def body(i: int) -> bytes:
+            # One encoding per instance, scope and stop flag: large scopes are encoded once.
+            iid = pairs[i][0]
+            key = (iid, id(sent_scope[i]), with_stop[i])
+            if key not in bodies:
+                wire: dict[str, Any] = {
+                    "checkpoint_id": checkpoint_id,
+                    "deadline_ts": deadline,
+                    "checkpoint_dir": dirs[iid],
+                    # Always sent, even empty: participants need the scope to know what to export.
+                    "episode_ids": [ep.to_wire() for ep in sent_scope[i]],
+                }
+                if with_stop[i]:
+                    # Omitted otherwise: Gym versions that predate `stop` refuse unknown fields.
+                    wire["stop"] = True
+                bodies[key] = encode_body(wire)
+            return bodies[key]
+
+        async def send(indices: Sequence[int]) -> None:
+            answers = await asyncio.gather(
+                *(
+                    _catch(self._channel.post(self._target(pairs[i][1], pairs[i][2]), "commit", body(i), deadline, CommitReply))
+                    for i in indices
                 )
-                for iid, inst, p in pairs
             )
-        )
+            for i, answer in zip(indices, answers):
+                replies[i] = answer
+
+        replies: list[CommitReply | CallFailed] = [None] * len(pairs)  # type: ignore[list-item]
+        await send(range(len(pairs)))
+        stop_refused: dict[str, list[str]] = {}
+        if stop:
+            # Section 13 P4: a Gym that predates `stop` refuses it as an unknown field. Send that
+            # participant the same commit without it, once; the snapshot then resumes as usual.
+            retry = [i for i, r in enumerate(replies) if isinstance(r, CallFailed) and _refuses_stop(r.part)]
+            for i in retry:
+                with_stop[i] = False
+                stop_refused.setdefault(pairs[i][0], []).append(pairs[i][2].server_name)
+            await send(retry)
+            for iid, servers in sorted(stop_refused.items()):
+                log.warning(
+                    "%s: %s refused `stop` on commit %s (a Gym that predates it); committed without "
+                    "it, so this instance will be resumed", iid, ", ".join(sorted(servers)), checkpoint_id,
+                )
+        await self._recommit_grown_restarts(checkpoint_id, pairs, replies, scope_of, restarts_of, sent_scope, send)
         by_instance: dict[str, dict[str, CommitReply | CallFailed]] = {iid: {} for iid in topology}
-        for (iid, _, p), reply in zip(pairs, replies):
-            by_instance[iid][p.server_name] = reply
+        sent: dict[str, dict[str, set[str]]] = {iid: {} for iid in topology}
+        for i, (iid, _, p) in enumerate(pairs):
+            by_instance[iid][p.server_name] = replies[i]
+            sent[iid][p.server_name] = {ep.capture_key for ep in sent_scope[i]}
         results: dict[str, InstanceCommit] = {}
         parts: dict[str, dict[str, ServerFailure]] = {}
         for iid, inst in topology.items():
-            directory, scope, _ = prepared[iid]
             outcome = _validate_commit(
-                checkpoint_id,
-                inst,
-                directory,
-                scope,
-                sorted(set((restarts or {}).get(iid, ()))),
-                by_instance[iid],
+                checkpoint_id, inst, dirs[iid], scope_of[iid], restarts_of[iid], by_instance[iid], sent[iid]
             )
             if isinstance(outcome, InstanceCommit):
+                if stop:
+                    outcome = replace(outcome, stop_supported=iid not in stop_refused)
                 results[iid] = outcome
             else:
                 parts[iid] = outcome
         if parts:
             raise GymControlError.from_parts(parts, f"commit of {checkpoint_id} failed: " + _summary(parts))
         return CommitResult(checkpoint_id, results)
+
+    async def _recommit_grown_restarts(
+        self,
+        cid: str,
+        pairs: Sequence[tuple[str, InstanceTopology, Participant]],
+        replies: list[CommitReply | CallFailed],
+        scope_of: dict[str, list[Episode]],
+        restarts_of: dict[str, list[Episode]],
+        sent_scope: list[list[Episode]],
+        send: Callable[[Sequence[int]], Awaitable[None]],
+    ) -> None:
+        """Published Gym's restart-only agents admit new ``/run``s while parked and recompute their
+        restarts at commit, so a candidate that arrived after prepare is refused as
+        ``restart_in_scope``. Such an episode cannot be saved: move it to the instance's restarts
+        and commit the refusing participants again, once, with the smaller scope. The others
+        keep what they committed; their exports of it fall outside the scope and are not saved."""
+        refused = [i for i, r in enumerate(replies) if isinstance(r, CallFailed) and r.code == "restart_in_scope"]
+        if not refused:
+            return
+        statuses = await asyncio.gather(*(_catch(self._probe(self._target(pairs[i][1], pairs[i][2]))) for i in refused))
+        grown: dict[str, set[str]] = {}
+        for i, status in zip(refused, statuses):
+            if isinstance(status, StatusReply) and status.report is not None:
+                grown.setdefault(pairs[i][0], set()).update(status.report.restarts)
+        known = self._prepare_restarts.get(cid, {})
+        again: list[int] = []
+        for iid, keys in grown.items():
+            # A restart prepare already reported stays a refusal: putting it in scope is a bug.
+            earlier = known.get(iid, frozenset())
+            moved = [ep for ep in scope_of[iid] if ep.capture_key in keys and ep not in earlier]
+            if not moved:
+                continue
+            log.warning(
+                "%s: %d candidate(s) became restarts after prepare on commit %s (a restart-only "
+                "participant that keeps admitting work); committing without them, e.g. %s",
+                iid, len(moved), cid, ", ".join(_sample(ep.capture_key for ep in moved)),
+            )
+            gone = set(moved)
+            scope_of[iid] = [ep for ep in scope_of[iid] if ep not in gone]
+            restarts_of[iid] = sorted(set(restarts_of[iid]) | set(moved))
+            for i in refused:
+                if pairs[i][0] == iid:
+                    sent_scope[i] = scope_of[iid]
+                    again.append(i)
+        if again:
+            await send(again)
 
     # --- resume (5.5) --------------------------------------------------------------------------
 
@@ -669,27 +780,29 @@ class GymControlClient:
         idempotent: dict[str, dict[str, bool]] = {iid: {} for iid in topology}
         failures: dict[str, dict[str, ServerFailure]] = {}
         rounds = 0
-        while pending:
-            rounds += 1
-            outcomes = await asyncio.gather(
-                *(self._resume_instance(cid, inst) for inst in pending.values())
-            )
-            retry: dict[str, InstanceTopology] = {}
-            for (iid, inst), (flags, parts) in zip(pending.items(), outcomes):
-                idempotent[iid].update(flags)
-                if parts:
-                    failures[iid] = parts
-                    if all(part["transient"] for part in parts.values()):
-                        retry[iid] = inst
-                else:
-                    failures.pop(iid, None)
-            if not retry or rounds >= RESUME_ROUNDS:
-                break
-            pending = retry
-            await self.clock.sleep(RESUME_BACKOFF_S * rounds)
-        for iid in topology:
-            if self._open.get(iid) == cid:
-                del self._open[iid]
+        try:
+            while pending:
+                rounds += 1
+                outcomes = await asyncio.gather(
+                    *(self._resume_instance(cid, inst) for inst in pending.values())
+                )
+                retry: dict[str, InstanceTopology] = {}
+                for (iid, inst), (flags, parts) in zip(pending.items(), outcomes):
+                    idempotent[iid].update(flags)
+                    if parts:
+                        failures[iid] = parts
+                        if all(part["transient"] for part in parts.values()):
+                            retry[iid] = inst
+                    else:
+                        failures.pop(iid, None)
+                if not retry or rounds >= RESUME_ROUNDS:
+                    break
+                pending = retry
+                await self.clock.sleep(RESUME_BACKOFF_S * rounds)
+        finally:
+            # Even a cancelled resume ends this client's hold: an id still held on Gym is then an
+            # orphan of ours, which the next prepare's conflict rule resumes.
+            self.release(cid, topology)
         failure = (
             GymControlError.from_parts(failures, f"resume of {cid} failed: " + _summary(failures))
             if failures
@@ -757,7 +870,7 @@ class GymControlClient:
                 extra={"missing_instances": missing, "unknown_instances": unknown, "rollouts_to_restart": everything},
             )
         try:
-            live = await self.discover_all(specs[iid] for iid in sorted(specs))
+            live = await self.discover_all((specs[iid] for iid in sorted(specs)), log_warnings=False)
         except GymControlError as exc:
             exc.extra.setdefault("rollouts_to_restart", everything)
             raise
@@ -1088,6 +1201,23 @@ def _lease_lost_if_stale(part: ServerFailure) -> ServerFailure:
     return part
 
 
+_STOP_WORD = re.compile(r"\bstop\b")
+
+
+def _refuses_stop(part: ServerFailure) -> bool:
+    """A 422 whose validation detail names the field ``stop`` (section 13 P4)."""
+    if part.get("http_status") != 422:
+        return False
+    detail = part.get("detail") or ""
+    try:
+        errors = json.loads(detail)
+    except ValueError:
+        return bool(_STOP_WORD.search(detail))
+    if isinstance(errors, list):
+        return any(isinstance(e, dict) and "stop" in (e.get("loc") or ()) for e in errors)
+    return bool(_STOP_WORD.search(detail))
+
+
 def _make_dirs(paths: Iterable[str]) -> None:
     for path in paths:
         os.makedirs(path, exist_ok=True)
@@ -1172,8 +1302,12 @@ def _validate_commit(
     scope: list[Episode],
     restarts: list[Episode],
     replies: Mapping[str, CommitReply | CallFailed],
+    sent: Mapping[str, set[str]] | None = None,
 ) -> InstanceCommit | dict[str, ServerFailure]:
-    """Section 5.4 coordinator validation of one instance's commit replies."""
+    """Section 5.4 coordinator validation of one instance's commit replies.
+
+    ``scope`` is the instance's effective scope; ``sent`` the scope each server was sent, when
+    it differs (a participant committed again with fewer episodes)."""
     failed = {s: r.part for s, r in replies.items() if isinstance(r, CallFailed)}
     if failed:
         return {s: _lease_lost_if_stale(p) for s, p in failed.items()}
@@ -1189,8 +1323,12 @@ def _validate_commit(
     if set(ok) != expected:
         refuse(INSTANCE_WIDE, f"replying participants {sorted(ok)} differ from the discovered {sorted(expected)}")
     scope_keys = {ep.capture_key for ep in scope}
+    candidate_keys = scope_keys | {ep.capture_key for ep in restarts}
     claims: dict[str, str] = {}
     double: dict[str, set[str]] = {}
+    outside: dict[str, set[str]] = {}
+    stranded: set[str] = set()
+    no_map: list[str] = []
     for p in inst.participants:
         reply = ok.get(p.server_name)
         if reply is None:
@@ -1204,30 +1342,47 @@ def _validate_commit(
         if m.checkpoint_id != cid:
             refuse(name, f"manifest of checkpoint {m.checkpoint_id!r}, not {cid!r}")
         exported = set(reply.episode_ids)
-        outside = exported - scope_keys
-        if outside:
-            refuse(name, f"exported {len(outside)} episode(s) outside the scope", _sample(outside))
+        beyond = exported - scope_keys
+        sent_keys = (sent or {}).get(name, scope_keys)
+        if p.kind == MODEL and exported - sent_keys:
+            # Staging keys come from the model: an export outside the scope cannot be told apart
+            # from keys of the wrong episodes (section 13 P2 keeps this a protocol error).
+            refuse(name, f"exported {len(exported - sent_keys)} episode(s) outside the scope", _sample(exported - sent_keys))
+        elif beyond:
+            # Published agents and resources export every live session (P2): accepted, not saved.
+            outside.setdefault(p.kind, set()).update(beyond)
         if p.kind == AGENT:
             if reply.run_episode_ids is None:
-                refuse(name, "agent commit reply lacks run_episode_ids")
-                continue
-            run = set(reply.run_episode_ids)
-            not_exported = run - exported
-            if not_exported:
-                refuse(name, f"{len(not_exported)} run_episode_ids not among its episode_ids", _sample(not_exported))
-            stranded = exported - run
-            if stranded:
-                # Native sessions: nothing here can drive them after a restore.
-                refuse(name, f"stranded sessions: {len(stranded)} exported episode(s) outside run_episode_ids", _sample(stranded))
+                # Published Gym (P1): every agent session is a /run session, since environment
+                # participants are refused at discovery; E is its export inside the scope.
+                run = exported & scope_keys
+                stranded |= beyond - candidate_keys
+            else:
+                run = set(reply.run_episode_ids)
+                not_exported = run - exported
+                if not_exported:
+                    refuse(name, f"{len(not_exported)} run_episode_ids not among its episode_ids", _sample(not_exported))
+                claimed_beyond = run - scope_keys
+                if claimed_beyond:
+                    refuse(name, f"{len(claimed_beyond)} run_episode_ids outside the scope", _sample(claimed_beyond))
+                native = (exported & scope_keys) - run
+                if native:
+                    # Native sessions: nothing here can drive them after a restore.
+                    refuse(name, f"stranded sessions: {len(native)} exported episode(s) outside run_episode_ids", _sample(native))
             for key in run & scope_keys:
                 owner = claims.setdefault(key, name)
                 if owner != name:
                     double.setdefault(key, {owner}).add(name)
         elif p.kind == MODEL:
-            if reply.staging_keys is None or reply.staging_keys_by_episode is None:
-                refuse(name, "model commit reply lacks staging_keys or staging_keys_by_episode")
+            if reply.staging_keys is None:
+                refuse(name, "model commit reply lacks staging_keys")
                 continue
             by_ep = reply.staging_keys_by_episode
+            if by_ep is None:
+                # An older published model (no per-episode map): every key it lists is kept,
+                # which is safe (keys of drained episodes are kept too), only larger.
+                no_map.append(name)
+                continue
             covered = {k for keys in by_ep.values() for k in keys}
             declared = set(reply.staging_keys)
             if covered != declared:
@@ -1237,7 +1392,7 @@ def _validate_commit(
                     f"{len(covered - declared)} in staging_keys_by_episode only",
                     _sample(declared ^ covered),
                 )
-            foreign = set(by_ep) - scope_keys
+            foreign = set(by_ep) - sent_keys
             if foreign:
                 refuse(name, f"staging_keys_by_episode names {len(foreign)} episode(s) outside the scope", _sample(foreign))
     if double:
@@ -1260,11 +1415,25 @@ def _validate_commit(
     staging: set[str] = set()
     for p in inst.participants:
         if p.kind == MODEL:
-            by_ep = ok[p.server_name].staging_keys_by_episode or {}
+            reply = ok[p.server_name]
+            if reply.staging_keys_by_episode is None:
+                staging.update(reply.staging_keys or ())
+                continue
             for key in episodes_keys:
-                staging.update(by_ep.get(key, ()))
+                staging.update(reply.staging_keys_by_episode.get(key, ()))
     episodes = sorted(Episode.from_capture_key(k) for k in episodes_keys)
     exported_set = set(episodes)
+    if stranded:
+        log.warning(
+            "%s: %d agent export(s) of checkpoint %s are no dispatched attempt on this instance "
+            "(stranded, left out of the snapshot), e.g. %s",
+            inst.instance_id, len(stranded), cid, ", ".join(_sample(stranded)),
+        )
+    if no_map:
+        log.info(
+            "%s: model %s sent no staging_keys_by_episode; all of its staging keys are kept",
+            inst.instance_id, ", ".join(no_map),
+        )
     return InstanceCommit(
         instance_id=inst.instance_id,
         checkpoint_dir=directory,
@@ -1275,6 +1444,8 @@ def _validate_commit(
         participants=tuple(sorted(ok)),
         pending=tuple(ep for ep in scope if ep not in exported_set),
         manifests={s: r.manifest.model_dump() for s, r in ok.items()},
+        outside_scope={kind: len(keys) for kind, keys in sorted(outside.items())},
+        stranded=len(stranded),
     )
 
 

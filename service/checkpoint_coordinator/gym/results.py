@@ -53,7 +53,8 @@ class InstanceCommit:
     instance_id: str
     checkpoint_dir: str
     scope: tuple[Episode, ...]
-    # E of spec 5.4: the union of the agents' run_episode_ids, sorted.
+    # E of spec 5.4: the agents' run_episode_ids, or without them (section 13 P1) the agents'
+    # exports inside the scope; sorted.
     episodes: tuple[Episode, ...]
     restarts: tuple[Episode, ...]
     # Staging keys of E only, sorted and unique.
@@ -64,6 +65,34 @@ class InstanceCommit:
     pending: tuple[Episode, ...]
     # The participant manifests as replied, per server (plain dicts).
     manifests: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # Exports outside the scope (published Gym's agents and resources export every live session,
+    # protocol section 13 P2): accepted, left out of E, counted per kind of the exporter.
+    outside_scope: Mapping[str, int] = field(default_factory=dict)
+    # Agent exports that are no candidate of this instance at all (no dispatched attempt here).
+    stranded: int = 0
+    # Whether every participant took the commit's ``stop``; None when no stop was asked for.
+    stop_supported: bool | None = None
+
+    @property
+    def exported_outside_scope(self) -> int:
+        return sum(self.outside_scope.values())
+
+    def figures(self) -> dict[str, Any]:
+        """The per-instance Gym figures a snapshot keeps for operators (ledger section 5.2)."""
+        out: dict[str, Any] = {
+            "participants": len(self.participants),
+            "scope": len(self.scope),
+            "exported": len(self.episodes),
+            "exported_outside_scope": self.exported_outside_scope,
+            "restarts": len(self.restarts),
+            "staging_keys": len(self.staging_keys),
+            "drained": len(self.pending),
+        }
+        if self.stranded:
+            out["stranded"] = self.stranded
+        if self.stop_supported is not None:
+            out["stop_supported"] = self.stop_supported
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +102,14 @@ class CommitResult:
 
     def pending(self) -> dict[str, set[Episode]]:
         return {iid: set(ic.pending) for iid, ic in self.instances.items()}
+
+    @property
+    def stop_honoured(self) -> bool | None:
+        """None without a stop; else whether every instance took it (section 13 P4)."""
+        flags = [ic.stop_supported for ic in self.instances.values()]
+        if not flags or any(f is None for f in flags):
+            return None
+        return all(flags)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +177,7 @@ class SaveResult:
     manifest: Mapping[str, Any]
     commit: CommitResult
     restarts: Mapping[str, frozenset[Episode]]
-    # None when stop=True: no resume is sent.
+    # None when no resume was sent (a stopping snapshot that every instance honoured).
     resume: ResumeReport | None
     timings: Mapping[str, float]
     gym_parked_seconds: float | None

@@ -231,10 +231,21 @@ class GymSave:
         await renewer.stop()
         self.warnings.extend(renewer.warnings)
         resume: ResumeReport | None = None
-        if not self.stop:
+        to_resume = self.topology
+        if self.stop:
+            # A stopping snapshot leaves Gym parked, except on instances that refused `stop`
+            # (section 13 P4): those resume as usual.
+            parked = [iid for iid, ic in commit.instances.items() if ic.stop_supported]
+            self.client.release(cid, parked)
+            to_resume = {iid: inst for iid, inst in self.topology.items() if iid not in parked}
+            if to_resume:
+                self.warnings.append(
+                    "stop not honoured by " + ", ".join(sorted(to_resume)) + ": those instances were resumed"
+                )
+        if to_resume:
             # After the cut a resume failure is reported, not raised: the snapshot is kept and
             # the leases reopen Gym.
-            resume = await self.client.resume(cid, self.topology, raise_on_failure=False)
+            resume = await self.client.resume(cid, to_resume, raise_on_failure=False)
             self._note_parked(resume.answered_at)
             lap("resume")
         self.timings["total"] = clock.time() - self._run_started
@@ -242,7 +253,7 @@ class GymSave:
             checkpoint_id=cid,
             manifest=manifest,
             commit=commit,
-            restarts={iid: frozenset(eps) for iid, eps in restarted.items()},
+            restarts={iid: frozenset(ic.restarts) for iid, ic in commit.instances.items()},
             resume=resume,
             timings=dict(self.timings),
             gym_parked_seconds=self.gym_parked_seconds,

@@ -378,6 +378,17 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         in_spec_table=False,
     ),
     MetricSpec(
+        name="ckptc_gym_exported_outside_scope_total",
+        type=MetricType.COUNTER,
+        help="Episodes Gym participants exported outside a commit's scope (published Gym's agents "
+        "and resources export every live session); accepted and left out of the snapshot, in "
+        "episodes, by the exporter's kind.",
+        unit="episodes",
+        attr="GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL",
+        labels={"kind": _values(GymParticipantKind)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
         name="ckptc_snapshot_resume_failures_total",
         type=MetricType.COUNTER,
         help="Snapshots whose Gym resume still failed after a successful cut (the snapshot "
@@ -473,6 +484,7 @@ OUTBOX_OLDEST_AGE_SECONDS: Final[Gauge] = _OBJECTS["ckptc_outbox_oldest_age_seco
 LEDGER_TRANSITIONS_TOTAL: Final[Counter] = _OBJECTS["ckptc_ledger_transitions_total"]  # type: ignore[assignment]
 HTTP_REQUEST_SECONDS: Final[Histogram] = _OBJECTS["ckptc_http_request_seconds"]  # type: ignore[assignment]
 RESTORE_DURATION_SECONDS: Final[Histogram] = _OBJECTS["ckptc_restore_duration_seconds"]  # type: ignore[assignment]
+GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_gym_exported_outside_scope_total"]  # type: ignore[assignment]
 SNAPSHOT_RESUME_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_snapshot_resume_failures_total"]  # type: ignore[assignment]
 SNAPSHOT_LOSSES_WARNING: Final[Gauge] = _OBJECTS["ckptc_snapshot_losses_warning"]  # type: ignore[assignment]
 RUN_LEASES_HELD: Final[Gauge] = _OBJECTS["ckptc_run_leases_held"]  # type: ignore[assignment]
@@ -615,6 +627,11 @@ def observe_gym_restarted_episodes(count: int) -> None:
     GYM_RESTARTED_EPISODES.observe(_count(count, "count"))
 
 
+def record_exported_outside_scope(kind: str, count: int) -> None:
+    """Count exports a commit accepted outside its scope (protocol section 13 P2)."""
+    GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL.labels(kind=_closed(kind, GymParticipantKind, "kind")).inc(_count(count, "count"))
+
+
 def record_snapshot_resume_failure() -> None:
     """Count a snapshot whose final Gym resume failed after a successful cut."""
     SNAPSHOT_RESUME_FAILURES_TOTAL.inc()
@@ -736,6 +753,7 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "set_snapshot_losses": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning"),
     "observe_gym_restarted_episodes": ("ckptc_gym_restarted_episodes",),
     "record_snapshot_resume_failure": ("ckptc_snapshot_resume_failures_total",),
+    "record_exported_outside_scope": ("ckptc_gym_exported_outside_scope_total",),
     "record_restore_siblings": ("ckptc_restore_siblings_total",),
     "record_restore_plan": ("ckptc_restore_siblings_total",),
     "observe_restore_duration": ("ckptc_restore_duration_seconds",),

@@ -79,7 +79,7 @@ async def register_instances(
     specs = [InstanceSpec(r.instance_id, r.control_token, r.servers) for r in registrations]
     client = make_client(cfg, transport=transport)
     try:
-        topology = await client.discover_all(specs)
+        topology = await client.discover_all(specs, log_warnings=False)
     except GymControlError as exc:
         raise GymFailure.of(exc, "Gym discovery") from None
     finally:

@@ -531,7 +531,7 @@ async def _gym_restore(
     client = make_client(p.cfg, transport=transport, issued=issued)
     try:
         try:
-            live = await client.discover_all(specs)
+            live = await client.discover_all(specs, log_warnings=False)
         except GymControlError as exc:
             raise _BeforeGym(GymFailure.of(exc, "Gym discovery before restore")) from None
         try:

@@ -243,7 +243,14 @@ class SnapshotRunner:
             metrics.record_snapshot_resume_failure()
             log.warning("snapshot %s: Gym resume failed after the cut; leases will reopen Gym: %s", sid, result.resume.failure)
         await repo.set_phase(self.engine, run_id, sid, "publish")
-        detail = {"warnings": list(result.warnings), "drained": drain_info.get("pending", 0)}
+        detail = {
+            "warnings": list(result.warnings),
+            "drained": drain_info.get("pending", 0),
+            "gym": {iid: ic.figures() for iid, ic in sorted(result.commit.instances.items())},
+        }
+        for ic in result.commit.instances.values():
+            for kind, count in ic.outside_scope.items():
+                metrics.record_exported_outside_scope(kind, count)
         if unknown:
             detail["unregistered_instances"] = unknown
         await self._end(job, "published", "ok", detail, self._timings(save, timings), started, save,
