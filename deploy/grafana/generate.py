@@ -302,6 +302,9 @@ def run_drilldown() -> dict[str, Any]:
               [Target(_quantile("0.95", "ckptc_gym_restarted_episodes", "", window=w), "p95"),
                Target(f"sum({_rate('ckptc_gym_restarted_episodes_sum', window=w)}) / "
                       f"clamp_min(sum({_rate('ckptc_gym_restarted_episodes_count', window=w)}), 1e-9)", "mean")]),
+        Panel("Gym exports outside the commit scope", "Episodes Gym exported outside a commit's scope (published Gym's agents "
+              "and resources export every live session): accepted and left out of the snapshot, by exporter kind.",
+              [Target(f"sum by (kind) (increase(ckptc_gym_exported_outside_scope_total{{{SEL}}}[{w}]))", "{{kind}}")]),
         Panel("Snapshot outcomes over the window", "Terminal snapshots by outcome and reason.",
               [Target(f"sum by (outcome, reason) (increase(ckptc_snapshots_total{{{SEL}}}[{w}])) > 0", "{{outcome}}: {{reason}}")],
               width=24),

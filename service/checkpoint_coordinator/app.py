@@ -60,6 +60,9 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     for router in _feature_routers():
         app.include_router(router)
     app.add_middleware(problems.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    # Outside the body limit (which answers its own 413) and inside the metrics, which count
+    # the statuses it answers.
+    app.add_middleware(problems.ErrorBoundary)
     # Outermost, so the body limit's 413 answers are counted too.
     install_http_metrics(app)
     return app

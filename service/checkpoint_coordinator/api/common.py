@@ -7,6 +7,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import from_json, to_json
@@ -17,6 +18,47 @@ GROUP_ID_PATTERN = NAME_PATTERN
 SNAPSHOT_ID_PATTERN = NAME_PATTERN
 INSTANCE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$"
 ROLLOUT_ID_PATTERN = NAME_PATTERN
+
+# The ledger's integer columns: a step, a cursor or a count beyond them is refused as input,
+# not by PostgreSQL halfway through a write.
+BIGINT_MAX = 2**63 - 1
+INT4_MAX = 2**31 - 1
+
+
+class Problem(BaseModel):
+    """An error answer (RFC 9457 problem details) with the coordinator's stable ``code``."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    title: str
+    status: int
+    code: str
+    detail: str
+
+
+_PROBLEM_DESCRIPTIONS = {
+    401: "Missing or malformed bearer token (`unauthorized`).",
+    403: "The token does not grant access to this run (`forbidden`; also for a run that does not exist).",
+    404: "Not found (`not_found` or a more specific code).",
+    409: "Refused by the ledger's state (a typed code, e.g. `gate_closed`, `snapshot_in_progress`).",
+    413: "Request body above `CKPTC_MAX_BODY_BYTES` (`payload_too_large`).",
+    422: "Invalid request (`invalid_request`, each bad field named in `errors`).",
+    502: "A Gym instance could not be reached or refused (`gym_unavailable` and related codes).",
+    503: "The ledger database is not available (`unavailable`, with `Retry-After`); retry.",
+}
+
+
+def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries of the error answers a router can give: problem+json, typed."""
+    schema = Problem.model_json_schema()
+    return {
+        status: {"description": _PROBLEM_DESCRIPTIONS[status], "content": {"application/problem+json": {"schema": schema}}}
+        for status in statuses
+    }
+
+
+# What every /v1 route can answer besides its success.
+V1_ERRORS = (401, 403, 404, 409, 413, 422, 503)
 
 
 class Strict(BaseModel):
@@ -49,18 +91,59 @@ class FastJSONRequest(Request):
             try:
                 self._json = from_json(body)
             except ValueError as e:
-                json.loads(body)  # malformed: the stdlib's JSONDecodeError, with its position
+                try:
+                    json.loads(body)  # malformed: the stdlib's JSONDecodeError, with its position
+                except UnicodeDecodeError:
+                    raise json.JSONDecodeError("the body is not UTF-8", "", 0) from None
                 raise json.JSONDecodeError(str(e), body.decode("utf-8", "replace"), 0) from None
         return self._json
 
+    async def refuse_nul(self) -> None:
+        """PostgreSQL text and jsonb cannot hold U+0000: refuse it as a 422 naming the field,
+        before anything is written. JSON carries it only escaped, so a byte search of the body
+        tells that there is none (the common case) without walking the document."""
+        body = await self.body()
+        if b"\\u0000" not in body:
+            return
+        try:
+            document = await self.json()
+        except ValueError:
+            return  # not JSON: the route's own parsing answers it
+        where = _nul_path(document, ("body",))
+        if where is not None:
+            raise RequestValidationError(
+                [{"type": "string_nul", "loc": where, "msg": "must not contain the NUL character (U+0000)", "input": None}]
+            )
+
+
+def _nul_path(value: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Where in a parsed JSON document a string (value or key) holds U+0000, if anywhere."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                return at
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if "\x00" in k:
+                    return (*at, k)
+                stack.append((item, (*at, k)))
+        elif isinstance(v, list):
+            stack.extend((item, (*at, i)) for i, item in enumerate(v))
+    return None
+
 
 class FastJSONRoute(APIRoute):
-    """Route class of the batch endpoints: their bodies are read through ``FastJSONRequest``."""
+    """Route class of every /v1 endpoint: bodies are read through ``FastJSONRequest``."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
-            return await handler(FastJSONRequest(request.scope, request.receive))
+            fast = FastJSONRequest(request.scope, request.receive)
+            # Outside the handler: FastAPI turns an error raised while it parses a body into a 400.
+            await fast.refuse_nul()
+            return await handler(fast)
 
         return route_handler

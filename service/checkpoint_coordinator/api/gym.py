@@ -15,9 +15,9 @@ from ..ledger import gym_registry
 from ..ledger.runs import get_run
 from ..restore import registration
 from .auth import Caller, require_run_access
-from .common import INSTANCE_ID_PATTERN, NAME_PATTERN, Strict
+from .common import INSTANCE_ID_PATTERN, NAME_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"])
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
 
 _NAME = re.compile(NAME_PATTERN)
 _INSTANCE = re.compile(INSTANCE_ID_PATTERN)
@@ -139,7 +139,7 @@ async def list_gym_instances(request: Request, caller: Caller = Depends(require_
 @router.delete("/gym-instances/{instance_id:path}", operation_id="delete_gym_instance", status_code=204)
 async def delete_gym_instance(
     request: Request,
-    instance_id: str = Path(..., max_length=256, description="Instance id, e.g. math/replica-0"),
+    instance_id: str = Path(..., pattern=INSTANCE_ID_PATTERN, max_length=256, description="Instance id, e.g. math/replica-0"),
     caller: Caller = Depends(require_run_access),
 ) -> None:
     """Unregister an instance (refused while a snapshot is in progress)."""

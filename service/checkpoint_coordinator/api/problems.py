@@ -11,11 +11,14 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import CoordinatorError, TooLarge
+from ..errors import BadRequest, CoordinatorError, TooLarge, Unavailable
+from ..ledger.db import classify_database_error
 
 log = logging.getLogger(__name__)
 
 PROBLEM = "application/problem+json"
+# Retry-After of a 503 while the database is away: the client backs off from there.
+UNAVAILABLE_RETRY_AFTER_S = 1.0
 
 
 def problem_response(err: CoordinatorError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -55,11 +58,6 @@ def install_problem_handlers(app: FastAPI) -> None:
         err.title = str(exc.detail)
         return problem_response(err)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        # Never a stack trace to the caller; the log has it.
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return problem_response(CoordinatorError("unexpected server error; see the coordinator log"))
 
 
 class BodyLimitMiddleware:
@@ -108,3 +106,50 @@ class BodyLimitMiddleware:
 
 class _BodyTooLarge(Exception):
     pass
+
+
+def problem_for_exception(exc: BaseException) -> CoordinatorError:
+    """The answer to an exception no route handled: the database being away or failing over is
+    a 503 the client retries, a value it refused a 422, anything else a 500 (logged)."""
+    verdict = classify_database_error(exc)
+    if verdict is not None and verdict[0] == "unavailable":
+        return Unavailable(f"the ledger database is not available: {verdict[1]}; retry", retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+    if verdict is not None:
+        return BadRequest(verdict[1])
+    return CoordinatorError("unexpected server error; see the coordinator log")
+
+
+class ErrorBoundary:
+    """Answers every exception that escapes the routes with a problem document, here, rather
+    than letting it reach the server: Starlette's last-resort handler re-raises after it
+    answers, and the server then drops the keep-alive connection the answer went out on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except Exception as exc:
+            err = problem_for_exception(exc)
+            if err.status >= 500 and err.status != 503:
+                log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            else:
+                log.warning("%s %s answered %d: %s", scope.get("method"), scope.get("path"), err.status, err.detail)
+            if started:
+                # The answer already began: it cannot be replaced, only cut short (the server
+                # closes this connection, which tells the client the body is incomplete).
+                raise
+            headers = {"Retry-After": str(int(UNAVAILABLE_RETRY_AFTER_S))} if err.status == 503 else None
+            await problem_response(err, headers)(scope, receive, send)

@@ -16,9 +16,9 @@ from ..restore import ledger_import, service
 from ..restore.errors import GymManifestAbsent, SnapshotNotFound, SnapshotUnusable
 from ..restore.gym_manifest_file import manifest_document
 from .auth import Caller, require_run_access
-from .common import NAME_PATTERN, SNAPSHOT_ID_PATTERN, Strict
+from .common import BIGINT_MAX, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"])
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
 
 Disp = Literal["reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch"]
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
@@ -28,7 +28,7 @@ class RestoreIn(Strict):
     restore_id: str = Field(pattern=NAME_PATTERN, min_length=1, max_length=128, description="Caller-chosen; a repeat returns the stored answer.")
     snapshot_id: str | None = Field(default=None, pattern=SNAPSHOT_ID_PATTERN, max_length=100, description="Restore this snapshot.")
     step: int | None = Field(
-        default=None, ge=0, description="The trainer's restored step: the newest published snapshot anchored at or before it."
+        default=None, ge=0, le=BIGINT_MAX, description="The trainer's restored step: the newest published snapshot anchored at or before it."
     )
     with_gym_state: bool = Field(
         default=True,
@@ -40,13 +40,13 @@ class RestoreIn(Strict):
 class LedgerImportIn(Strict):
     snapshot_id: str = Field(pattern=SNAPSHOT_ID_PATTERN, min_length=1, max_length=100)
     document: dict[str, Any] = Field(description="NeMo RL rollout-recovery ledger, schema 2, 3 or 4.")
-    anchor_step: int | None = Field(default=None, ge=0, description="Default: the newest target step the document names.")
+    anchor_step: int | None = Field(default=None, ge=0, le=BIGINT_MAX, description="Default: the newest target step the document names.")
 
 
 @router.get("/restore-plan", operation_id="get_restore_plan")
 async def get_restore_plan(
     request: Request,
-    step: int | None = Query(None, ge=0, description="The trainer's restored step (newest compatible snapshot)."),
+    step: int | None = Query(None, ge=0, le=BIGINT_MAX, description="The trainer's restored step (newest compatible snapshot)."),
     snapshot_id: str | None = Query(None, pattern=SNAPSHOT_ID_PATTERN, max_length=100),
     with_gym_state: bool = Query(True),
     include_reused: bool = Query(False, description="Also list reused rows, with their staging keys."),

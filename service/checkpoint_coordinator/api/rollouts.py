@@ -11,9 +11,9 @@ from pydantic import Field, field_validator, model_validator
 from ..errors import BadRequest
 from ..ledger import rollouts as repo
 from .auth import Caller, require_run_access
-from .common import GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, FastJSON, FastJSONRoute, Strict
+from .common import BIGINT_MAX, GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"], route_class=FastJSONRoute)
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
 
 MAX_ROWS = 20_000
 _CAPTURE_SUFFIX = re.compile(r"-a[0-9]+$").search
@@ -32,7 +32,7 @@ class AdmitGroupIn(Strict):
     task_source: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
     agent_name: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
     expected_generations: int = Field(ge=1, le=1024)
-    target_step: int | None = Field(default=None, ge=0)
+    target_step: int | None = Field(default=None, ge=0, le=BIGINT_MAX)
     weight_version: str | None = Field(default=None, max_length=128)
 
     @field_validator("group_id")
@@ -218,7 +218,7 @@ async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller 
 async def list_outbox(
     request: Request,
     limit: int = Query(100, ge=1, le=1000),
-    after: int | None = Query(None, ge=0),
+    after: int | None = Query(None, ge=0, le=BIGINT_MAX),
     caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
     """Pending retire/forget items owed to Gym instances."""

@@ -11,9 +11,9 @@ from ..errors import Forbidden
 from ..ledger import runs as runs_repo
 from ..recovery_config import validate_recovery_config
 from .auth import Caller, require_admin, require_run_access
-from .common import RUN_ID_PATTERN, Strict
+from .common import RUN_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+router = APIRouter(prefix="/v1/runs", tags=["runs"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
 
 
 class CreateRun(Strict):

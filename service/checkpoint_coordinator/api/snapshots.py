@@ -12,16 +12,16 @@ from ..ledger import leases
 from ..ledger import snapshots as repo
 from ..ledger.runs import get_run
 from .auth import Caller, require_run_access
-from .common import SNAPSHOT_ID_PATTERN, FastJSON, Strict
+from .common import BIGINT_MAX, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"])
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
 
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
 
 
 class SnapshotRequest(Strict):
     snapshot_id: str = Field(pattern=SNAPSHOT_ID_PATTERN, min_length=1, max_length=100)
-    anchor_step: int = Field(ge=0, description="The trainer checkpoint (train step) this snapshot is anchored on.")
+    anchor_step: int = Field(ge=0, le=BIGINT_MAX, description="The trainer checkpoint (train step) this snapshot is anchored on.")
 
 
 class DataPlaneRef(Strict):
@@ -41,11 +41,16 @@ class AbortIn(Strict):
 
 
 class TrainStepIn(Strict):
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=BIGINT_MAX)
     checkpoint_ref: str | None = Field(default=None, max_length=4096)
 
 
-@router.post("/snapshots", operation_id="request_snapshot", status_code=202)
+@router.post(
+    "/snapshots",
+    operation_id="request_snapshot",
+    status_code=202,
+    responses={200: {"description": "A snapshot of this id already exists: the request was a repeat, answered as stored."}},
+)
 async def request_snapshot(body: SnapshotRequest, request: Request, response: Response, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Request a snapshot anchored on train step S. Idempotent by snapshot id; runs in the background."""
     app = request.app

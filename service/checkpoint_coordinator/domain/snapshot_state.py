@@ -144,11 +144,13 @@ class SnapshotReason(_StrEnum):
     drain_timeout = "drain_timeout"
     data_plane_timeout = "data_plane_timeout"
     data_plane_failed = "data_plane_failed"  # the trainer reported its capture failed
+    database_unavailable = "database_unavailable"  # a phase write failed: the ledger database was away
     # aborted
     train_step_committed = "train_step_committed"  # a newer train step won the race
     coordinator_restart = "coordinator_restart"  # found non-terminal on start
     superseded = "superseded"  # the run moved on (restored, closed, or a newer request)
     cancelled = "cancelled"  # the trainer or an operator cancelled it
+    restored = "restored"  # a restore ended the lineage this snapshot belonged to
 
 
 REASON_OUTCOME: Mapping[SnapshotReason, SnapshotOutcome] = MappingProxyType(
@@ -161,10 +163,12 @@ REASON_OUTCOME: Mapping[SnapshotReason, SnapshotOutcome] = MappingProxyType(
         SnapshotReason.drain_timeout: SnapshotOutcome.failed,
         SnapshotReason.data_plane_timeout: SnapshotOutcome.failed,
         SnapshotReason.data_plane_failed: SnapshotOutcome.failed,
+        SnapshotReason.database_unavailable: SnapshotOutcome.failed,
         SnapshotReason.train_step_committed: SnapshotOutcome.aborted,
         SnapshotReason.coordinator_restart: SnapshotOutcome.aborted,
         SnapshotReason.superseded: SnapshotOutcome.aborted,
         SnapshotReason.cancelled: SnapshotOutcome.aborted,
+        SnapshotReason.restored: SnapshotOutcome.aborted,
     }
 )
 
@@ -176,6 +180,7 @@ TRANSIENT_REASONS = frozenset(
         SnapshotReason.lease_lost,
         SnapshotReason.drain_timeout,
         SnapshotReason.data_plane_timeout,
+        SnapshotReason.database_unavailable,
         SnapshotReason.train_step_committed,
         SnapshotReason.coordinator_restart,
         SnapshotReason.superseded,

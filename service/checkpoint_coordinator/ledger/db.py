@@ -184,6 +184,47 @@ async def read_rows(engine: AsyncEngine, sql: str, params: dict[str, Any]) -> li
     raise AssertionError("unreachable")
 
 
+# SQLSTATE classes and codes that mean "the database is away or moving": connection exceptions,
+# insufficient resources, operator intervention (shutdown, starting up, query canceled), a
+# transaction rolled back by serialization or deadlock, and a read-only transaction on a
+# primary that was demoted in a failover.
+_UNAVAILABLE_CLASSES = ("08", "53", "57", "40", "58")
+_UNAVAILABLE_CODES = frozenset({"25006", "25P03"})
+
+
+def classify_database_error(error: BaseException) -> tuple[str, str] | None:
+    """``("unavailable", why)`` when a statement failed because the database is unreachable,
+    restarting, failing over or out of connections (retry later); ``("invalid", why)`` when it
+    refused a value (a bound the API should have checked); None for anything else."""
+    import psycopg
+
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, exc.TimeoutError):
+            return "unavailable", "no database connection became free in time"
+        if isinstance(e, (exc.DisconnectionError, exc.PendingRollbackError)) or (
+            isinstance(e, exc.DBAPIError) and e.connection_invalidated
+        ):
+            return "unavailable", "the database connection was lost"
+        if isinstance(e, psycopg.Error):
+            state = getattr(e, "sqlstate", None) or ""
+            if state in _UNAVAILABLE_CODES or state[:2] in _UNAVAILABLE_CLASSES:
+                return "unavailable", f"the database answered SQLSTATE {state} ({type(e).__name__})"
+            if isinstance(e, (psycopg.OperationalError, psycopg.InterfaceError)) and not state:
+                return "unavailable", "the database is unreachable"
+            if isinstance(e, psycopg.DataError):
+                return "invalid", f"the database refused a value: {str(e).splitlines()[0][:300]}"
+        if isinstance(e, (ConnectionError, TimeoutError)):
+            return "unavailable", "the database is unreachable"
+        stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
+    return None
+
+
 def migrations_dir() -> Path:
     import ckptc_migrations
 

@@ -93,11 +93,13 @@ class SnapshotReason(StrEnum):
     DRAIN_TIMEOUT = "drain_timeout"
     DATA_PLANE_TIMEOUT = "data_plane_timeout"
     DATA_PLANE_FAILED = "data_plane_failed"
+    DATABASE_UNAVAILABLE = "database_unavailable"
     # aborted
     TRAIN_STEP_COMMITTED = "train_step_committed"
     COORDINATOR_RESTART = "coordinator_restart"
     SUPERSEDED = "superseded"
     CANCELLED = "cancelled"
+    RESTORED = "restored"
 
 
 #: The outcome each reason belongs to; a snapshot is counted only under its own outcome.
@@ -110,10 +112,12 @@ REASON_OUTCOME: Final[Mapping[str, str]] = {
     SnapshotReason.DRAIN_TIMEOUT: SnapshotOutcome.FAILED,
     SnapshotReason.DATA_PLANE_TIMEOUT: SnapshotOutcome.FAILED,
     SnapshotReason.DATA_PLANE_FAILED: SnapshotOutcome.FAILED,
+    SnapshotReason.DATABASE_UNAVAILABLE: SnapshotOutcome.FAILED,
     SnapshotReason.TRAIN_STEP_COMMITTED: SnapshotOutcome.ABORTED,
     SnapshotReason.COORDINATOR_RESTART: SnapshotOutcome.ABORTED,
     SnapshotReason.SUPERSEDED: SnapshotOutcome.ABORTED,
     SnapshotReason.CANCELLED: SnapshotOutcome.ABORTED,
+    SnapshotReason.RESTORED: SnapshotOutcome.ABORTED,
 }
 
 

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -26,13 +27,50 @@ from ..gym.models import Episode
 from ..gym.save import GymSave, GymSaveAborted
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import snapshots as repo
+from ..ledger.db import classify_database_error
 from ..ledger.runs import get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POLL_S = 0.05
+# While the database is away, a write that must happen (the snapshot's end, the writes after its
+# cut) is tried again this often, so the snapshot ends within a moment of the database's return.
+DB_RETRY_S = 0.25
+
+
+def _database_away(error: BaseException) -> str | None:
+    verdict = classify_database_error(error)
+    return verdict[1] if verdict is not None and verdict[0] == "unavailable" else None
+
+
+async def _until_database_answers(write: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run ``write`` until the database takes it; any other failure is raised at once."""
+    warned = False
+    while True:
+        try:
+            return await write()
+        except Exception as e:
+            why = _database_away(e)
+            if why is None:
+                raise
+            if not warned:
+                log.warning("%s: %s; trying again until the database answers", what, why)
+                warned = True
+            await asyncio.sleep(DB_RETRY_S)
+
+
+async def _read_through_outage(read: Callable[[], Awaitable[T]]) -> T | None:
+    """A poll that the database could not answer counts as "no news yet" (the phase's own
+    deadline bounds the wait); any other failure is raised."""
+    try:
+        return await read()
+    except Exception as e:
+        if _database_away(e) is None:
+            raise
+        return None
 
 
 class _Failed(Exception):
@@ -51,6 +89,8 @@ class SnapshotJob:
     pre_cut: asyncio.Task[None] | None = None
     candidates: asyncio.Task[dict[str, list[tuple[str, int]]]] | None = None
     abort_reason: str | None = None
+    # The phase last written (or being written): where a database outage caught the snapshot.
+    phase: str = "requested"
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def abort(self, reason: str) -> None:
@@ -89,6 +129,7 @@ class SnapshotRunner:
             job = SnapshotJob(run_id, snapshot_id)
             self.jobs[key] = job
             job.task = asyncio.create_task(self._run(job), name=f"snapshot-{run_id}-{snapshot_id}")
+            job.task.add_done_callback(_log_crash)
         return job
 
     def abort_local(self, run_id: str, snapshot_ids: list[str], reason: str) -> None:
@@ -121,9 +162,17 @@ class SnapshotRunner:
             raise
         except _Failed as e:
             await self._end(job, "failed", e.reason, e.detail, {}, started)
-        except Exception as e:  # a bug must not leave the gate closed
-            log.exception("snapshot %s of run %s crashed", job.snapshot_id, job.run_id)
-            await self._end(job, "failed", "gym_invariant", {"error": type(e).__name__, "message": str(e)[:2000]}, {}, started)
+        except Exception as e:  # neither a database outage nor a bug may leave the gate closed
+            why = _database_away(e)
+            if why is not None:
+                # Gym was resumed by GymSave's failure path; end the record once the database is back.
+                log.warning("snapshot %s of run %s: a phase write failed in phase %s (%s); it ends when the database answers",
+                            job.snapshot_id, job.run_id, job.phase, why)
+                detail = {"phase": job.phase, "why": why}
+                await self._end(job, "failed", "database_unavailable", detail, self._timings(job.save, {}), started, job.save)
+            else:
+                log.exception("snapshot %s of run %s crashed", job.snapshot_id, job.run_id)
+                await self._end(job, "failed", "gym_invariant", {"error": type(e).__name__, "message": str(e)[:2000]}, {}, started)
         finally:
             metrics.SNAPSHOTS_IN_PROGRESS.dec()
             self.jobs.pop((job.run_id, job.snapshot_id), None)
@@ -138,10 +187,11 @@ class SnapshotRunner:
         cfg = run.config
         timings: dict[str, float] = {}
         t0 = time.monotonic()
+        job.phase = "gate"
         await repo.close_gate(self.engine, run_id, sid)
         if not topology:
             raise _NoGym()
-        await repo.set_phase(self.engine, run_id, sid, "retire")
+        await self._phase(job, "retire")
         client = self.gym.for_run(run_id, cfg)
         # The candidates (the gate is closed: no dispatch adds to them) are first needed for the
         # commit scopes: their query runs beside the retire delivery and the prepare calls.
@@ -156,7 +206,7 @@ class SnapshotRunner:
         async def before_prepare() -> None:
             # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
             await self.outbox.deliver_run(run_id, ignore_schedule=True)
-            await repo.set_phase(self.engine, run_id, sid, "prepare", gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
+            await self._phase(job, "prepare", gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
             # The gate is closed: copy the ledger now, beside Gym's prepare and commit, so that the
             # barrier (while Gym and the trainer wait) copies only the groups written since.
             job.pre_cut = asyncio.create_task(self._pre_cut(job, timings), name=f"pre-cut-{run_id}-{sid}")
@@ -170,14 +220,17 @@ class SnapshotRunner:
             return candidates
 
         async def on_commit() -> None:
-            await repo.set_phase(self.engine, run_id, sid, "commit", counts=counts)
+            await self._phase(job, "commit", counts=counts)
 
         async def drain(pending: dict[str, set[Episode]]) -> None:
-            await repo.set_phase(self.engine, run_id, sid, "drain")
+            await self._phase(job, "drain")
             drain_info["pending"] = sum(len(v) for v in pending.values())
             while any(pending.values()):
                 keys = [(e.rollout_id, e.attempt) for eps in pending.values() for e in eps]
-                still = await repo.still_pending(self.engine, run_id, keys)
+                still = await _read_through_outage(lambda: repo.still_pending(self.engine, run_id, keys))
+                if still is None:
+                    await asyncio.sleep(POLL_S)
+                    continue
                 for iid, eps in pending.items():
                     for e in list(eps):
                         if (e.rollout_id, e.attempt) not in still:
@@ -187,15 +240,20 @@ class SnapshotRunner:
 
         async def capture(manifest: dict[str, Any]) -> None:
             await self._await_pre_cut(job)  # the barrier must find it done (or never started)
-            await repo.set_phase(self.engine, run_id, sid, "data_plane", gym_manifest=manifest)
+            await self._phase(job, "data_plane", gym_manifest=manifest)
             deadline = time.monotonic() + float(cfg.get("data_plane_timeout_s", 600))
             while True:
-                s = await repo.poll(self.engine, run_id, sid)
+                s = await _read_through_outage(lambda: repo.poll(self.engine, run_id, sid))
+                if s is None:
+                    if time.monotonic() > deadline:
+                        raise _Failed("data_plane_timeout", {"awaiting": "capture", "timeout_s": cfg.get("data_plane_timeout_s")})
+                    await asyncio.sleep(POLL_S)
+                    continue
                 if s.abort_requested:
                     raise _Aborted(s.abort_requested)
                 if s.captured:
                     # The cut is taken; GymSave resumes Gym as soon as this hook returns.
-                    await repo.set_phase(self.engine, run_id, sid, "resume")
+                    await self._phase(job, "resume")
                     return
                 if time.monotonic() > deadline:
                     raise _Failed("data_plane_timeout", {"awaiting": s.awaiting, "timeout_s": cfg.get("data_plane_timeout_s")})
@@ -235,14 +293,15 @@ class SnapshotRunner:
             return
         finally:
             watcher.cancel()
-        # Resume was answered inside save.run(); reopen the gate before publishing.
-        await repo.open_gate(self.engine, run_id, sid)
+        # Resume was answered inside save.run(); reopen the gate before publishing. The cut is
+        # taken: a database outage from here on delays the publish, it does not lose the snapshot.
+        await _until_database_answers(lambda: repo.open_gate(self.engine, run_id, sid), f"snapshot {sid}: reopening the gate")
         resume_failure = None
         if result.resume is not None and result.resume.failure is not None:
             resume_failure = result.resume.failure.to_dict()
             metrics.record_snapshot_resume_failure()
             log.warning("snapshot %s: Gym resume failed after the cut; leases will reopen Gym: %s", sid, result.resume.failure)
-        await repo.set_phase(self.engine, run_id, sid, "publish")
+        await _until_database_answers(lambda: self._phase(job, "publish"), f"snapshot {sid}: publishing")
         detail = {
             "warnings": list(result.warnings),
             "drained": drain_info.get("pending", 0),
@@ -255,6 +314,10 @@ class SnapshotRunner:
             detail["unregistered_instances"] = unknown
         await self._end(job, "published", "ok", detail, self._timings(save, timings), started, save,
                         restarted=result.gym_restarted_episodes, resume_failure=resume_failure, keep=int(cfg.get("keep_latest_k", 2)))
+
+    async def _phase(self, job: SnapshotJob, phase: str, **fields: Any) -> None:
+        job.phase = phase
+        await repo.set_phase(self.engine, job.run_id, job.snapshot_id, phase, **fields)
 
     async def _pre_cut(self, job: SnapshotJob, timings: dict[str, float]) -> None:
         t = time.monotonic()
@@ -322,10 +385,13 @@ class SnapshotRunner:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await job.candidates
         timings["total"] = time.monotonic() - started
-        row, losses = await repo.end(
-            self.engine, job.run_id, job.snapshot_id, outcome, reason, detail=detail, timings=timings,
-            gym_parked_seconds=save.gym_parked_seconds if save else None, gym_restarted_episodes=restarted,
-            resume_failure=resume_failure, keep_latest_k=keep,
+        row, losses = await _until_database_answers(
+            lambda: repo.end(
+                self.engine, job.run_id, job.snapshot_id, outcome, reason, detail=detail, timings=timings,
+                gym_parked_seconds=save.gym_parked_seconds if save else None, gym_restarted_episodes=restarted,
+                resume_failure=resume_failure, keep_latest_k=keep,
+            ),
+            f"snapshot {job.snapshot_id} of run {job.run_id}: ending it {outcome}/{reason}",
         )
         metrics.record_snapshot_outcome(outcome, reason)
         for phase, secs in timings.items():
@@ -333,9 +399,11 @@ class SnapshotRunner:
                 metrics.observe_snapshot_phase(phase, max(0.0, secs))
         if restarted is not None:
             metrics.observe_gym_restarted_episodes(restarted)
-        async with self.engine.connect() as conn:
-            run = await get_run(conn, job.run_id)
-        warn_after = int(run.config.get("snapshot_loss_warn_after", 3))
+        async def config() -> dict[str, Any]:
+            async with self.engine.connect() as conn:
+                return (await get_run(conn, job.run_id)).config
+
+        warn_after = int((await _until_database_answers(config, f"snapshot {job.snapshot_id}: reading the run")).get("snapshot_loss_warn_after", 3))
         metrics.set_snapshot_losses(job.run_id, losses, warn_after)
         if reason == "train_step_committed" and losses >= warn_after:
             log.warning("run %s: %d consecutive snapshots lost to train steps; snapshot more often or earlier in the step", job.run_id, losses)
@@ -376,6 +444,13 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
         log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended aborted/coordinator_restart", sid, run_id, phase)
         ended.append(sid)
     return ended
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    """Retrieve a snapshot task's exception, so none goes unobserved (``_run`` ends every
+    snapshot itself; reaching this means even that failed)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("snapshot task %s ended with an error", task.get_name(), exc_info=task.exception())
 
 
 def _outcome_of(reason: str) -> str:
