@@ -253,6 +253,7 @@ class SnapshotFailed(CoordinatorError):
             "lease_lost",
             "drain_timeout",
             "data_plane_timeout",
+            "database_unavailable",
             "train_step_committed",
             "coordinator_restart",
             "superseded",

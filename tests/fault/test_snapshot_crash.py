@@ -1,4 +1,10 @@
-"""SIGKILL the coordinator inside each snapshot phase; after a restart nothing is stuck or lost."""
+"""SIGKILL the coordinator inside each snapshot phase; after a restart (under the same coordinator
+id, or under another one that takes the run over once the dead one's lease expired) nothing is
+stuck or lost: the snapshot ends, the gate is open, Gym is resumed, no ledger row is missing.
+
+Phases with a Gym call are held there by a gymsim fault. The others (``requested``, ``gate``,
+``retire``'s write, ``publish``) pass in a moment, so a PostgreSQL trigger holds the runner's
+next phase write: the phase before it is the one persisted when the process dies."""
 
 from __future__ import annotations
 
@@ -17,14 +23,57 @@ from .coordinator_process import CoordinatorProcess
 
 pytestmark = pytest.mark.timeout(180)
 
-# phase to kill in -> the gymsim fault that holds the snapshot there
-PHASES: dict[str, dict[str, Any] | None] = {
+# phase to kill in -> the gymsim fault that holds the snapshot there, or the phase whose write a
+# trigger holds ("db:<next phase>")
+PHASES: dict[str, dict[str, Any] | str | None] = {
+    "requested": "db:gate",
+    "gate": "db:retire",
+    "retire": {"server_name": "workplace_agent", "op": "retire", "type": "delay", "seconds": 4, "times": 1},
     "prepare": {"server_name": "calendar_resources", "op": "prepare", "type": "delay", "seconds": 4, "times": 1},
     "commit": {"server_name": "calendar_resources", "op": "commit", "type": "delay", "seconds": 4, "times": 1},
     "drain": {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 4, "times": 1},
     "data_plane": None,  # the trainer never posts its barrier
     "resume": {"server_name": "policy_model", "op": "resume", "type": "delay", "seconds": 4, "times": 1},
+    "publish": "db:published",
 }
+HOLD_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION ckptc_test_hold() RETURNS trigger AS $$ BEGIN PERFORM pg_sleep(30); RETURN NEW; END $$ LANGUAGE plpgsql"
+)
+
+
+async def _hold_write_of(database_url: str, phase: str) -> None:
+    """Make the runner's write of ``phase`` hang inside PostgreSQL (its transaction never commits)."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from checkpoint_coordinator.ledger.db import sqlalchemy_url
+
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    async with engine.begin() as conn:
+        await conn.execute(text(HOLD_FUNCTION))
+        await conn.execute(
+            text(
+                "CREATE TRIGGER ckptc_test_hold BEFORE UPDATE ON snapshots FOR EACH ROW "
+                f"WHEN (NEW.phase = '{phase}' AND OLD.phase IS DISTINCT FROM NEW.phase) EXECUTE FUNCTION ckptc_test_hold()"
+            )
+        )
+    await engine.dispose()
+
+
+async def _release_holds(database_url: str) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from checkpoint_coordinator.ledger.db import sqlalchemy_url
+
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    async with engine.begin() as conn:
+        # The killed coordinator's held statement: its client is gone, end it now (before the
+        # DROP, which would wait for the statement's lock on the table).
+        await conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE wait_event = 'PgSleep' AND pid <> pg_backend_pid()"))
+    async with engine.begin() as conn:
+        await conn.execute(text("DROP TRIGGER IF EXISTS ckptc_test_hold ON snapshots"))
+    await engine.dispose()
 
 
 async def _wait_phase(api: Any, sid: str, phase: str, timeout: float = 20) -> dict[str, Any]:
@@ -47,11 +96,12 @@ async def _wait_ready(client: httpx.AsyncClient, timeout: float = 30) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.parametrize("successor", ["same-id", "other-id"])
 @pytest.mark.parametrize("phase", list(PHASES))
-async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_path: Path) -> None:
+async def test_kill_coordinator_inside_phase(phase: str, successor: str, database_url: str, tmp_path: Path) -> None:
     from ..conftest import admin_headers
 
-    coord = CoordinatorProcess(database_url, tmp_path)
+    coord = CoordinatorProcess(database_url, tmp_path, coordinator_id="crash-a")
     coord.start()
     gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05))
     try:
@@ -71,8 +121,16 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
             assert s0["outcome"] == "published"
 
             fault = PHASES[phase]
-            if fault is not None:
+            if isinstance(fault, dict):
                 gym.admin("POST", "/admin/faults", fault)
+            elif isinstance(fault, str):
+                await _hold_write_of(database_url, fault.removeprefix("db:"))
+            if phase == "retire":
+                # A retire owed before the prepare: the snapshot delivers it in phase retire.
+                # (dispatched in the ledger only, so no reply ends it first).
+                owed = [r["rollout_id"] for g in (await api.admit(group_body("owed", 1)))["groups"] for r in g["rows"]]
+                await api.dispatch(owed)
+                await api.post("/groups/abandon", {"group_ids": ["owed"]})
             rows = await trainer.admit_and_dispatch([group_body("g1", 2)], "math/replica-0")
             if phase == "drain":
                 await asyncio.sleep(0.4)  # episodes done; one reply is held on the wire
@@ -81,7 +139,7 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
             counts_before = (await api.get("/counts"))
             r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
             assert r.status_code == 202
-            if phase == "resume":
+            if phase in ("resume", "publish"):
                 s = await _wait_phase(api, "s1", "data_plane")
                 while s["awaiting"] != "barrier":
                     s = await api.get("/snapshots/s1")
@@ -89,19 +147,29 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
                 await api.post("/snapshots/s1/captured", {"reference": {"path": "/x", "digest": "d"}})
             s = await _wait_phase(api, "s1", phase)
             assert s["phase"] == phase and s["outcome"] is None, s
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.3)
             coord.kill()
+            await _release_holds(database_url)
 
+            if successor == "other-id":
+                # Another pod takes over: it waits for the dead one's run lease to expire.
+                coord = CoordinatorProcess(database_url, tmp_path, coordinator_id="crash-b", port=coord.port)
             coord.start()
             await _wait_ready(client)
-            async with asyncio.timeout(30):
-                while True:
-                    s1 = await api.get("/snapshots/s1")
-                    if s1["outcome"]:
-                        break
-                    await asyncio.sleep(0.05)
-            assert (s1["outcome"], s1["reason"]) == ("aborted", "coordinator_restart"), s1
-            assert s1["detail"]["phase_at_restart"] == phase
+            if phase == "requested":
+                # Nothing had happened yet: the successor runs it rather than abort it.
+                s1 = await drive_snapshot(api, "s1", 0, tmp_path / "dp", timeout=40)
+                assert (s1["outcome"], s1["reason"]) == ("published", "ok"), s1
+            else:
+                async with asyncio.timeout(40):
+                    while True:
+                        s1 = await api.get("/snapshots/s1")
+                        if s1["outcome"]:
+                            break
+                        await asyncio.sleep(0.05)
+                assert (s1["outcome"], s1["reason"]) == ("aborted", "coordinator_restart"), s1
+                assert s1["detail"]["phase_at_restart"] == phase
+                assert s1["detail"]["previous_owner"] == "crash-a"
             run = await api.get("")
             assert run["dispatch_gate"]["open"]
             # every participant is idle again, admission open
@@ -113,7 +181,10 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
                     await asyncio.sleep(0.05)
             # the previous published snapshot is still the authoritative one
             hist = (await api.get("/snapshots"))["snapshots"]
-            assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "aborted"), ("s0", "published")]
+            if phase == "requested":
+                assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "published"), ("s0", "published")]
+            else:
+                assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "aborted"), ("s0", "published")]
             # the aborted snapshot's cut (or the pre-cut the runner took beside prepare and commit)
             # is gone with it; the published one's is intact
             from sqlalchemy import text
@@ -122,7 +193,7 @@ async def test_kill_coordinator_inside_phase(phase: str, database_url: str, tmp_
             async with engine.connect() as conn:
                 cut_rows = dict((await conn.execute(text("SELECT snapshot_id, count(*) FROM snapshot_cut_groups WHERE run_id = 'run-1' GROUP BY 1"))).all())
             await engine.dispose()
-            assert cut_rows == {"s0": 1}
+            assert cut_rows == ({"s0": 1, "s1": 2} if phase == "requested" else {"s0": 1})
             # no ledger row lost: the rows of g1 are all there, and the held reply still seals
             await trainer.wait_idle()
             g1 = await api.group("g1")
