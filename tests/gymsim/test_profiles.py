@@ -39,11 +39,13 @@ async def saved_and_restored(start, ckdir, profile: str, rollouts=("r1", "r2"), 
 
 
 def test_the_profile_defaults_to_published_and_servers_inherit_it():
-    config = InstanceConfig.model_validate(default_instance_config())
+    raw = default_instance_config()
+    del raw["gym_profile"]  # the config's own default, whatever the test module default is
+    config = InstanceConfig.model_validate(raw)
     assert config.gym_profile == "published" and config.wire_spelling is None
     assert all(s.gym_profile is None for s in config.servers)
     assert config.profile_of("policy_model") == "published" and config.spelling_for() == "legacy"
-    strict = InstanceConfig.model_validate(server_config(default_instance_config(), MODEL, gym_profile="strict"))
+    strict = InstanceConfig.model_validate(server_config(raw, MODEL, gym_profile="strict"))
     assert strict.profile_of(MODEL) == "strict" and strict.spelling_for(MODEL) == "current"
     assert strict.profile_of(AGENT) == "published" and strict.spelling_for(AGENT) == "legacy"
     # An explicit spelling wins over every profile.
@@ -54,6 +56,7 @@ def test_the_profile_defaults_to_published_and_servers_inherit_it():
 
 
 def test_default_instance_config_reads_the_module_default_at_call_time(monkeypatch):
+    monkeypatch.setattr(gymsim.testing, "DEFAULT_GYM_PROFILE", "published")
     assert default_instance_config()["gym_profile"] == "published"
     monkeypatch.setattr(gymsim.testing, "DEFAULT_GYM_PROFILE", "strict")
     assert default_instance_config()["gym_profile"] == "strict"
@@ -61,7 +64,8 @@ def test_default_instance_config_reads_the_module_default_at_call_time(monkeypat
     assert "wire_spelling" not in default_instance_config()
 
 
-def test_cli_gym_profile_for_default_config_and_serve(tmp_path, capsys):
+def test_cli_gym_profile_for_default_config_and_serve(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gymsim.testing, "DEFAULT_GYM_PROFILE", "published")
     assert main(["default-config", "--gym-profile", "strict"]) == 0
     assert json.loads(capsys.readouterr().out)["gym_profile"] == "strict"
     assert main(["default-config"]) == 0
