@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from .config import FaultSpec, ServerName
@@ -17,6 +18,8 @@ from .instance import Instance
 from .kinds import AgentParticipant, ModelParticipant, MutateBody, ResourcesParticipant, completion
 from .participant import DropConnection, Participant
 from .wire import BODY_MODELS, ProtocolError, RolloutId, is_valid_capture_key
+
+_SERVER_PATH = re.compile(r"^/s/([^/]+)/")
 
 # Commit and restore scopes can name hundreds of thousands of episodes (spec 2: at least 64 MiB).
 MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -131,9 +134,15 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
 
     # ------------------------------------------------------------------ errors
 
+    def server_of(request: Request) -> str | None:
+        """The server a request was for (None for admin routes): its profile shapes the reply."""
+        match = _SERVER_PATH.match(request.url.path)
+        return match.group(1) if match else None
+
     @app.exception_handler(ProtocolError)
     async def _protocol_error(request: Request, exc: ProtocolError):
-        return JSONResponse(exc.envelope(instance.config.wire_spelling), status_code=exc.status)
+        spelling = instance.config.spelling_for(server_of(request))
+        return JSONResponse(exc.envelope(spelling), status_code=exc.status)
 
     @app.exception_handler(BodyInvalid)
     async def _body_invalid(request: Request, exc: BodyInvalid):
@@ -155,8 +164,12 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
+        server = server_of(request)
+        if instance.config.profile_of(server) == "published":
+            # Published Gym has no handler for these: the framework's own plain 500, no envelope.
+            return PlainTextResponse("Internal Server Error", status_code=500)
         error = ProtocolError("checkpoint_error", f"unexpected participant fault: {exc!r}", status=500)
-        return JSONResponse(error.envelope(instance.config.wire_spelling), status_code=500)
+        return JSONResponse(error.envelope(instance.config.spelling_for(server)), status_code=500)
 
     # ------------------------------------------------------------------ control protocol
 
@@ -172,7 +185,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
         if op not in BODY_MODELS:
             raise NotFound()
         authorize(request)  # before the body is even read: a bad token changes nothing
-        body = parse_body(BODY_MODELS[op], await read_body(request))
+        body = parse_body(target.body_model(op), await read_body(request))
         return await getattr(target, op)(body)
 
     # ------------------------------------------------------------------ data plane

@@ -1,15 +1,19 @@
-"""`python -m gymsim serve --config FILE.json [--port N] [--host 127.0.0.1]`: one instance per process."""
+"""`python -m gymsim serve --config FILE.json [--port N] [--host 127.0.0.1] [--gym-profile P]`: one
+instance per process."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import get_args
 
 from pydantic import ValidationError
 
-from .config import InstanceConfig
+from .config import GymProfile, InstanceConfig
 from .server import bind_socket, build_server, ready_line
+
+PROFILES = get_args(GymProfile)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,11 +23,21 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="instance config JSON file")
     serve.add_argument("--port", type=int, default=0, help="0 picks a free port (printed on stdout)")
     serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--gym-profile", choices=PROFILES, help="overrides the config file's instance profile")
     default = sub.add_parser("default-config", help="print a default instance config")
     default.add_argument("--instance-id", default="math/replica-0")
     default.add_argument("--token", default="tok-gymsim")
     default.add_argument("--resources-mode", default="exported")
+    default.add_argument("--gym-profile", choices=PROFILES, default=None, help="default: published")
     return parser
+
+
+def load_config(path: str, gym_profile: str | None = None) -> InstanceConfig:
+    """The config file, with `--gym-profile` (when given) in place of its instance profile."""
+    config = InstanceConfig.load(path)
+    if gym_profile is not None:
+        config = InstanceConfig.model_validate({**config.model_dump(), "gym_profile": gym_profile})
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "default-config":
         from .testing import default_instance_config
 
-        config = default_instance_config(args.instance_id, token=args.token, resources_mode=args.resources_mode)
+        config = default_instance_config(
+            args.instance_id, token=args.token, resources_mode=args.resources_mode, gym_profile=args.gym_profile
+        )
         print(json.dumps(config, indent=2))
         return 0
     try:
-        config = InstanceConfig.load(args.config)
+        config = load_config(args.config, args.gym_profile)
     except (OSError, ValueError, ValidationError) as exc:
         print(f"gymsim: cannot load {args.config}: {exc}", file=sys.stderr)
         return 2

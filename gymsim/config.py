@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
-from .wire import INSTANCE_ID_RE, NAME_PATTERN
+from .wire import INSTANCE_ID_RE, NAME_PATTERN, Spelling
 
 BrokenBehaviour = Literal[
     "replay_different_scope",
@@ -18,6 +18,11 @@ BrokenBehaviour = Literal[
     "ignore_stale_attempt",
 ]
 FaultType = Literal["delay", "error", "reset", "lost_reply", "refuse"]
+# `published`: how the NeMo Gym control code that is actually public behaves (spec section 13);
+# `strict`: sections 1-11 of the spec. README.md lists every difference.
+GymProfile = Literal["published", "strict"]
+# The error-code spelling each profile emits unless `wire_spelling` says otherwise (spec 10, P6).
+PROFILE_SPELLING: dict[str, Spelling] = {"published": "legacy", "strict": "current"}
 ServerName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=128)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -72,6 +77,12 @@ class ServerKnobs(_Strict):
     worker_lost: bool = False
     # behave as a process that already served data-plane work (restore refuses it).
     non_fresh: bool = False
+    # commit accepts `stop` (None: the profile decides; strict accepts it, published Gym without the
+    # field refuses it as an unknown field with 422).
+    accepts_stop: bool | None = None
+    # model: the commit reply carries `staging_keys_by_episode` (False: the older published model,
+    # whose reply has `staging_keys` only).
+    staging_map: bool = True
 
 
 class ServerConfig(ServerKnobs):
@@ -85,6 +96,8 @@ class ServerConfig(ServerKnobs):
     # agent: the servers of this instance that its episodes call (default: the first of each kind).
     model_server: ServerName | None = None
     resources_server: ServerName | None = None
+    # None: the instance's profile.
+    gym_profile: GymProfile | None = None
 
     @property
     def name(self) -> str:
@@ -95,7 +108,9 @@ class InstanceConfig(_Strict):
     instance_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
     token: Annotated[str, StringConstraints(min_length=1)]
     lease_grace_seconds: Seconds = 600.0
-    wire_spelling: Literal["current", "legacy"] = "current"
+    gym_profile: GymProfile = "published"
+    # None: the spelling of each server's profile (published: legacy, strict: current).
+    wire_spelling: Spelling | None = None
     turn_seconds: Seconds = 0.05
     default_turns: Annotated[int, Field(ge=0)] = 3
     servers: Annotated[list[ServerConfig], Field(min_length=1)]
@@ -124,6 +139,20 @@ class InstanceConfig(_Strict):
             if fault.server_name not in known:
                 raise ValueError(f"fault names unknown server {fault.server_name!r}")
         return self
+
+    def profile_of(self, server_name: str | None = None) -> GymProfile:
+        """The profile of one server (its own, else the instance's); None: the instance's."""
+        if server_name is not None:
+            for server in self.servers:
+                if server.server_name == server_name and server.gym_profile is not None:
+                    return server.gym_profile
+        return self.gym_profile
+
+    def spelling_for(self, server_name: str | None = None) -> Spelling:
+        """The code spelling a server emits: an explicit `wire_spelling` wins over its profile's."""
+        if self.wire_spelling is not None:
+            return self.wire_spelling
+        return PROFILE_SPELLING[self.profile_of(server_name)]
 
     def server(self, name: str) -> ServerConfig:
         for server in self.servers:

@@ -65,7 +65,10 @@ class Harness:
         self.client = client
         self.token = gym.token
         self.servers = gym.servers
-        self.spelling = gym.config.wire_spelling
+        self.profile = gym.config.gym_profile
+        self.spelling = gym.config.spelling_for()
+        # The status field listing restored state nobody claimed yet, in the instance's spelling.
+        self.unclaimed_field = "restored_pending" if self.spelling == "legacy" else "unclaimed"
         self.offset = 0.0
         self._runs: list[asyncio.Task] = []
 
@@ -227,6 +230,14 @@ class Harness:
 
     def state(self, server: str) -> dict[str, Any]:
         return self.gym.admin("GET", "/state")["servers"][server]
+
+    @property
+    def published(self) -> bool:
+        return self.profile == "published"
+
+    async def unclaimed(self, server: str) -> list[str]:
+        """The restored episodes a participant's status lists as not yet claimed."""
+        return (await self.status(server))[self.unclaimed_field]
 
     def sessions(self) -> dict[str, Any]:
         return self.gym.admin("GET", f"/resources/{RESOURCES}/sessions")["sessions"]

@@ -140,7 +140,8 @@ class FaultMiddleware:
         elif fault.type == "refuse":
             error = ProtocolError(fault.code or "checkpoint_error", fault.detail or f"injected refusal of {fault.op}")
             status = fault.status or error.status
-            for message in _json_message(status, error.envelope(self.instance.config.wire_spelling)):
+            spelling = self.instance.config.spelling_for(fault.server_name)
+            for message in _json_message(status, error.envelope(spelling)):
                 await connection.send(message)
         elif fault.type == "reset":
             await connection.drop()

@@ -67,14 +67,23 @@ def completion(server_name: str, key: str, turn: int, staging_key: str, messages
 class ModelParticipant(Participant):
     """The policy model: one staging key `tq/<capture key>/<turn>` per delivered completion."""
 
+    PUBLISHED_REPORTS_MODE = False
+
     def __init__(self, instance, config) -> None:
         super().__init__(instance, config)
         self.ledgers: dict[str, list[str]] = {}
         self.calls: dict[int, Call] = {}
         self._next_call = 0
+        self.waiting = 0
+
+    @property
+    def worker_label(self) -> str:
+        return "policy" if self.published else "model"
 
     async def chat(self, key: str, body: Any) -> dict[str, Any]:
         rollout_id, attempt = _check_key(key)
+        if self.published:
+            await self._wait_for_admission(rollout_id, attempt)
         self.admit(rollout_id, attempt)
         self.served = True
         restored = self.claim((rollout_id, attempt))
@@ -112,6 +121,21 @@ class ModelParticipant(Participant):
             call.finished = True
             self.calls.pop(call_id, None)
             self.notifier.notify()
+
+    async def _wait_for_admission(self, rollout_id: str, attempt: int) -> None:
+        """Published Gym (model.py b58bb4f): a new call waits for resume instead of being refused.
+
+        A waiting call is not admitted, so it blocks no readiness; a retire of its attempt wakes it,
+        and admission then refuses it as stale."""
+        self.check_lease()
+        if self.admission_open:
+            return
+        self.waiting += 1
+        try:
+            await self.clock.wait_for(lambda: self.admission_open or self.killed or self.is_marked(rollout_id, attempt))
+        finally:
+            self.waiting -= 1
+        self.ensure_alive()
 
     async def _pause(self, call: Call, seconds: float) -> None:
         if seconds:
@@ -158,10 +182,10 @@ class ModelParticipant(Participant):
 
     def commit_extras(self, exported: dict[Pair, dict[str, Any]]) -> dict[str, Any]:
         by_episode = {capture_key(*p): sorted(s.get("staging_keys", [])) for p, s in exported.items()}
-        return {
-            "staging_keys": sorted({k for keys in by_episode.values() for k in keys}),
-            "staging_keys_by_episode": dict(sorted(by_episode.items())),
-        }
+        extras: dict[str, Any] = {"staging_keys": sorted({k for keys in by_episode.values() for k in keys})}
+        if self.knobs.staging_map:  # the older published model (1a003fe) sends the union only
+            extras["staging_keys_by_episode"] = dict(sorted(by_episode.items()))
+        return extras
 
     def validate_record(self, record: dict[str, Any]) -> None:
         keys = record["state"].get("staging_keys", [])
@@ -190,6 +214,7 @@ class ModelParticipant(Participant):
     def admin_extras(self) -> dict[str, Any]:
         return {
             "served": self.served,
+            "waiting": self.waiting,
             "staging_keys_by_episode": {k: list(v) for k, v in sorted(self.ledgers.items())},
             "calls": [{"key": c.key, "state": c.state} for c in self.calls.values()],
         }
@@ -215,6 +240,9 @@ class Session:
 class ResourcesParticipant(Participant):
     """Per-session tool state. Requests during a checkpoint wait for resume; they are never refused."""
 
+    PUBLISHED_EXPORTS_LIVE_OUTSIDE_SCOPE = True
+    PUBLISHED_RESTART_ONLY_STAYS_OPEN = True
+
     def __init__(self, instance, config) -> None:
         super().__init__(instance, config)
         self.sessions: dict[str, Session] = {}
@@ -222,6 +250,12 @@ class ResourcesParticipant(Participant):
         self.waiting = 0
         self.retired_sessions: set[str] = set()
         self.stopping: set[str] = set()
+
+    def configured_mode(self, configured: str | None) -> str | None:
+        # Published Gym's resources always have a mode, and restart_only is the one it falls back to.
+        if configured is None and self.published:
+            return "restart_only"
+        return configured
 
     def _refused(self, sid: str, rollout_id: str, attempt: int) -> bool:
         if self.broken("ignore_stale_attempt"):
@@ -401,6 +435,10 @@ AT_BOUNDARY = ("boundary", "calling")
 class AgentParticipant(Participant):
     """Legacy /run sessions: the agent's own /run drives a whole multi-turn episode."""
 
+    PUBLISHED_REPORTS_MODE = False
+    PUBLISHED_EXPORTS_LIVE_OUTSIDE_SCOPE = True
+    PUBLISHED_RESTART_ONLY_STAYS_OPEN = True
+
     def __init__(self, instance, config) -> None:
         super().__init__(instance, config)
         self.episodes: dict[str, Episode] = {}
@@ -534,7 +572,22 @@ class AgentParticipant(Participant):
         self.native.add(pair)
         self.notifier.notify()
 
+    def check_binding(self, rollout_id: str, attempt: int) -> None:
+        """Published Gym keys /run sessions by rollout id: while one attempt of a rollout is live or
+        restored and unclaimed, any other attempt of it is stale (N10; after a restore this is what
+        refuses attempt N, since no mark is raised)."""
+        if not self.published:
+            return
+        bound = {e.attempt for e in self.episodes.values() if e.rollout_id == rollout_id}
+        bound |= {a for r, a in self.unclaimed if r == rollout_id}
+        if bound - {attempt}:
+            raise ProtocolError(
+                "stale_attempt", f"{rollout_id} is bound to attempt {min(bound - {attempt})} here, not {attempt}"
+            )
+
     def blockers(self) -> list[str]:
+        if self.stays_open:
+            return []  # it never parks, so nothing it runs can hold up a checkpoint
         return [
             e.key
             for e in self.episodes.values()
@@ -577,6 +630,8 @@ class AgentParticipant(Participant):
         return state
 
     def commit_extras(self, exported: dict[Pair, dict[str, Any]]) -> dict[str, Any]:
+        if self.published:
+            return {}  # published Gym's agent adds nothing to the commit reply (P1)
         return {"run_episode_ids": sorted(capture_key(*p) for p in exported if p not in self.native)}
 
     def validate_record(self, record: dict[str, Any]) -> None:

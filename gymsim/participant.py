@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any, Callable
 from . import storage
 from .config import ServerConfig
 from .wire import (
+    BODY_MODELS,
     MAX_BLOCKERS,
     RESUMED_MEMORY,
     CommitBody,
+    CommitBodyWithoutStop,
     ForgetBody,
     PrepareBody,
     ProtocolError,
@@ -75,14 +77,20 @@ class InstallJob:
 
 
 class Participant:
+    # What published Gym does differently per kind (spec 13, README "gym_profile"); consulted only
+    # when `self.published`.
+    PUBLISHED_REPORTS_MODE = True  # model and agent status carry no `mode` (P3)
+    PUBLISHED_EXPORTS_LIVE_OUTSIDE_SCOPE = False  # agent and resources export every live session (P2)
+    PUBLISHED_RESTART_ONLY_STAYS_OPEN = False  # restart_only agent and resources never close admission
+
     def __init__(self, instance: "Instance", config: ServerConfig) -> None:
         self.instance = instance
         self.config = config
         self.server_name = config.server_name
         self.kind: str = config.kind or ""
         self.name = config.name
-        self.reported_mode = config.mode
-        self.mode = behaviour_mode(config.mode)
+        self.reported_mode = self.configured_mode(config.mode)
+        self.mode = behaviour_mode(self.reported_mode)
         self.clock = instance.clock
         self.notifier = instance.notifier
         self.lock = asyncio.Lock()
@@ -129,6 +137,48 @@ class Participant:
     def knobs(self) -> ServerConfig:
         return self.config
 
+    # The one place that decides which profile this participant follows; every difference between
+    # the profiles branches on `self.published`.
+    @property
+    def profile(self) -> str:
+        return self.instance.config.profile_of(self.server_name)
+
+    @property
+    def published(self) -> bool:
+        return self.profile == "published"
+
+    @property
+    def spelling(self) -> str:
+        return self.instance.config.spelling_for(self.server_name)
+
+    def configured_mode(self, configured: str | None) -> str | None:
+        """The mode this participant reports (None: none); resources override the published default."""
+        return configured
+
+    @property
+    def accepts_stop(self) -> bool:
+        if self.knobs.accepts_stop is not None:
+            return self.knobs.accepts_stop
+        return not self.published
+
+    def body_model(self, op: str) -> type:
+        """The request model of a control op; a commit without `stop` for Gym that predates it (P4)."""
+        if op == "commit" and not self.accepts_stop:
+            return CommitBodyWithoutStop
+        return BODY_MODELS[op]
+
+    @property
+    def stays_open(self) -> bool:
+        """Published restart_only agents and resources never close admission: they capture nothing."""
+        return self.published and self.mode == "restart_only" and self.PUBLISHED_RESTART_ONLY_STAYS_OPEN
+
+    def unexpected(self, error: BaseException, what: str) -> BaseException:
+        """A failure that is no protocol refusal: strict wraps it in the 500 `checkpoint_error`
+        envelope; published Gym lets it escape to the framework's plain 500."""
+        if isinstance(error, ProtocolError) or self.published:
+            return error
+        return ProtocolError("checkpoint_error", f"{what} failed: {error!r}", status=500)
+
     def broken(self, behaviour: str) -> bool:
         return behaviour in self.instance.config.broken
 
@@ -163,7 +213,7 @@ class Participant:
 
     @property
     def admission_open(self) -> bool:
-        return self.phase == "idle" and not self.installing
+        return self.stays_open or (self.phase == "idle" and not self.installing)
 
     def _extend_lease(self, deadline_ts: float) -> None:
         candidate = deadline_ts + self.instance.config.lease_grace_seconds
@@ -222,26 +272,37 @@ class Participant:
     # ------------------------------------------------------------------ readiness
 
     def report(self) -> dict[str, Any]:
-        blockers = sorted(set(self.blockers()) | set(self.worker_blockers()))
-        if self.restarts_fixed is not None:
-            restarts = list(self.restarts_fixed)
+        tokens = self.worker_blockers()
+        if self.published:
+            # Published Gym puts the worker tokens first and does not sort them in with the rest.
+            blockers = tokens + sorted(set(self.blockers()) - set(tokens))
         else:
-            restarts = self.current_restarts()
+            blockers = sorted(set(self.blockers()) | set(tokens))
         return {
             "ready": not blockers,
             "blockers": blockers[:MAX_BLOCKERS],
             "blocker_count": len(blockers),
             "counts": self.counts(),
-            "restarts": restarts,
+            "restarts": self.restarts(),
         }
+
+    def restarts(self) -> list[str]:
+        """Strict: fixed while a checkpoint is open. Published: worked out again on every call."""
+        if self.restarts_fixed is not None:
+            return list(self.restarts_fixed)
+        return self.current_restarts()
+
+    @property
+    def worker_label(self) -> str:
+        return self.kind
 
     def worker_blockers(self) -> list[str]:
         out = []
         if self.knobs.workers > 1 or self.knobs.unreported_workers or self.knobs.worker_lost:
             if self.knobs.unreported_workers:
-                out.append(f"{self.kind}-workers-unreported:{self.knobs.unreported_workers}")
+                out.append(f"{self.worker_label}-workers-unreported:{self.knobs.unreported_workers}")
             if self.knobs.worker_lost:
-                out.append(f"{self.kind}-worker-lost")
+                out.append(f"{self.worker_label}-worker-lost")
         return out
 
     def current_restarts(self) -> list[str]:
@@ -320,8 +381,12 @@ class Participant:
                 "stale_attempt",
                 f"attempt {attempt} of {rollout_id} was retired (mark {self.marks[rollout_id]})",
             )
+        self.check_binding(rollout_id, attempt)
         if not self.admission_open:
             raise ProtocolError("admission_closed", f"{self.server_name} is parked for a checkpoint; retry after resume")
+
+    def check_binding(self, rollout_id: str, attempt: int) -> None:
+        """Kinds that bind sessions by rollout id (the published agent) refuse other attempts here."""
 
     def is_marked(self, rollout_id: str, attempt: int) -> bool:
         if self.broken("ignore_stale_attempt"):
@@ -341,14 +406,15 @@ class Participant:
             "retired_rollouts": len(self.marks),
             "report": self.report(),
         }
-        if self.reported_mode is not None:
+        if self.reported_mode is not None and (self.PUBLISHED_REPORTS_MODE or not self.published):
             body["mode"] = self.reported_mode
-        unclaimed_name = "restored_pending" if self.instance.config.wire_spelling == "legacy" else "unclaimed"
+        unclaimed_name = "restored_pending" if self.spelling == "legacy" else "unclaimed"
         body[unclaimed_name] = sorted(capture_key(*p) for p in self.unclaimed)
         if self.knobs.workers > 1:
             body["expected_workers"] = self.knobs.workers
             body["workers"] = self.knobs.workers - self.knobs.unreported_workers - (1 if self.knobs.worker_lost else 0)
-        body["lease_expired"] = self.counters["lease_expired"]
+        if not self.published:  # published Gym counts expiries as a metric only
+            body["lease_expired"] = self.counters["lease_expired"]
         body.update(self.status_extras())
         return body
 
@@ -365,8 +431,9 @@ class Participant:
                 self.active_id = cid
                 self.phase = "preparing"
                 self._extend_lease(body.deadline_ts)
-                # Restarts are decided now, while the checkpoint opens, and stay fixed for it.
-                self.restarts_fixed = self.current_restarts()
+                # Strict: restarts are decided now, while the checkpoint opens, and stay fixed for it.
+                # Published Gym works them out again on every report (they can change meanwhile).
+                self.restarts_fixed = None if self.published else self.current_restarts()
                 self.counters["prepare_count"] += 1
                 self.notifier.notify()  # admission is now closed: parked work must notice
             elif self.phase == "preparing":
@@ -416,7 +483,7 @@ class Participant:
     async def commit(self, body: CommitBody) -> dict[str, Any]:
         cid = body.checkpoint_id
         scope = None if body.episode_ids is None else frozenset(e.pair for e in body.episode_ids)
-        args = (body.checkpoint_dir, scope, bool(body.stop))
+        args = (body.checkpoint_dir, scope, bool(getattr(body, "stop", None)))
         async with self.lock:
             self.check_lease()
             self.counters["commit_calls"] += 1
@@ -431,7 +498,7 @@ class Participant:
             if not self.report()["ready"]:
                 raise ProtocolError("invalid_phase", "readiness regressed since prepare; resume and prepare again")
             if scope is not None and not self.broken("commit_names_restart"):
-                named = sorted(set(self.restarts_fixed or []) & {capture_key(*p) for p in scope})
+                named = sorted(set(self.restarts()) & {capture_key(*p) for p in scope})
                 if named:
                     raise ProtocolError("restart_in_scope", f"the scope names reported restarts: {named[:10]}")
             job = self.export_job
@@ -461,9 +528,7 @@ class Participant:
                 # A failed write is retried with the same captured records on the next commit.
                 if job is not None:
                     job.writes.pop(args, None)
-                if isinstance(error, ProtocolError):
-                    raise error
-                raise ProtocolError("checkpoint_error", f"export failed: {error!r}", status=500)
+                raise self.unexpected(error, "export")
             reply = task.result()
             if scope is not None:
                 # Restored state nobody claimed and the scope left out is deleted, without a mark.
@@ -485,17 +550,24 @@ class Participant:
             task = job.writes[args] = self.spawn(self._write(job, *args))
         return task
 
-    async def _capture(self) -> dict[Pair, dict[str, Any]]:
+    async def _capture(self) -> tuple[dict[Pair, dict[str, Any]], frozenset[Pair]]:
         if self.knobs.export_seconds:
             await self.clock.sleep(self.knobs.export_seconds)
-        return self.capture_state()
+        return self.capture_state(), frozenset(self.unclaimed)
+
+    def exports(self, pair: Pair, scope, restored: frozenset[Pair]) -> bool:
+        """Whether a captured episode is written: those of the scope; published agents and resources
+        also write every other live one, only not restored state nobody claimed (P2)."""
+        if scope is None or pair in scope:
+            return True
+        return self.published and self.PUBLISHED_EXPORTS_LIVE_OUTSIDE_SCOPE and pair not in restored
 
     async def _write(self, job: ExportJob, checkpoint_dir: str, scope, stop: bool) -> dict[str, Any]:
-        captured = await asyncio.shield(job.capture)
+        captured, restored = await asyncio.shield(job.capture)
         if self.mode == "restart_only":
             exported: dict[Pair, dict[str, Any]] = {}
         else:
-            exported = {p: s for p, s in captured.items() if scope is None or p in scope}
+            exported = {p: s for p, s in captured.items() if self.exports(p, scope, restored)}
             if self.mode == "stateless":
                 exported = {p: {} for p in exported}
         # The writer stops with the checkpoint: nothing is published after resume or expiry.
@@ -555,8 +627,8 @@ class Participant:
                 job = self.install_job
                 earlier = job.task if job is not None and job.key != key and not job.task.done() else None
                 if earlier is None:
-                    if not self.is_fresh():
-                        raise ProtocolError("checkpoint_error", f"{self.server_name} is not fresh: it has served work")
+                    if not self.published and not self.is_fresh():  # published: after the read
+                        raise self._not_fresh()
                     reusable = (
                         job is not None
                         and job.key == key
@@ -590,16 +662,21 @@ class Participant:
                 if error is not None:
                     if self.install_job is job:
                         self.install_job = None
-                    if isinstance(error, ProtocolError):
-                        raise error
-                    raise ProtocolError("checkpoint_error", f"install failed: {error!r}", status=500)
+                    raise self.unexpected(error, "install")
+                if self.published and not self.is_fresh():
+                    # Published Gym's install checks freshness, after the directory was read and checked.
+                    if self.install_job is job:
+                        self.install_job = None
+                    raise self._not_fresh()
                 loaded: storage.Loaded = job.task.result()
                 installed = self._install(loaded.records)
                 if self.install_job is job:
                     self.install_job = None
-                for rollout_id, attempt in scope:
-                    # A straggler of the saved attempt N must now get stale_attempt.
-                    self.marks[rollout_id] = max(self.marks.get(rollout_id, -1), attempt)
+                if not self.published:
+                    # A straggler of the saved attempt N must now get stale_attempt. Published Gym
+                    # raises no mark: its agent's restored binding refuses N instead (P5).
+                    for rollout_id, attempt in scope:
+                        self.marks[rollout_id] = max(self.marks.get(rollout_id, -1), attempt)
                 self.phase = "restored"
                 self.active_id = cid
                 self._extend_lease(body.deadline_ts)
@@ -614,6 +691,9 @@ class Participant:
         finally:
             job.waiters -= 1
             self.notifier.notify()
+
+    def _not_fresh(self) -> ProtocolError:
+        return ProtocolError("checkpoint_error", f"{self.server_name} is not fresh: it has served work")
 
     async def _read(self, checkpoint_dir: str, scope: frozenset) -> storage.Loaded:
         if self.knobs.install_seconds:
@@ -692,6 +772,7 @@ class Participant:
         return {
             "kind": self.kind,
             "participant_name": self.name,
+            "gym_profile": self.profile,
             "mode": self.reported_mode,
             "behaviour_mode": self.mode,
             "phase": self.phase,

@@ -22,12 +22,13 @@ from typing import Any
 
 import httpx
 
-from .config import InstanceConfig
+from .config import GymProfile, InstanceConfig
 from .server import bind_socket, build_server, ready_line
 from .storage import MANIFEST, participant_dir
 from .wire import capture_key, parse_capture_key
 
 __all__ = [
+    "DEFAULT_GYM_PROFILE",
     "GymsimInstance",
     "default_instance_config",
     "server_config",
@@ -40,20 +41,27 @@ __all__ = [
 
 START_TIMEOUT = 20.0
 
+# The profile `default_instance_config` gives when not told otherwise. It is read at every call, so
+# a fixture can run a whole suite under the other profile by patching it.
+DEFAULT_GYM_PROFILE: GymProfile = "published"
+
 
 def default_instance_config(
     instance_id: str = "math/replica-0",
     *,
     token: str = "tok-gymsim",
     resources_mode: str | None = "exported",
+    gym_profile: GymProfile | None = None,
     **overrides: Any,
 ) -> dict[str, Any]:
-    """A policy model, an agent and a resources server that take part, plus a judge that does not."""
+    """A policy model, an agent and a resources server that take part, plus a judge that does not.
+
+    The error-code spelling is the profile's unless `wire_spelling=` is given."""
     config: dict[str, Any] = {
         "instance_id": instance_id,
         "token": token,
+        "gym_profile": gym_profile if gym_profile is not None else DEFAULT_GYM_PROFILE,
         "lease_grace_seconds": 600,
-        "wire_spelling": "current",
         "turn_seconds": 0.05,
         "default_turns": 3,
         "servers": [

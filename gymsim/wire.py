@@ -96,13 +96,18 @@ RenewBody = PrepareBody
 ResumeBody = PrepareBody
 
 
-class CommitBody(_Body):
+class CommitBodyWithoutStop(_Body):
+    """A commit body as Gym versions that predate `stop` define it: `stop` is an unknown field (422)."""
+
     checkpoint_id: CheckpointId
     deadline_ts: DeadlineTs
     checkpoint_dir: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     # Optional at the schema level so that a model can answer a missing scope with the protocol's
     # own checkpoint_error (5.4); the other kinds export everything they hold, as older Gym did.
     episode_ids: list[EpisodeRef] | None = None
+
+
+class CommitBody(CommitBodyWithoutStop):
     stop: StrictBool | None = None
 
 

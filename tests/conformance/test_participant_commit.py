@@ -173,7 +173,11 @@ async def check_p15_commit_replay(h, ckdir) -> None:
     assert h.state(AGENT)["export_count"] == 1
     h.assert_error(await h.commit(AGENT, "c1", ckdir(), scope), "checkpoint_conflict")
     h.assert_error(await h.commit(AGENT, "c1", directory, scope[:2]), "checkpoint_conflict")
-    h.assert_error(await h.commit(AGENT, "c1", directory, scope, stop=True), "checkpoint_conflict")
+    with_stop = await h.commit(AGENT, "c1", directory, scope, stop=True)
+    if h.published:
+        assert with_stop.status_code == 422  # published Gym has no `stop` (P4): an unknown field
+    else:
+        h.assert_error(with_stop, "checkpoint_conflict")
     assert h.state(AGENT)["export_count"] == 1
 
 
@@ -242,12 +246,17 @@ async def test_p17_staging_keys_by_episode_cover_exactly_the_staging_keys(start,
 # ---------------------------------------------------------------------------------------------- P18
 
 
-async def test_p18_agent_run_episode_ids_are_a_subset_of_its_exports(start, ckdir):
+async def test_p18_agent_run_episode_ids_are_a_subset_of_its_exports(start, ckdir, gym_profile):
     h = await start()
     h.gym.admin("POST", f"/agent/{AGENT}/native_sessions", {"rollout_id": "native", "attempt": 0})
-    await h.park_runs(["r1"])
+    await h.park_runs(["r1", "outside"])
     await h.prepare_all("c1")
     reply = (await h.commit(AGENT, "c1", ckdir(), [ep("native"), ep("r1")])).json()
+    if gym_profile == "published":
+        # No run_episode_ids (P1), and every live session is exported whatever the scope (P2).
+        assert "run_episode_ids" not in reply
+        assert reply["episode_ids"] == ["native", "outside", "r1"]
+        return
     assert reply["episode_ids"] == ["native", "r1"]
     assert reply["run_episode_ids"] == ["r1"]
     assert set(reply["run_episode_ids"]) <= set(reply["episode_ids"])
@@ -261,7 +270,8 @@ async def test_p18_a_restart_only_agent_reports_restarts_and_exports_nothing(sta
     assert replies[AGENT]["report"]["restarts"] == ["r1", "r2"]
     directory = ckdir()
     reply = (await h.commit(AGENT, "c1", directory, [ep("other")])).json()
-    assert reply["episode_ids"] == [] and reply["run_episode_ids"] == []
+    assert reply["episode_ids"] == [] and reply.get("run_episode_ids", []) == []
+    assert ("run_episode_ids" in reply) == (not h.published)
     records = assert_manifest_matches_files(reply, directory, "agent", AGENT, "c1")
     assert records == []
 
@@ -291,8 +301,7 @@ async def test_p19_a_directory_with_another_checkpoints_manifest_is_refused_unch
 async def test_p20_commit_deletes_unclaimed_restored_state_outside_scope_without_a_mark(start, ckdir):
     _, b, saved = await saved_and_restored(start, ckdir)
     await b.resume_all("restore-1")
-    status = await b.status(AGENT)
-    assert status["unclaimed"] == ["r1-a1", "r2-a1"]
+    assert await b.unclaimed(AGENT) == ["r1-a1", "r2-a1"]
     marks_before = {s: b.state(s)["marks"] for s in PARTICIPANTS}
 
     await b.prepare_all("c2")
@@ -300,7 +309,7 @@ async def test_p20_commit_deletes_unclaimed_restored_state_outside_scope_without
     assert replies[AGENT]["episode_ids"] == ["r2-a1"]  # an unclaimed continuation in scope is exported again
     await b.resume_all("c2")
     for server in PARTICIPANTS:
-        assert (await b.status(server))["unclaimed"] == ["r2-a1"]
+        assert await b.unclaimed(server) == ["r2-a1"]
         assert b.state(server)["marks"] == marks_before[server]  # no mark was raised
 
     # The deleted continuation's attempt is admitted, and starts over since nothing was kept.

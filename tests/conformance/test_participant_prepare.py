@@ -14,11 +14,18 @@ from gymsim.testing import default_instance_config, server_config
 # ---------------------------------------------------------------------------------------------- P5
 
 
-async def test_p5_prepare_closes_admission_and_resources_requests_wait(start):
+async def test_p5_prepare_closes_admission_and_resources_requests_wait(start, gym_profile):
     h = await start()
     await h.prepare_all("c1")
     h.assert_error(await h.run("late-run"), "admission_closed")
-    h.assert_error(await h.chat("late-call"), "admission_closed")
+    if gym_profile == "published":
+        # Published Gym's model (model.py b58bb4f) lets a new policy call wait for resume instead;
+        # a waiting call is not admitted and does not block readiness.
+        late_call = asyncio.ensure_future(h.chat("late-call"))
+        await h.wait_until(lambda: h.state(MODEL)["waiting"] == 1)
+        assert (await h.status(MODEL))["report"]["ready"] is True
+    else:
+        h.assert_error(await h.chat("late-call"), "admission_closed")
 
     waiting = asyncio.ensure_future(h.mutate("late-session", turn=0))
     await h.wait_until(lambda: h.state(RESOURCES)["report"]["counts"]["waiting"] == 1)
@@ -31,6 +38,8 @@ async def test_p5_prepare_closes_admission_and_resources_requests_wait(start):
     response = await waiting
     assert response.status_code == 200 and response.json()["counter"] == 1
     assert (await h.run("late-run", turns=1)).status_code == 200
+    if gym_profile == "published":
+        assert (await late_call).status_code == 200
     assert (await h.chat("late-call")).status_code == 200
 
 
@@ -195,7 +204,7 @@ async def test_p10_the_last_64_resumed_ids_are_stale_and_the_65th_oldest_is_forg
 # ---------------------------------------------------------------------------------------------- P11
 
 
-async def test_p11_restarts_are_fixed_uncapped_and_never_block(start):
+async def test_p11_restarts_are_fixed_uncapped_and_never_block(start, gym_profile):
     h = await start(resources_mode="restart_only")
     sessions = [f"sess{i:03d}" for i in range(105)]
     await asyncio.gather(*(h.mutate(s) for s in sessions))
@@ -215,6 +224,13 @@ async def test_p11_restarts_are_fixed_uncapped_and_never_block(start):
     assert (await busy).status_code == 200
     # The busy session's request finished, yet the restarts of this checkpoint do not change.
     assert (await h.status(RESOURCES))["report"]["restarts"] == expected
+    if gym_profile == "published":
+        # Published restart_only resources never park a request and work their restarts out again
+        # on every status, so a session started now shows up there; the stored prepare reply, which
+        # is what the coordinator acts on, keeps the restarts it had.
+        assert (await h.mutate("sess-new")).status_code == 200
+        assert (await h.status(RESOURCES))["report"]["restarts"] == sorted([*expected, "sess-new"])
+        assert (await h.ok(RESOURCES, "prepare", h.body("c1")))["report"]["restarts"] == expected
 
 
 async def test_p11_a_restart_only_agent_reports_its_in_flight_runs_identically(start):
@@ -230,10 +246,12 @@ async def test_p11_a_restart_only_agent_reports_its_in_flight_runs_identically(s
 
 
 @pytest.mark.parametrize("server", [MODEL, AGENT, RESOURCES])
-async def test_p6_multi_worker_blockers(start, server):
+async def test_p6_multi_worker_blockers(start, server, gym_profile):
     config = server_config(default_instance_config(), server, workers=3, unreported_workers=2)
     h = await start(config=config)
     kind = (await h.status(server))["kind"]
+    if kind == "model" and gym_profile == "published":
+        kind = "policy"  # published model_workers.py names its tokens after the policy
     reply = await h.ok(server, "prepare", h.body("c1", 0.2))
     assert reply["phase"] == "preparing"
     assert reply["report"]["blockers"] == [f"{kind}-workers-unreported:2"]

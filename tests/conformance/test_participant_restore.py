@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import pytest
@@ -64,17 +65,24 @@ async def test_p26_restore_installs_exactly_the_scoped_episodes_as_n_plus_1(star
         assert reply == {"phase": "restored", "source_checkpoint_id": "snap-1", "restored": ["r1-a1"]}
         status = await b.status(server)
         assert status["phase"] == "restored" and status["checkpoint_id"] == "restore-1"
-        assert status["unclaimed"] == ["r1-a1"]
+        assert status[b.unclaimed_field] == ["r1-a1"]
     # Admission stays closed until resume.
     b.assert_error(await b.run("r1", 1, task={"rollout": "r1"}), "admission_closed")
     b.assert_error(await b.run("fresh-work"), "admission_closed")
-    b.assert_error(await b.chat("fresh-work"), "admission_closed")
+    if b.published:
+        # The published model lets a new call wait for resume instead of refusing it.
+        late_call = asyncio.ensure_future(b.chat("fresh-work"))
+        await b.wait_until(lambda: b.state(MODEL)["waiting"] == 1)
+    else:
+        b.assert_error(await b.chat("fresh-work"), "admission_closed")
     # A replay of the same restore returns the same reply.
     again = await b.restore(AGENT, "restore-1", saved.directory, [ep("r1")])
     assert again.json() == replies[AGENT]
     await b.resume_all("restore-1")
     response = await b.run("r1", 1, task={"rollout": "r1"}, turns=saved.turns)
     assert response.status_code == 200
+    if b.published:
+        assert (await late_call).status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------- P27
@@ -135,8 +143,15 @@ async def test_p28_the_n_plus_1_run_claims_the_restored_state_and_n_is_stale(sta
         assert (await b.status(server))[pending] == ["r1-a1", "r2-a1"]
 
     b.assert_error(await b.run("r1", 0, task={"rollout": "r1"}), "stale_attempt")
-    b.assert_error(await b.chat("r1"), "stale_attempt")
-    b.assert_error(await b.mutate("r1"), "stale_attempt")
+    if b.published:
+        # Published Gym raises no mark at restore (P5): the agent's restored binding of r1 is what
+        # refuses attempt N, and any other attempt but N+1 too. Model and resources hold no mark, so
+        # the coordinator's own ledger has to refuse a late seal of N.
+        b.assert_error(await b.run("r1", 2, task={"rollout": "r1"}), "stale_attempt")
+        assert [(await b.status(s))["retired_rollouts"] for s in PARTICIPANTS] == [0, 0, 0]
+    else:
+        b.assert_error(await b.chat("r1"), "stale_attempt")
+        b.assert_error(await b.mutate("r1"), "stale_attempt")
 
     response = await b.run("r1", 1, task={"rollout": "r1"}, turns=saved.turns)
     assert response.status_code == 200, response.text

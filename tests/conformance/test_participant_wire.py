@@ -78,8 +78,9 @@ async def test_p2_checkpointing_off_means_no_control_routes(start):
 # ---------------------------------------------------------------------------------------------- P3
 
 
-def assert_status_shape(status: dict) -> None:
-    for field, types in {
+def assert_status_shape(status: dict, *, with_mode: bool = True) -> None:
+    """Section 5.1's fields; `with_mode=False` for published Gym, whose model and agent report none (P3)."""
+    fields = {
         "kind": str,
         "instance": str,
         "phase": str,
@@ -88,13 +89,18 @@ def assert_status_shape(status: dict) -> None:
         "lease_expires_at": (float, type(None)),
         "retired_rollouts": int,
         "report": dict,
-    }.items():
+    }
+    if not with_mode:
+        assert "mode" not in status, status
+        del fields["mode"]
+    for field, types in fields.items():
         assert field in status, field
         assert isinstance(status[field], types), (field, status[field])
     assert not isinstance(status["retired_rollouts"], bool)
     assert status["kind"] in KINDS
     assert status["phase"] in PHASES
-    assert status["mode"] in MODES
+    if with_mode:
+        assert status["mode"] in MODES
     assert (status["checkpoint_id"] is None) == (status["phase"] == "idle")
     assert (status["lease_expires_at"] is None) == (status["phase"] == "idle")
     if status["lease_expires_at"] is not None:
@@ -115,16 +121,18 @@ async def test_p3_status_has_every_field_with_its_type(start, mode):
     config = default_instance_config(resources_mode=mode)
     config = server_config(config, AGENT, mode=mode)
     h = await start(config=config)
+    # Published Gym: only resources report their mode; model and agent never do, even if configured.
+    with_mode = {s: not h.published or s == RESOURCES for s in PARTICIPANTS}
     for server in PARTICIPANTS:
         status = await h.status(server)
-        assert_status_shape(status)
+        assert_status_shape(status, with_mode=with_mode[server])
         assert status["instance"] == server
-    assert (await h.status(AGENT))["mode"] == mode
+    assert (await h.status(AGENT)).get("mode") == (None if h.published else mode)
     assert (await h.status(RESOURCES))["mode"] == mode
     await h.prepare_all("c-shape")
     for server in PARTICIPANTS:
         status = await h.status(server)
-        assert_status_shape(status)
+        assert_status_shape(status, with_mode=with_mode[server])
         assert status["phase"] == "prepared" and status["checkpoint_id"] == "c-shape"
 
 
@@ -144,8 +152,14 @@ async def test_p3_an_older_gym_reports_no_mode(start):
     config = server_config(default_instance_config(), RESOURCES, mode=None)
     h = await start(config=config)
     status = await h.status(RESOURCES)
-    assert "mode" not in status
     assert status["kind"] == "resources"
+    if h.published:
+        # Published resources always report a mode, falling back to Gym's default restart_only;
+        # the model's status is the one without a mode there.
+        assert status["mode"] == "restart_only"
+        assert "mode" not in await h.status(MODEL)
+    else:
+        assert "mode" not in status
 
 
 # ---------------------------------------------------------------------------------------------- P4
@@ -241,9 +255,11 @@ async def test_p33_every_code_is_emitted_in_the_configured_spelling(start, ckdir
     # stale_attempt (data plane)
     await h.ok(AGENT, "retire", h.body("retire", episode_ids=[ep("old", 0)]))
     h.assert_error(await h.run("old", 0), "stale_attempt")
-    # checkpoint_error: a restore on a participant that served work
+    # checkpoint_error: a restore on a participant that served work (published Gym reads the
+    # directory first, and this one holds no checkpoint).
     assert (await h.run("served", turns=1)).status_code == 200
-    h.assert_error(await h.restore(MODEL, "restore-x", ckdir(), []), "checkpoint_error")
+    not_fresh = "invalid_checkpoint_state" if h.published else "checkpoint_error"
+    h.assert_error(await h.restore(MODEL, "restore-x", ckdir(), []), not_fresh)
 
     # With a checkpoint open: conflict, admission_closed, restart_in_scope, invalid_checkpoint_state,
     # deadline_exceeded, checkpoint_error (model commit without scope).
@@ -251,7 +267,8 @@ async def test_p33_every_code_is_emitted_in_the_configured_spelling(start, ckdir
     await h.prepare_all("c-open")
     h.assert_error(await h.prepare(MODEL, "c-other"), "checkpoint_conflict")
     h.assert_error(await h.run("new-work"), "admission_closed")
-    h.assert_error(await h.chat("new-work"), "admission_closed")
+    if not h.published:  # the published model lets a new call wait instead
+        h.assert_error(await h.chat("new-work"), "admission_closed")
     response = await h.call(MODEL, "commit", h.body("c-open", checkpoint_dir=str(ckdir())))
     assert response.status_code in (409, 422)
     if response.status_code == 409:
@@ -275,7 +292,7 @@ async def test_p33_every_code_is_emitted_in_the_configured_spelling(start, ckdir
 
 async def test_p33_legacy_and_current_codes_differ_where_section_10_says(start):
     legacy = await start(wire_spelling="legacy")
-    current = await start()
+    current = await start(wire_spelling="current")
     for h, expected in ((legacy, "invalid_phase"), (current, "checkpoint_invalid_phase")):
         response = await h.call(MODEL, "renew", h.body("c1"))
         assert response.json()["error"]["code"] == expected
@@ -307,9 +324,21 @@ async def test_p34_capture_key_strings_instead_of_episode_objects_get_422(start,
 
 
 async def test_p34_commit_with_stop_true_is_accepted(start, ckdir):
+    """Strict: accepted. Published (section 13): refused 422 by a Gym that predates `stop`."""
     h = await start()
     await h.prepare_all("c-stop")
     directory = ckdir()
+    if h.published:
+        # Published Gym predates `stop`: an unknown field, refused 422 naming it, changing nothing.
+        before = {s: h.fingerprint(s) for s in STAGES}
+        for server in STAGES:
+            response = await h.commit(server, "c-stop", directory, [], stop=True)
+            assert response.status_code == 422, response.text
+            assert [(e["type"], e["loc"]) for e in response.json()["detail"]] == [("extra_forbidden", ["body", "stop"])]
+        assert {s: h.fingerprint(s) for s in STAGES} == before and not any(directory.iterdir())
+        # The coordinator's retry without stop goes through.
+        await h.commit_all("c-stop", directory, [])
+        return
     for server in STAGES:
         response = await h.commit(server, "c-stop", directory, [], stop=True)
         assert response.status_code == 200, response.text

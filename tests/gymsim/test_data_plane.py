@@ -55,7 +55,7 @@ async def test_a_continuation_with_another_task_is_refused(start, ckdir):
     await b.resume_all("restore-1")
     refused = await b.run("r1", 1, task={"rollout": "someone else"})
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "task_mismatch"
-    assert (await b.status(AGENT))["unclaimed"] == ["r1-a1"]  # still there for the right task
+    assert await b.unclaimed(AGENT) == ["r1-a1"]  # still there for the right task
     assert (await b.run("r1", 1, task={"rollout": "r1"}, turns=8)).json()["resumed_from_turn"] is not None
 
 
