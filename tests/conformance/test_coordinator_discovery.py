@@ -70,7 +70,7 @@ def dead_url() -> str:
 
 
 async def test_c35_discovery_probes_every_server_with_bearer_and_skips_404(
-    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
+    start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, gym_profile: str
 ) -> None:
     inst = start_gym()
     topo = await client.discover_instance(spec_of(inst))
@@ -85,7 +85,13 @@ async def test_c35_discovery_probes_every_server_with_bearer_and_skips_404(
         ("workplace_agent", "agent", 2),
         ("calendar_resources", "resources", 3),
     ]
-    assert all(p.mode == "exported" and p.phase == "idle" for p in topo.participants)
+    # Published Gym reports a mode for resources only (section 13 P3).
+    modes = {p.server_name: p.mode for p in topo.participants}
+    if gym_profile == "published":
+        assert modes == {"policy_model": None, "workplace_agent": None, "calendar_resources": "exported"}
+    else:
+        assert set(modes.values()) == {"exported"}
+    assert all(p.phase == "idle" for p in topo.participants)
     assert await client.discover(spec_of(inst)) == list(topo.participants)
 
 
@@ -218,7 +224,7 @@ async def test_c37_export_restore_is_an_alias_of_exported(start_gym: StartGym, c
 # --- 38 ------------------------------------------------------------------------------------------
 
 
-async def test_c38_restart_only_policy_after_discovery(start_gym: StartGym, client: GymControlClient) -> None:
+async def test_c38_restart_only_policy_after_discovery(start_gym: StartGym, client: GymControlClient, gym_profile: str) -> None:
     a = start_gym(instance_id="math/replica-0", resources_mode="restart_only")
     b = start_gym(server_config(default_instance_config("math/replica-1"), "workplace_agent", mode="restart_only"))
     live = await client.discover_all([spec_of(a), spec_of(b)])
@@ -226,10 +232,16 @@ async def test_c38_restart_only_policy_after_discovery(start_gym: StartGym, clie
     with pytest.raises(GymControlError) as info:
         client.check_restart_only(by_instance, "turn", False)
     assert info.value.failure_class is FailureClass.CONFIG_ERROR
-    assert info.value.server_names() == {"math/replica-0": ["calendar_resources"], "math/replica-1": ["workplace_agent"]}
+    # A published agent reports no mode (section 13 P3), so only its restarts at each prepare
+    # tell that it cannot continue; discovery can flag the resources server alone.
+    flagged = {"math/replica-0": ["calendar_resources"]}
+    if gym_profile == "strict":
+        flagged["math/replica-1"] = ["workplace_agent"]
+    assert info.value.server_names() == flagged
     warnings = check_restart_only(by_instance, "turn", True)
     assert len(warnings) == 1
-    assert "math/replica-0/calendar_resources" in warnings[0] and "math/replica-1/workplace_agent" in warnings[0]
+    assert "math/replica-0/calendar_resources" in warnings[0]
+    assert ("math/replica-1/workplace_agent" in warnings[0]) == (gym_profile == "strict")
 
 
 async def test_c38_flag_without_restart_only_warns_no_effect(start_gym: StartGym, client: GymControlClient) -> None:
@@ -240,14 +252,16 @@ async def test_c38_flag_without_restart_only_warns_no_effect(start_gym: StartGym
 
 
 async def test_c38_status_without_mode_is_not_flagged_and_warns(
-    start_gym: StartGym, client: GymControlClient, caplog: pytest.LogCaptureFixture
+    start_gym: StartGym, client: GymControlClient, caplog: pytest.LogCaptureFixture, gym_profile: str
 ) -> None:
-    inst = start_gym(resources_mode=None)
+    # Strict: a resources server of an older Gym reports no mode. Published: resources always report
+    # one (restart_only by default), and the policy model never does (section 13 P3).
+    silent = "calendar_resources" if gym_profile == "strict" else "policy_model"
+    inst = start_gym(resources_mode=None if gym_profile == "strict" else "exported")
     with caplog.at_level(logging.WARNING, logger="checkpoint_coordinator.gym"):
         topo = await client.discover_instance(spec_of(inst))
-    resources = topo.by_name()["calendar_resources"]
-    assert resources.mode is None
-    assert any("calendar_resources" in w and "no checkpoint mode" in w for w in topo.warnings)
+    assert topo.by_name()[silent].mode is None
+    assert any(silent in w and "no checkpoint mode" in w for w in topo.warnings)
     assert any("no checkpoint mode" in r.getMessage() for r in caplog.records)
     # Not restart-only: the strict policy accepts it.
     assert check_restart_only({inst.instance_id: topo.participants}, "turn", False) == []

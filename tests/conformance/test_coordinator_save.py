@@ -544,12 +544,22 @@ async def test_c45_agent_and_resources_exports_outside_the_scope_are_counted_not
     assert all("/r2/" not in k for k in result.manifest["instances"][inst.instance_id]["staging_keys"])
 
 
-async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym, client: GymControlClient, tmp_path: Any) -> None:
+async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym, client: GymControlClient, tmp_path: Any, gym_profile: str) -> None:
     inst = start_gym()
     await asyncio.to_thread(inst.admin, "POST", "/admin/agent/workplace_agent/native_sessions", {"rollout_id": "native-1", "attempt": 0})
+    await asyncio.to_thread(inst.admin, "POST", "/admin/agent/workplace_agent/native_sessions", {"rollout_id": "native-2", "attempt": 0})
     topo = await topology(client, inst)
     save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("native-1", 0)]},
                    drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    if gym_profile == "published":
+        # Without run_episode_ids every agent session counts as a /run session (environment
+        # participants are refused at discovery): one in the scope is saved, one outside it is
+        # no candidate at all, so it is left out and counted (section 13 P1, P2).
+        result = await save.run()
+        ic = result.commit.instances[inst.instance_id]
+        assert ic.episodes == (Episode("native-1", 0),)
+        assert ic.outside_scope == {"agent": 1} and ic.stranded == 1
+        return
     with pytest.raises(GymControlError) as info:
         await save.run()
     assert info.value.failure_class is FailureClass.PROTOCOL_ERROR
@@ -808,17 +818,64 @@ async def test_c50_abort_by_caller_resumes_at_once(
 # --- 51 ------------------------------------------------------------------------------------------
 
 
+def _stop_config(accepts: bool, instance_id: str = "math/replica-0") -> dict[str, Any]:
+    config = default_instance_config(instance_id, turn_seconds=0.3)
+    for server in PARTICIPANTS:
+        config = server_config(config, server, accepts_stop=accepts)
+    return config
+
+
 async def test_c51_stop_commit_carries_stop_and_sends_no_resume(
     start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
-    inst = start_gym()
+    """Item 51, for participants that accept ``stop`` (section 13: one published branch does)."""
+    inst = start_gym(_stop_config(True))
     topo = await topology(client, inst)
     result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                            capture_hook=nothing_hook, drain_timeout_s=5, stop=True).run()
     assert [c.body["stop"] for c in recorder.ops("commit")] == [True, True, True]
     assert recorder.ops("resume") == []
     assert result.resume is None
+    assert result.commit.stop_honoured is True
+    assert result.commit.instances[inst.instance_id].figures()["stop_supported"] is True
     assert {s["phase"] for n, s in (await state(inst))["servers"].items() if n in PARTICIPANTS} == {"committed"}
+    # The coordinator no longer drives it (the leases reopen Gym): a new prepare finds an orphan
+    # of its own, resumes it and says try again, never a conflict with itself.
+    with pytest.raises(GymControlError) as info:
+        await client.prepare(client.new_checkpoint_id("51b"), topo)
+    assert info.value.failure_class is FailureClass.UNAVAILABLE
+    assert_all_idle(inst)
+
+
+async def test_p4_a_participant_refusing_stop_gets_the_commit_again_without_it(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    """Section 13 P4: a Gym that predates ``stop`` answers 422 naming it. The same commit goes
+    again without it, once, to that participant; the snapshot is kept, the instance resumed, and
+    the result says the stop was not honoured."""
+    refusing = start_gym(_stop_config(False))
+    accepting = start_gym(_stop_config(True, "math/replica-1"))
+    rows.start(refusing, "r1")
+    await wait_running(refusing, ["r1"])
+    topo = await topology(client, refusing, accepting)
+    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={refusing.instance_id: [Episode("r1", 0)]},
+                           drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5, stop=True).run()
+    commits = [c for c in recorder.ops("commit") if c.url.startswith(refusing.base_url)]
+    for server in PARTICIPANTS:
+        mine = [c for c in commits if server_of(c) == server]
+        # First with stop (refused 422), then the same commit without it.
+        assert [("stop" in c.body, c.status) for c in mine] == [(True, 422), (False, 200)], (server, mine)
+        assert mine[0].body["episode_ids"] == mine[1].body["episode_ids"]
+    assert all(c.body.get("stop") is True for c in recorder.ops("commit") if c.url.startswith(accepting.base_url))
+    ic = result.commit.instances[refusing.instance_id]
+    assert ic.stop_supported is False and ic.episodes == (Episode("r1", 0),)
+    assert result.commit.instances[accepting.instance_id].stop_supported is True
+    assert result.commit.stop_honoured is False
+    assert any("stop not honoured" in w for w in result.warnings)
+    # The refusing instance is resumed as usual, the accepting one stays parked.
+    assert {server_of(c) for c in recorder.ops("resume") if c.url.startswith(refusing.base_url)} == set(PARTICIPANTS)
+    assert not [c for c in recorder.ops("resume") if c.url.startswith(accepting.base_url)]
+    assert_all_idle(refusing)
 
 
 # --- 52 ------------------------------------------------------------------------------------------

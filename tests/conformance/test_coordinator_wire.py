@@ -127,11 +127,13 @@ async def test_c62_codes_recognised_in_both_spellings(
         iid: {"episodes": [], "restarts": [], "staging_keys": [], "participants": sorted(PARTICIPANTS)}}}
     err = await expect("invalid_checkpoint_state", client.restore(manifest, topo, str(tmp_path / "empty")))
     assert err.extra["rollouts_to_restart"] == {iid: []}
-    # checkpoint_error (409): restore into a participant that is not fresh.
+    # checkpoint_error (409): restore into a participant that is not fresh, from a valid
+    # directory (published Gym reads the directory before it checks freshness).
+    saved = await GymSave(client, topo, snapshot_dir=str(tmp_path / "valid"), candidates={},
+                          drain_hook=nothing, capture_hook=nothing, drain_timeout_s=5).run()
     async with httpx.AsyncClient(timeout=10) as h:
         await h.post(inst.servers["policy_model"] + "/ng-rollout/warm/v1/chat/completions", json={"model": "p", "messages": [], "turn": 0})
-    # (The other participants, still fresh, refuse the empty directory as before.)
-    await expect("checkpoint_error", client.restore(manifest, topo, str(tmp_path / "empty")), "policy_model")
+    await expect("checkpoint_error", client.restore(dict(saved.manifest), topo, str(tmp_path / "valid")), "policy_model")
     # unauthorized: a wrong token on a control call.
     bad = {iid: InstanceTopology(InstanceSpec(iid, "wrong", inst.servers), topo[iid].participants)}
     await expect("unauthorized", client.resume("snap-y-00000001", bad))

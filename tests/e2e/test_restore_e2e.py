@@ -45,7 +45,9 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
             agent_target_level_overrides={"sib_agent": "sibling"},
         )
         reg = await api.post("/gym-instances", _registration(*gyms.values()))
-        assert reg["warnings"] == [] and all(len(i["participants"]) == 3 for i in reg["instances"])
+        # Published Gym: the model and the agent report no mode (protocol section 13 P3).
+        assert all("reports no checkpoint mode" in w for w in reg["warnings"])
+        assert all(len(i["participants"]) == 3 for i in reg["instances"])
 
         # Live traffic: per instance, one short turn-level group that finishes before the snapshot
         # and long ones that are mid-way when it is taken, plus a sibling-level group.

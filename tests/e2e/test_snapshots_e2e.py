@@ -158,7 +158,9 @@ async def test_not_ready_fails_with_blockers_and_resumes(client, admin, app, gym
     gyms["math/replica-0"].admin("POST", "/admin/servers/policy_model/knobs", {"workers": 2, "unreported_workers": 1})
     snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
     assert (snap["outcome"], snap["reason"]) == ("failed", "gym_not_ready"), snap
-    assert "model-workers-unreported:1" in str(snap["detail"])
+    # Published Gym names the policy model's workers "policy-"; strict Gym uses the kind.
+    token = "policy" if gyms["math/replica-0"].config.gym_profile == "published" else "model"
+    assert f"{token}-workers-unreported:1" in str(snap["detail"])
     # agents and resources of that instance never received prepare
     st = gyms["math/replica-0"].state()["servers"]
     assert st["workplace_agent"]["prepare_calls"] == 0 and st["calendar_resources"]["prepare_calls"] == 0

@@ -24,8 +24,18 @@ def gym() -> Iterator[GymsimInstance]:
     g.stop()
 
 
+# Published Gym reports a mode for resources only (protocol section 13 P3): each of its model and
+# agent servers earns this warning, once, at registration.
+NO_MODE = "reports no checkpoint mode"
+
+
+def _policy_warnings(answer: dict[str, Any]) -> list[str]:
+    return [w for w in answer["warnings"] if NO_MODE not in w]
+
+
 def _restart_only(server: str, mode: str = "restart_only") -> GymsimInstance:
-    config = server_config(default_instance_config(INSTANCE, token="tok-ro"), server, mode=mode)
+    # Strict Gym: a published agent reports no mode, so only its restarts would tell.
+    config = server_config(default_instance_config(INSTANCE, token="tok-ro", gym_profile="strict"), server, mode=mode)
     return GymsimInstance.start(config)
 
 
@@ -43,7 +53,10 @@ async def test_registration_discovers_participants_and_never_returns_the_token(c
         "server_name": "calendar_resources", "base_url": gym.servers["calendar_resources"], "kind": "resources",
         "participant_name": "calendar_resources", "mode": "exported", "stage": 3, "phase": "idle", "restart_only": False,
     }
-    assert ans["warnings"] == [] and ans["restart_only_servers"] == []
+    assert ans["restart_only_servers"] == []
+    silent = [] if gym.config.gym_profile == "strict" else ["policy_model", "workplace_agent"]
+    assert sorted(w.split()[0] for w in ans["warnings"]) == sorted(f"{INSTANCE}/{s}" for s in silent)
+    assert all(NO_MODE in w for w in ans["warnings"])
     assert ans["gym_settings"]["checkpoint"] == {"lease_grace_seconds": 20.0}
     assert "control_auth_token" in ans["gym_settings"]["excluded"]
     listed = await api.get("/gym-instances")
@@ -107,7 +120,7 @@ async def test_restart_only_server_refused_under_turn_naming_it(client, admin, a
 async def test_flag_without_restart_only_servers_warns_it_has_no_effect(client, admin, gym) -> None:  # type: ignore[no-untyped-def]
     api = await new_run(client, admin, target_level="turn", allow_restart_only_gym_servers=True)
     ans = await register(api, gym)
-    assert len(ans["warnings"]) == 1 and "no effect" in ans["warnings"][0]
+    assert len(_policy_warnings(ans)) == 1 and "no effect" in _policy_warnings(ans)[0]
     # The flag below turn is refused by the config rules already.
     r = await client.post(
         "/v1/runs", json={"run_id": "r2", "checkpoint_root": "/tmp/x", "recovery": {"target_level": "sibling", "allow_restart_only_gym_servers": True}}, headers=admin
@@ -128,8 +141,9 @@ async def test_restart_only_on_another_instance_counts(client, admin, app, gym) 
         other.stop()
 
 
-async def test_mode_missing_is_not_restart_only_and_warns(client, admin) -> None:  # type: ignore[no-untyped-def]
-    gym = GymsimInstance.start(server_config(default_instance_config(INSTANCE, token="tok-old"), "calendar_resources", mode=None))
+async def test_mode_missing_is_not_restart_only_and_warns(client, admin, caplog) -> None:  # type: ignore[no-untyped-def]
+    # A strict Gym from before modes were reported (published Gym gives resources a default).
+    gym = GymsimInstance.start(server_config(default_instance_config(INSTANCE, token="tok-old", gym_profile="strict"), "calendar_resources", mode=None))
     try:
         api = await new_run(client, admin, target_level="turn")
         ans = await register(api, gym)
@@ -137,6 +151,9 @@ async def test_mode_missing_is_not_restart_only_and_warns(client, admin) -> None
         assert any("no checkpoint mode" in w for w in ans["warnings"])
         parts = {p["server_name"]: p for p in ans["instances"][0]["participants"]}
         assert parts["calendar_resources"]["mode"] is None
+        # Logged once, by the registration; not by every discovery.
+        logged = [r for r in caplog.records if NO_MODE in r.getMessage()]
+        assert len(logged) == 1, [r.getMessage() for r in logged]
     finally:
         gym.stop()
 

@@ -108,11 +108,17 @@ async def test_restore_continues_exported_episodes_on_their_instance(client, adm
         cont = [r for r in ans["rows"] if r["disposition"] == "continued"]
         assert {r["rollout_id"] for r in cont} == saved
         assert all(r["gym_attempt"] == 1 and r["instance_id"] == iid and r["capture_key"] == r["rollout_id"] + "-a1" for r in cont)
-        # Gym holds the N+1 state unclaimed, marks N, and was resumed.
+        # Gym holds the N+1 state unclaimed and was resumed; strict Gym also marks N, published Gym
+        # does not (protocol section 13 P5): its restored binding refuses N while it waits.
         agent = await asyncio.to_thread(gym.state, "workplace_agent")
         assert agent["phase"] == "idle" and agent["admission_open"] is True
         assert set(agent["unclaimed"]) == {r["capture_key"] for r in cont}
-        assert agent["marks"] == {r: 0 for r in saved}
+        assert agent["marks"] == ({r: 0 for r in saved} if gym.config.gym_profile == "strict" else {})
+        # With no mark to rely on, the ledger is what refuses a late seal of the saved attempt N.
+        late = await scene.api.post(
+            "/attempts/sealed", {"rows": [{"rollout_id": cont[0]["rollout_id"], "receipt": {"rollout_id": cont[0]["rollout_id"]}}]}, 409
+        )
+        assert late["rows"][0]["code"] == "receipt_mismatch", late
         # The ledger: Gym-owned reserved continuations on their instance.
         live = {x["rollout_id"]: x for x in await fetch(scene.engine, "SELECT * FROM attempts WHERE run_id = :r AND is_current", r=scene.api.run_id)}
         for r in cont:
