@@ -18,6 +18,8 @@ from sqlalchemy.engine import make_url
 
 from checkpoint_coordinator.ledger.db import ensure_runtime_dir  # noqa: E402
 
+from .ci_policy import pytest_runtest_makereport  # noqa: F401 - a hook: missing tools fail in CI
+
 ensure_runtime_dir()
 
 ADMIN_TOKEN = "test-admin-token-0123456789"

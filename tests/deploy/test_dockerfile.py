@@ -1,9 +1,10 @@
 """The Dockerfile, read as instructions (no Docker engine is needed).
 
-Checks the properties the deployment relies on: a slim final stage without
-compilers, a non-root user matching the pods' runAsUser, the entrypoint and
-default command, a stdlib HEALTHCHECK on /healthz, and a build context that
-holds everything the builder copies.
+Checks the properties the deployment relies on: a base image given as a build
+argument (python:3.11-slim by default), a final stage without compilers or pip,
+a non-root user matching the pods' runAsUser, the entrypoint and default
+command, a stdlib HEALTHCHECK on /healthz, and a build context that holds
+everything the builder copies. tests/image builds and runs it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class Stage:
         return [i for i in self.instructions if i.keyword == keyword]
 
 
-def parse(text: str) -> list[Stage]:
+def instructions_of(text: str) -> list[Instruction]:
     instructions: list[Instruction] = []
     buffer, start = "", 0
     for number, raw in enumerate(text.splitlines(), 1):
@@ -58,8 +59,24 @@ def parse(text: str) -> list[Stage]:
         instructions.append(Instruction(keyword.upper(), args.strip(), start))
         buffer = ""
     assert not buffer, "dangling line continuation"
+    return instructions
+
+
+def global_args(text: str) -> dict[str, str | None]:
+    """The ARGs declared before the first FROM (the only ones FROM can use), with their defaults."""
+    args: dict[str, str | None] = {}
+    for instruction in instructions_of(text):
+        if instruction.keyword == "FROM":
+            break
+        if instruction.keyword == "ARG":
+            name, eq, default = instruction.args.partition("=")
+            args[name.strip()] = default.strip() if eq else None
+    return args
+
+
+def parse(text: str) -> list[Stage]:
     stages: list[Stage] = []
-    for instruction in instructions:
+    for instruction in instructions_of(text):
         if instruction.keyword == "FROM":
             parts = instruction.args.split()
             name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
@@ -88,10 +105,26 @@ def stages() -> list[Stage]:
 def test_multi_stage_with_slim_final(stages: list[Stage]) -> None:
     assert len(stages) >= 2
     builder, final = stages[0], stages[-1]
-    assert final.base == "python:3.11-slim"
-    assert any("pip wheel" in r.args for r in builder.all("RUN")), "the builder builds wheels"
+    assert global_args(DOCKERFILE.read_text())["BASE_IMAGE"] == "python:3.11-slim", "the default base"
+    assert final.base == "${BASE_IMAGE}"
+    runs = " ".join(r.args for r in builder.all("RUN"))
+    assert "pip wheel" in runs, "the builder builds wheels"
+    assert re.search(r"pip install --no-index --find-links /wheels checkpoint-coordinator", runs), \
+        "the builder installs only the wheels it built"
     copies = [c.args for c in final.all("COPY")]
-    assert any(c.startswith(f"--from={builder.name}") for c in copies), "the final stage takes the builder's wheels"
+    assert any(c.startswith(f"--from={builder.name}") for c in copies), "the final stage takes the builder's install"
+
+
+def test_base_image_is_a_build_argument_of_every_stage(stages: list[Stage]) -> None:
+    # The builder's venv is copied as is into the final stage: both must have the same Python.
+    assert "BASE_IMAGE" in global_args(DOCKERFILE.read_text()), "ARG BASE_IMAGE before the first FROM"
+    assert {s.base for s in stages} == {"${BASE_IMAGE}"}
+
+
+def test_global_args_reader() -> None:
+    text = "ARG A=x:1\nARG B\nFROM ${A} AS s\nARG C=2\n"
+    assert global_args(text) == {"A": "x:1", "B": None}
+    assert parse(text)[0].base == "${A}"
 
 
 def test_final_stage_installs_no_build_tools(stages: list[Stage]) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_deploy_readme import image_build_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +47,7 @@ def test_readme_names_match_rendered_manifests() -> None:
     assert secret in refs, f"README creates secret {secret}, manifests use {refs}"
     keys = set(re.findall(r"--from-literal=(\w+)=", cmds))
     assert {"CKPTC_ADMIN_TOKEN", "CKPTC_DATABASE_URL"} <= keys
+
+
+def test_section_says_how_to_build_the_image() -> None:
+    assert image_build_problems(_section()) == []
