@@ -322,10 +322,6 @@ def run_drilldown() -> dict[str, Any]:
               [Target(f"sum by (op, kind) ({control_errors}) / clamp_min(sum by (op, kind) ({control_all}), 1e-9)",
                       "{{op}} {{kind}}")],
               unit="percentunit", width=24),
-        Panel("Episodes exported outside a commit's scope", "Accepted and left out of the snapshot: published Gym's "
-              "agents and resources servers export every live session, by exporter kind.",
-              [Target(f"sum by (kind) (increase(ckptc_gym_exported_outside_scope_total{{{SEL}}}[{w}]))", "{{kind}}")],
-              width=24),
     ]
     return _dashboard(
         "ckptc-run",
