@@ -138,3 +138,13 @@ def test_restore_plan_quick(tmp_path: Path) -> None:
 def test_restore_plan_without_gym_state_quick(tmp_path: Path) -> None:
     out = _run("restore_plan.py", tmp_path, "--quick", "--without-gym-state")
     assert re.search(r"without Gym state, 40,000 siblings: execute_restore [\d.]+s .* 15,330 rows to send, 3,998 retires queued", out), out
+
+
+def test_gym_control_round_measures_both_profiles(tmp_path: Path) -> None:
+    out = _run("gym_control_round.py", tmp_path, "--rounds", "3")
+    import json
+
+    figures = json.loads(out)
+    assert set(figures["profiles"]) == {"published", "strict"}
+    for profile in figures["profiles"].values():
+        assert profile["participants"] == 8 and profile["replay"]["client_own_cpu_ms_per_round"] is not None

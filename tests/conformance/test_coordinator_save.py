@@ -1007,3 +1007,34 @@ async def test_c46_a_model_without_staging_keys_by_episode_keeps_all_of_its_keys
     result = await save.run()
     assert seen["keys"], "the model held staging keys for r1"
     assert result.manifest["instances"][inst.instance_id]["staging_keys"] == sorted(seen["keys"])
+
+
+async def test_c44_a_candidate_that_became_a_restart_after_prepare_is_moved_out_of_the_scope(
+    start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, gym_profile: str
+) -> None:
+    """Published restart-only agents never park and recompute their restarts at commit: a /run
+    that reached the agent after prepare is a restart the prepare replies did not name. The
+    agent refuses the commit (`restart_in_scope`); the coordinator re-reads its restarts, moves
+    that episode out of the scope and commits the agent again, once."""
+    if gym_profile == "strict":
+        pytest.skip("strict Gym decides restarts at prepare, and its parked agents admit no new /run")
+    inst = start_gym(server_config(default_instance_config(turn_seconds=0.3), "workplace_agent", mode="restart_only"))
+    rows.start(inst, "r1")
+    await wait_running(inst, ["r1"])
+    topo = await topology(client, inst)
+    cid = client.new_checkpoint_id("44g")
+    prepared = await client.prepare(cid, topo)
+    assert prepared.restarts[inst.instance_id] == frozenset({Episode("r1", 0)})
+    rows.start(inst, "r2")  # dispatched before the gate closed, arrived after prepare
+    async with asyncio.timeout(5):  # admitted; its model call waits for the resume
+        while "r2" not in (await state(inst, "workplace_agent"))["episodes"]:
+            await asyncio.sleep(0.02)
+    directory = instance_checkpoint_dir(str(tmp_path), inst.instance_id)
+    result = await client.commit(cid, topo, {inst.instance_id: directory}, {inst.instance_id: [Episode("r2", 0)]},
+                                 restarts={inst.instance_id: [Episode("r1", 0)]})
+    ic = result.instances[inst.instance_id]
+    assert ic.scope == () and set(ic.restarts) == {Episode("r1", 0), Episode("r2", 0)} and ic.pending == ()
+    agent_commits = [c for c in recorder.ops("commit") if server_of(c) == "workplace_agent"]
+    assert [(len(c.body["episode_ids"]), c.status) for c in agent_commits] == [(1, 409), (0, 200)]
+    await client.resume(cid, topo)
+    assert_all_idle(inst)

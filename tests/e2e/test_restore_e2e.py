@@ -22,8 +22,8 @@ TURNS = 12
 IDS = ("math/replica-0", "math/replica-1")
 
 
-def _start(iid: str) -> GymsimInstance:
-    config = default_instance_config(iid, token=f"tok-{iid[-1]}", turn_seconds=0.1, lease_grace_seconds=10)
+def _start(iid: str, profile: str) -> GymsimInstance:
+    config = default_instance_config(iid, token=f"tok-{iid[-1]}", turn_seconds=0.1, lease_grace_seconds=10, gym_profile=profile)
     return GymsimInstance.start(config, subprocess=True)
 
 
@@ -35,8 +35,9 @@ async def _state(g: GymsimInstance, path: str = "/state") -> dict[str, Any]:
     return await asyncio.to_thread(g.admin, "GET", path)
 
 
-async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    gyms = {iid: _start(iid) for iid in IDS}
+@pytest.mark.parametrize("profile", ["published", "strict"])
+async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path: Path, profile: str) -> None:  # type: ignore[no-untyped-def]
+    gyms = {iid: _start(iid, profile) for iid in IDS}
     fresh: dict[str, GymsimInstance] = {}
     trainer: Trainer | None = None
     try:
@@ -47,6 +48,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
         reg = await api.post("/gym-instances", _registration(*gyms.values()))
         # Published Gym: the model and the agent report no mode (protocol section 13 P3).
         assert all("reports no checkpoint mode" in w for w in reg["warnings"])
+        assert len(reg["warnings"]) == (4 if profile == "published" else 0)
         assert all(len(i["participants"]) == 3 for i in reg["instances"])
 
         # Live traffic: per instance, one short turn-level group that finishes before the snapshot
@@ -86,7 +88,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
         await trainer.http.aclose()
         trainer = None
         await asyncio.to_thread(gyms["math/replica-0"].kill)
-        fresh["math/replica-0"] = _start("math/replica-0")
+        fresh["math/replica-0"] = _start("math/replica-0", profile)
         assert fresh["math/replica-0"].servers != gyms["math/replica-0"].servers  # a new port
         await api.post("/gym-instances", _registration(fresh["math/replica-0"]))
 
@@ -98,7 +100,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
 
         # The operator restarts replica-1 as well; the restore goes through.
         await asyncio.to_thread(gyms["math/replica-1"].kill)
-        fresh["math/replica-1"] = _start("math/replica-1")
+        fresh["math/replica-1"] = _start("math/replica-1", profile)
         await api.post("/gym-instances", _registration(fresh["math/replica-1"]))
         plan = await api.get("/restore-plan?step=0")
         ans = await api.post("/restores", {"restore_id": "r2", "step": 0})

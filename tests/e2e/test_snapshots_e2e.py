@@ -218,3 +218,58 @@ async def test_no_snapshot_while_a_restore_runs(client, admin, app, gyms) -> Non
         )
     r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
     assert r.status_code == 409 and r.json()["code"] == "restore_in_progress" and r.json()["restore_id"] == "r1"
+
+
+LEVELS = {
+    "turn": {"target_level": "turn"},
+    "sibling": {"target_level": "sibling"},
+    "prompt_group": {"target_level": "prompt_group"},
+    # turn level, with one task source's groups recovered at sibling level
+    "mixed": {"target_level": "turn", "task_source_target_level_overrides": {"coarse": "sibling"}},
+}
+
+
+@pytest.mark.parametrize("profile", ["published", "strict"])
+@pytest.mark.parametrize("level", list(LEVELS))
+async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(client, admin, app, tmp_path: Path, level: str, profile: str) -> None:  # type: ignore[no-untyped-def]
+    """Protocol section 13: against Gym as published (agents and resources export every live
+    session whatever the scope, no run_episode_ids) as against strict Gym."""
+    gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05, gym_profile=profile))
+    try:
+        iid = gym.instance_id
+        api = await new_run(client, admin, drain_timeout_s=20, data_plane_timeout_s=20, **LEVELS[level])
+        await register_by_discovery(app.state.engine, "run-1", [gym])
+        trainer = Trainer(api, {iid: gym}, turns=10)
+        groups = [group_body(f"g{k}", 2) for k in range(3)]
+        if level == "mixed":
+            groups += [group_body(f"c{k}", 2, task_source="coarse") for k in range(2)]
+        await trainer.admit_and_dispatch(groups, iid)
+        await asyncio.sleep(0.15)  # mid-way through their turns
+        snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+        await trainer.wait_idle()
+        assert (snap["outcome"], snap["reason"]) == ("published", "ok"), snap
+        full = await api.get("/snapshots/s1?manifest=true")
+        saved = {e["rollout_id"] for e in full["gym_manifest"]["instances"][iid]["episodes"]}
+        figures = full["detail"]["gym"][iid]
+        async with app.state.engine.connect() as conn:
+            from sqlalchemy import text
+
+            levels = dict((await conn.execute(text(
+                "SELECT a.rollout_id, g.restore_level FROM snapshot_attempts a JOIN snapshot_groups g USING (run_id, snapshot_id, group_id) "
+                "WHERE a.snapshot_id = 's1'"))).all())
+        # Only turn-level rows are ever saved from Gym state; what Gym exported beyond the scope
+        # (every other live session, on published Gym) is counted, not kept.
+        assert all(levels[r] == "turn" for r in saved), (saved, levels)
+        if level in ("turn", "mixed"):
+            assert saved, full["gym_manifest"]
+        else:
+            assert saved == set()
+        outside = figures["exported_outside_scope"]
+        coarse_in_flight = level in ("sibling", "prompt_group", "mixed")
+        assert (outside > 0) == (profile == "published" and coarse_in_flight), figures
+        counts = await api.get("/counts")
+        assert counts["live_attempts"] == {"sealed": 2 * len(groups)}
+        assert all(s["phase"] == "idle" for s in gym.state()["servers"].values() if s.get("participant"))
+        await trainer.aclose()
+    finally:
+        gym.stop()

