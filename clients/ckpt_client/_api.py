@@ -14,6 +14,10 @@ from urllib.parse import quote
 from ._core import Enter, Exit, Flow, Invoke, Now, RequestSpec, RetryPolicy, Sleep, call
 from .errors import Conflict, CoordinatorError, GateClosed, SnapshotFailed, SnapshotNotAwaiting, SnapshotTimeout
 from .helpers import batched, new_id
+
+#: Why a trainer gives a snapshot up: its data-plane capture failed (the snapshot ends failed),
+#: it cancels it, or it is a new incarnation taking over from the one that asked for it.
+ABORT_REASONS = ("data_plane_failed", "cancelled", "superseded")
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -238,6 +242,30 @@ class Api:
         doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots")))
         items = doc.get("snapshots", doc.get("items", [])) if isinstance(doc, Mapping) else doc
         return [Snapshot.parse(s) for s in (items if isinstance(items, list) else [])]
+
+    def abort_snapshot(self, snapshot_id: str, reason: str, detail: str | None, wait: bool, timeout: float, poll_interval: float) -> Flow[Snapshot]:
+        """Give up a snapshot that has not had its capture reported; with ``wait``, until it has
+        ended (its owner resumes Gym and reopens the gate first). A snapshot whose capture was
+        already reported publishes instead; that is waited for too."""
+        if reason not in ABORT_REASONS:
+            raise ValueError(f"reason must be one of {', '.join(ABORT_REASONS)}, not {reason!r}")
+        if timeout <= 0 or poll_interval <= 0:
+            raise ValueError("timeout and poll_interval must be > 0")
+        body: dict[str, Any] = {"reason": reason}
+        if detail is not None:
+            body["detail"] = detail
+        deadline = (yield Now()) + timeout
+        try:
+            snap = Snapshot.parse((yield from self._call(RequestSpec("POST", self._run_path(f"/snapshots/{_seg(snapshot_id)}/abort"), body))))
+        except SnapshotNotAwaiting:
+            snap = yield from self.get_snapshot(snapshot_id)
+        while wait and not snap.terminal:
+            remaining = deadline - (yield Now())
+            if remaining <= 0:
+                raise SnapshotTimeout(f"snapshot {snapshot_id} not ended {timeout:.0f}s after its abort (in phase {snap.phase})", snap)
+            yield Sleep(min(poll_interval, remaining))
+            snap = yield from self.get_snapshot(snapshot_id)
+        return snap
 
     def snapshot_barrier(self, snapshot_id: str) -> Flow[BarrierResult]:
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/barrier")

@@ -244,6 +244,19 @@ class AsyncCoordinatorClient:
     async def list_snapshots(self) -> list[Snapshot]:
         return await self._drive(self._api.list_snapshots())
 
+    async def abort_snapshot(
+        self,
+        snapshot_id: str,
+        reason: str = "superseded",
+        *,
+        detail: str | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+        poll_interval: float = 0.2,
+    ) -> Snapshot:
+        """:meth:`CoordinatorClient.abort_snapshot`, awaited."""
+        return await self._drive(self._api.abort_snapshot(snapshot_id, reason, detail, wait, timeout, poll_interval))
+
     async def snapshot_barrier(self, snapshot_id: str) -> BarrierResult:
         return await self._drive(self._api.snapshot_barrier(snapshot_id))
 

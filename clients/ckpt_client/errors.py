@@ -258,6 +258,7 @@ class SnapshotFailed(CoordinatorError):
             "coordinator_restart",
             "superseded",
             "cancelled",
+            "restored",
         }
     )
 

@@ -259,6 +259,23 @@ class CoordinatorClient:
     def list_snapshots(self) -> list[Snapshot]:
         return self._drive(self._api.list_snapshots())
 
+    def abort_snapshot(
+        self,
+        snapshot_id: str,
+        reason: str = "superseded",
+        *,
+        detail: str | None = None,
+        wait: bool = True,
+        timeout: float = 120.0,
+        poll_interval: float = 0.2,
+    ) -> Snapshot:
+        """Abort a snapshot that has not had its capture reported: Gym is resumed, the gate
+        reopens, the previous published snapshot stays authoritative. ``reason``:
+        ``superseded`` (a new trainer incarnation takes over; the default), ``cancelled`` or
+        ``data_plane_failed``. With ``wait`` (the default) returns once it has ended; raises
+        :class:`SnapshotTimeout` after ``timeout`` seconds."""
+        return self._drive(self._api.abort_snapshot(snapshot_id, reason, detail, wait, timeout, poll_interval))
+
     def snapshot_barrier(self, snapshot_id: str) -> BarrierResult:
         return self._drive(self._api.snapshot_barrier(snapshot_id))
 

@@ -168,6 +168,9 @@ async def test_failed_restore_on_one_instance_turns_every_continuation_into_a_re
         ans = await scene.api.post("/restores", {"restore_id": "r1"})
         assert ans["state"] == "applied" and ans["gym"]["installed"] is False and ans["gym"]["continuations_retired"] is True
         assert "math/replica-1" in ans["gym"]["failure"]["instances"]
+        # The cleanup's resume was sent, and the answer says how it went.
+        assert ans["gym"]["resume"] == {"ok": True, "failure": None}
+        assert (await scene.api.get("/restores/r1"))["answer"]["gym"]["resume"] == {"ok": True, "failure": None}
         assert ans["counts"] == {"reused": 2, "continued": 0, "restarted": 4, "gym_restarted": 0, "rerun": 4, "dispatch": 0}
         restarted = {r["replaces_rollout_id"]: r for r in ans["rows"] if r["disposition"] == "restarted"}
         assert set(restarted) == saved["math/replica-0"] | saved["math/replica-1"]

@@ -80,8 +80,17 @@ async def create_restore(body: RestoreIn, request: Request, caller: Caller = Dep
     ``restore_id`` (a repeat answers the same); the same id with another body is
     ``409 restore_conflict``."""
     req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state)
+    app = request.app
+    runner = getattr(app.state, "snapshots", None)
     return await service.execute_restore(
-        request.app.state.engine, str(caller.run_id), req, transport=getattr(request.app.state, "gym_transport", None)
+        app.state.engine,
+        str(caller.run_id),
+        req,
+        transport=getattr(app.state, "gym_transport", None),
+        abort_local=runner.abort_local if runner is not None else None,
+        # A snapshot of the discarded lineage is aborted first; a dead owner's lease must
+        # expire before another replica may end it.
+        snapshot_wait_s=2 * app.state.settings.ownership_lease_s,
     )
 
 

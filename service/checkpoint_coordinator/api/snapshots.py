@@ -34,8 +34,10 @@ class CapturedIn(Strict):
 
 
 class AbortIn(Strict):
-    reason: Literal["data_plane_failed", "cancelled"] = Field(
-        description="data_plane_failed: the trainer could not save its data plane (outcome failed); cancelled: outcome aborted."
+    reason: Literal["data_plane_failed", "cancelled", "superseded"] = Field(
+        description="data_plane_failed: the trainer could not save its data plane (outcome failed); cancelled: the trainer "
+        "or an operator gives it up (aborted); superseded: a new trainer incarnation takes over from the one that "
+        "requested it (aborted)."
     )
     detail: str | None = Field(default=None, max_length=4096)
 
@@ -116,6 +118,16 @@ async def abort_snapshot(body: AbortIn, request: Request, snapshot_id: str = Sna
     row = await repo.request_abort(request.app.state.engine, caller.run_id, snapshot_id, body.reason, body.detail)
     request.app.state.snapshots.abort_local(caller.run_id, [snapshot_id], body.reason)
     return row.public()
+
+
+@router.get("/train-steps", operation_id="list_train_steps")
+async def list_train_steps(
+    request: Request,
+    include_retired: bool = Query(False, description="also the announces a restore retired (their lineage was discarded)"),
+    caller: Caller = Depends(require_run_access),
+) -> dict[str, Any]:
+    """The run's announced train steps, oldest first."""
+    return {"train_steps": await repo.list_train_steps(request.app.state.engine, caller.run_id, include_retired=include_retired)}
 
 
 @router.post("/train-steps", operation_id="announce_train_step")

@@ -968,6 +968,7 @@ class GymControlClient:
                 restore_id=restore_id,
                 rollouts_to_restart=everything,
                 unretired=cleanup.unretired(),
+                resume=cleanup.resume.summary(),
             )
             error.resume_failure = cleanup.failure
             raise error

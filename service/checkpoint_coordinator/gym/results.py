@@ -129,6 +129,10 @@ class ResumeReport:
         if self.failure is not None:
             raise self.failure
 
+    def summary(self) -> dict[str, Any]:
+        """Plain data for an answer: whether every participant resumed, and the failure if not."""
+        return {"ok": self.ok, "failure": self.failure.to_dict() if self.failure is not None else None}
+
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:

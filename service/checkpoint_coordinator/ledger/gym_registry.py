@@ -71,7 +71,8 @@ async def store_instances(engine: AsyncEngine, run_id: str, records: list[Instan
         open_id = await open_snapshot_id(conn, run_id)
         if open_id is not None:
             raise SnapshotInProgress(
-                f"snapshot {open_id} is in progress; register Gym instances once it has ended",
+                f"snapshot {open_id} is in progress; register Gym instances once it has ended (a new trainer "
+                f"incarnation taking over aborts it first: POST .../snapshots/{open_id}/abort, client.abort_snapshot)",
                 snapshot_id=open_id,
             )
         ids = [r.instance_id for r in records]

@@ -241,16 +241,24 @@ class DispatchCall(Base):
 
 
 class TrainStep(Base):
+    """Every announce of a train step. A restore retires the steps announced after its anchor
+    (their lineage is gone); they stay as history, and the step may be announced again."""
+
     __tablename__ = "train_steps"
     __table_args__ = (
-        PrimaryKeyConstraint("run_id", "step"),
+        PrimaryKeyConstraint("run_id", "announce_id"),
         ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
         CheckConstraint("step >= 0", name="step"),
+        CheckConstraint("(retired_at IS NULL) = (retired_by_restore IS NULL)", name="retired"),
+        Index("uq_train_steps_current", "run_id", "step", unique=True, postgresql_where=text("retired_at IS NULL")),
     )
     run_id: Mapped[str] = mapped_column(Text)
+    announce_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
     step: Mapped[int] = mapped_column(BigInteger)
     checkpoint_ref: Mapped[str | None] = mapped_column(Text)
     announced_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    retired_at: Mapped[datetime | None] = mapped_column(TS)
+    retired_by_restore: Mapped[str | None] = mapped_column(Text)
 
 
 class Snapshot(Base):

@@ -491,6 +491,8 @@ class RewindReport:
     bumped_after_cut: list[str] = field(default_factory=list)
     # Whether ``restore_diff`` compared only the rows written since the cut (``cut_xmin``).
     diff_by_xmin: bool = False
+    # Train steps announced after the snapshot's anchor, retired with the lineage (section 6.7).
+    train_steps_retired: list[int] = field(default_factory=list)
 
 
 Minter = Callable[[str, int], str]
@@ -657,6 +659,7 @@ async def apply_restore(
             ) from e
         if record is not None:
             restore_id, result_of = record
+            report.train_steps_retired = await _retire_later_train_steps(conn, run_id, rw.snapshot_id, restore_id)
             result, rows = result_of(report)
             await store_answer_rows(conn, run_id, restore_id, rows)
             await conn.execute(
@@ -667,6 +670,21 @@ async def apply_restore(
                 {"r": run_id, "i": restore_id, "res": _json(result)},
             )
         return report
+
+
+async def _retire_later_train_steps(conn: AsyncConnection, run_id: str, snapshot_id: str, restore_id: str) -> list[int]:
+    """The steps announced after the restored anchor belong to a trainer lineage that no longer
+    exists: retired here, in the restore's transaction, so the new lineage may announce them
+    again (the announces stay as history, with the restore that retired them)."""
+    rows = await conn.execute(
+        text(
+            "UPDATE train_steps t SET retired_at = now(), retired_by_restore = :i FROM snapshots s "
+            "WHERE t.run_id = :r AND t.retired_at IS NULL AND s.run_id = :r AND s.snapshot_id = :s AND t.step > s.anchor_step "
+            "RETURNING t.step"
+        ),
+        {"r": run_id, "s": snapshot_id, "i": restore_id},
+    )
+    return sorted(int(x) for x in rows.scalars().all())
 
 
 # A live group absent from the cut because it had ended before the cut (the cut holds live

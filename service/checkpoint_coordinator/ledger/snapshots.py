@@ -135,7 +135,7 @@ async def get(
 
 
 async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
-    return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r"), {"r": run_id})).scalar()
+    return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL"), {"r": run_id})).scalar()
 
 
 async def request(engine: AsyncEngine, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str) -> tuple[SnapshotRow, bool]:
@@ -669,15 +669,20 @@ async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, check
         r = (
             await conn.execute(
                 text(
-                    "INSERT INTO train_steps (run_id, step, checkpoint_ref) VALUES (:r, :s, :c) ON CONFLICT (run_id, step) DO NOTHING "
-                    "RETURNING step, checkpoint_ref, announced_at"
+                    "INSERT INTO train_steps (run_id, step, checkpoint_ref) VALUES (:r, :s, :c) "
+                    "ON CONFLICT (run_id, step) WHERE retired_at IS NULL DO NOTHING RETURNING step, checkpoint_ref, announced_at"
                 ),
                 {"r": run_id, "s": step, "c": checkpoint_ref},
             )
         ).first()
         created = r is not None
         if r is None:
-            r = (await conn.execute(text("SELECT step, checkpoint_ref, announced_at FROM train_steps WHERE run_id = :r AND step = :s"), {"r": run_id, "s": step})).one()
+            r = (
+                await conn.execute(
+                    text("SELECT step, checkpoint_ref, announced_at FROM train_steps WHERE run_id = :r AND step = :s AND retired_at IS NULL"),
+                    {"r": run_id, "s": step},
+                )
+            ).one()
             if r.checkpoint_ref != checkpoint_ref and checkpoint_ref is not None:
                 raise Conflict(f"train step {step} was announced with another checkpoint reference", code="train_step_conflict")
         aborted = (
@@ -690,6 +695,33 @@ async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, check
             )
         ).scalars().all()
         return {"step": r.step, "checkpoint_ref": r.checkpoint_ref, "announced_at": r.announced_at.isoformat(), "created": created}, list(aborted)
+
+
+async def list_train_steps(engine: AsyncEngine, run_id: str, *, include_retired: bool) -> list[dict[str, Any]]:
+    """The run's train-step announces, oldest first; retired ones (a restore discarded their
+    lineage) name the restore that retired them."""
+    async with engine.connect() as conn:
+        await lock_run(conn, run_id, allow_closed=True)
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT step, checkpoint_ref, announced_at, retired_at, retired_by_restore FROM train_steps WHERE run_id = :r "
+                    + ("" if include_retired else "AND retired_at IS NULL ")
+                    + "ORDER BY announce_id"
+                ),
+                {"r": run_id},
+            )
+        ).all()
+    return [
+        {
+            "step": r.step,
+            "checkpoint_ref": r.checkpoint_ref,
+            "announced_at": r.announced_at.isoformat(),
+            "retired_at": r.retired_at.isoformat() if r.retired_at else None,
+            "retired_by_restore": r.retired_by_restore,
+        }
+        for r in rows
+    ]
 
 
 async def list_snapshots(engine: AsyncEngine, run_id: str, *, limit: int, before: str | None) -> list[SnapshotRow]:
@@ -708,10 +740,15 @@ async def list_snapshots(engine: AsyncEngine, run_id: str, *, limit: int, before
     return [SnapshotRow(**dict(r._mapping)) for r in rows]
 
 
-async def unfinished(engine: AsyncEngine) -> list[tuple[str, str, str, str | None, str]]:
-    """(run_id, snapshot_id, owner, gym_checkpoint_id, phase) of every non-terminal snapshot."""
+async def unfinished(engine: AsyncEngine) -> list[tuple[str, str, str, str | None, str, str | None]]:
+    """(run_id, snapshot_id, owner, gym_checkpoint_id, phase, abort_requested) of every
+    non-terminal snapshot."""
     async with engine.connect() as conn:
-        rows = (await conn.execute(text("SELECT run_id, snapshot_id, owner, gym_checkpoint_id, phase FROM snapshots WHERE outcome IS NULL"))).all()
+        rows = (
+            await conn.execute(
+                text("SELECT run_id, snapshot_id, owner, gym_checkpoint_id, phase, abort_requested FROM snapshots WHERE outcome IS NULL")
+            )
+        ).all()
     return [tuple(r) for r in rows]  # type: ignore[misc]
 
 

@@ -25,9 +25,10 @@ every attempt the cut knows as running in Gym is retired on its instance.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,6 +144,8 @@ class Planned:
     # Why no Gym state is installed, when none is.
     no_gym_reason: str | None
     retire: list[RetireItem]
+    # The snapshot of the discarded lineage this restore aborted (section 6.7), if one was open.
+    aborted_snapshot: str | None = None
 
     def retire_candidates(self) -> list[RetireItem]:
         """The attempts of live groups the cut knows as possibly running in Gym (6.6). A plan
@@ -361,7 +364,12 @@ async def execute_restore(
     req: RestoreRequest,
     *,
     transport: httpx.AsyncBaseTransport | None = None,
+    abort_local: Callable[[str, list[str], str], None] | None = None,
+    snapshot_wait_s: float = 60.0,
 ) -> dict[str, Any]:
+    """``abort_local`` tells this process's snapshot runner to abort a snapshot it drives;
+    ``snapshot_wait_s`` bounds the wait for an open snapshot to end (its owner may be another
+    replica, or a dead one whose lease must expire first)."""
     started = time.monotonic()
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
@@ -370,7 +378,9 @@ async def execute_restore(
         return await _stored_answer(engine, run_id, req.restore_id, _replay(existing, req))
     if run.state != "open":
         raise RunClosed(f"run {run_id!r} is closed")
+    aborted = await end_discarded_snapshot(engine, run_id, abort_local=abort_local, wait_s=snapshot_wait_s)
     p = await load_and_plan(engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state)
+    p.aborted_snapshot = aborted
     claimed = await repo.claim_restore(
         engine, run_id, req.restore_id, p.snap.snapshot_id, req.with_gym_state, req.stored(), stale_after_s=_stale_after_s(p.cfg)
     )
@@ -409,6 +419,41 @@ async def execute_restore(
     _observe(started, "succeeded")
     _record_counts(answer["counts"])
     return answer
+
+
+async def end_discarded_snapshot(
+    engine: AsyncEngine, run_id: str, *, abort_local: Callable[[str, list[str], str], None] | None, wait_s: float
+) -> str | None:
+    """A snapshot still open when a restore starts belongs to the lineage the restore discards
+    (section 6.7): ask its owner to abort it (reason ``restored``; Gym is resumed as in any
+    abort) and wait until it has ended. One whose capture was already reported publishes
+    instead, and is waited for too. Returns the snapshot's id, or None when none was open."""
+    from ..ledger import snapshots as snaps
+    from ..ledger.gym_registry import open_snapshot_id
+
+    async with engine.connect() as conn:
+        sid = await open_snapshot_id(conn, run_id)
+    if sid is None:
+        return None
+    try:
+        await snaps.request_abort(engine, run_id, sid, "restored", "a restore of this run discards the lineage this snapshot belonged to")
+    except snaps.SnapshotNotAwaiting:
+        pass  # captured already: it publishes in a moment
+    if abort_local is not None:
+        abort_local(run_id, [sid], "restored")
+    deadline = time.monotonic() + wait_s
+    while True:
+        async with engine.connect() as conn:
+            row = await snaps.get(conn, run_id, sid)
+        if row.outcome is not None:
+            log.info("run %s: snapshot %s of the discarded lineage ended %s/%s before the restore", run_id, sid, row.outcome, row.reason)
+            return sid
+        if time.monotonic() > deadline:
+            raise repo.SnapshotBusy(
+                f"snapshot {sid} of this run is still ending (its owner may have died: its lease expires first); retry the restore",
+                snapshot_id=sid,
+            )
+        await asyncio.sleep(0.1)
 
 
 def _observe(started: float, outcome: str) -> None:
@@ -451,7 +496,7 @@ async def _restore(
         if client is not None and result is not None:
             resumed = await client.finish_restore(result)
             rep = resumed.resume
-            gym["resume"] = {"ok": rep is None or rep.ok, "failure": rep.failure.to_dict() if rep is not None and rep.failure else None}
+            gym["resume"] = rep.summary() if rep is not None else {"ok": True, "failure": None}
             if rep is not None and rep.failure is not None:
                 log.warning("run %s restore %s: Gym resume failed (leases reopen Gym): %s", run_id, req.restore_id, rep.failure)
             summary["gym"] = gym
@@ -604,6 +649,8 @@ def _after_failed_gym_restore(
         restore_id=exc.extra.get("restore_id"),
         failure=exc.to_dict(),
         continuations_retired=True,
+        # The cleanup resumed every instance (protocol 5.6 step 9): what that resume did.
+        resume=exc.extra.get("resume"),
     )
     stale = _is_not_fresh_refusal(exc)
     if stale:
@@ -694,6 +741,8 @@ def _answer(
         "dispatched_after_cut": len(report.after_cut),
         "retires_queued": report.retires_queued,
         "groups_removed": report.groups_removed,
+        "train_steps_retired": report.train_steps_retired,
+        "aborted_snapshots": [p.aborted_snapshot] if p.aborted_snapshot else [],
         "rows_total": len(rows),
     }
     return summary, rows
@@ -759,7 +808,12 @@ async def _ledger_failed(
     if client is not None and result is not None:
         try:
             cleanup = await client.discard_restore(result)
-            gym.update(installed=False, continuations_retired=True, failure=cleanup.failure.to_dict() if cleanup.failure else None)
+            gym.update(
+                installed=False,
+                continuations_retired=True,
+                failure=cleanup.failure.to_dict() if cleanup.failure else None,
+                resume=cleanup.resume.summary(),
+            )
         except Exception as cleanup_exc:  # keep the original failure; the leases reopen Gym
             log.error("run %s restore %s: discarding the Gym restore failed: %r", run_id, req.restore_id, cleanup_exc)
     problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the ledger rewind failed; see the coordinator log").problem()

@@ -421,7 +421,7 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
     for run_id in sorted({r for r, _ in running}):
         await leases.acquire(engine, run_id, owner, lease_ttl_s)
     ended = []
-    for run_id, sid, snap_owner, cid, phase in await repo.unfinished(engine):
+    for run_id, sid, snap_owner, cid, phase, abort_requested in await repo.unfinished(engine):
         if (run_id, sid) in running:
             continue
         if snap_owner != owner and await leases.acquire(engine, run_id, owner, lease_ttl_s) is None:
@@ -439,9 +439,13 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
             if report.failure is not None:
                 detail["resume_failure"] = report.failure.to_dict()
                 log.warning("resume of %s after restart failed; Gym leases will reopen it: %s", cid, report.failure)
-        await repo.end(engine, run_id, sid, "aborted", "coordinator_restart", detail=detail)
-        metrics.record_snapshot_outcome("aborted", "coordinator_restart")
-        log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended aborted/coordinator_restart", sid, run_id, phase)
+        # An abort asked for before its owner died says why it ended (a restore, the trainer);
+        # otherwise the owner's death is the reason.
+        reason = abort_requested or "coordinator_restart"
+        outcome = _outcome_of(reason)
+        await repo.end(engine, run_id, sid, outcome, reason, detail=detail)
+        metrics.record_snapshot_outcome(outcome, reason)
+        log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended %s/%s", sid, run_id, phase, outcome, reason)
         ended.append(sid)
     return ended
 
