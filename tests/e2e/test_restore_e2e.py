@@ -119,6 +119,16 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
         run = await api.get("")
         assert run["restored_from_rollout_snapshot"] == "s1" and run["dispatch_gate"]["open"]
 
+        # A continuation sent to another instance than the one holding its Gym state is refused,
+        # naming the instance it lives on, and nothing is written.
+        stray = next(r for r in cont if r["instance_id"] == "math/replica-0")
+        wrong = await api.post(
+            "/attempts/dispatch", {"dispatch_id": "d-wrong", "instance_id": "math/replica-1", "rollout_ids": [stray["rollout_id"]]}, 409
+        )
+        assert [(x["rollout_id"], x["code"]) for x in wrong["rows"]] == [(stray["rollout_id"], "wrong_instance")], wrong
+        assert "math/replica-0" in wrong["rows"][0]["detail"]
+        assert (await api.group(stray["group_id"]))["status"] == "generating"
+
         # The restarted trainer sends what the answer says: continuations to their own instance.
         trainer = Trainer(api, fresh, turns=TURNS)
         for iid in IDS:

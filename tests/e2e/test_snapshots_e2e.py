@@ -273,3 +273,36 @@ async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(clien
         await trainer.aclose()
     finally:
         gym.stop()
+
+
+async def test_snapshots_that_keep_losing_to_train_steps_raise_the_warning(client, admin, app, gyms, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """snapshot_loss_warn_after losses in a row: a warning in the log and the per-run warning
+    gauge at 1; a published snapshot clears both."""
+    import logging
+
+    api = await _setup(client, admin, app, gyms, snapshot_loss_warn_after=2)
+
+    async def gauge() -> float:
+        text = (await client.get("/metrics")).text
+        line = next(x for x in text.splitlines() if x.startswith('ckptc_snapshot_losses_warning{run="run-1"}'))
+        return float(line.split()[-1])
+
+    caplog.set_level(logging.WARNING, logger="checkpoint_coordinator.snapshots.runner")
+    for step in range(2):
+        gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "prepare", "type": "delay", "seconds": 0.6, "times": 1})
+        await api.post("/snapshots", {"snapshot_id": f"lost{step}", "anchor_step": step}, 202)
+        async with asyncio.timeout(10):
+            while (await api.get(f"/snapshots/lost{step}"))["phase"] not in ("prepare", "commit"):
+                await asyncio.sleep(0.02)
+        assert (await api.post("/train-steps", {"step": step + 1}))["aborted_snapshots"] == [f"lost{step}"]
+        async with asyncio.timeout(10):
+            while (s := await api.get(f"/snapshots/lost{step}"))["outcome"] is None:
+                await asyncio.sleep(0.02)
+        assert (s["outcome"], s["reason"]) == ("aborted", "train_step_committed")
+        assert (await api.get(""))["consecutive_snapshot_losses"] == step + 1
+        assert await gauge() == (1.0 if step + 1 >= 2 else 0.0)
+    warned = [r.getMessage() for r in caplog.records if "consecutive snapshots lost to train steps" in r.getMessage()]
+    assert len(warned) == 1 and "run-1: 2 consecutive" in warned[0], warned
+    ok = await drive_snapshot(api, "won", 2, tmp_path / "dp")
+    assert ok["outcome"] == "published"
+    assert (await api.get(""))["consecutive_snapshot_losses"] == 0 and await gauge() == 0.0
