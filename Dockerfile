@@ -25,6 +25,8 @@ COPY service/ service/
 COPY clients/ clients/
 COPY gymsim/ gymsim/
 COPY migrations/ migrations/
+COPY demo/ demo/
+COPY launcher/ launcher/
 
 # A venv, not the system site-packages: Debian's python3 refuses pip installs (PEP 668).
 RUN python3 -m venv /opt/build \

@@ -1,10 +1,17 @@
-"""``ckpt-coordinator``: serve the coordinator, migrate a database, and the tools around them."""
+"""The coordinator's commands: serve it, migrate a database, import a ledger.
+
+The console script ``ckpt-coordinator`` is ``ckpt_launcher``, outside this package: it hands the
+tools that are not the service (the demo, gymsim) to :func:`main` as :class:`Delegated`
+commands, so they are listed and dispatched here without the service importing them.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Settings
@@ -12,7 +19,28 @@ from .config import Settings
 log = logging.getLogger("checkpoint_coordinator")
 
 
-def _parser() -> argparse.ArgumentParser:
+@dataclass(frozen=True)
+class Delegated:
+    """A command that owns its arguments: everything after its name goes to ``run`` untouched."""
+
+    help: str
+    run: Callable[[list[str]], int | None]
+    description: str | None = None
+
+
+def _import_ledger(argv: list[str]) -> int:
+    from .restore.import_cli import main
+
+    return main(argv)
+
+
+# The service's own delegated command; the launcher adds the others.
+OWN_COMMANDS: dict[str, Delegated] = {
+    "import-ledger": Delegated("import a NeMo RL rollout-recovery ledger into a run", _import_ledger),
+}
+
+
+def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="ckpt-coordinator",
         description="Checkpoint coordinator: crash recovery for long multi-turn RL rollouts "
@@ -43,27 +71,10 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--revision", default="head", help="target revision (default: head)")
     m.add_argument("--downgrade", action="store_true", help="downgrade to --revision instead of upgrading")
 
-    g = sub.add_parser(
-        "gymsim",
-        help="run a reference Gym deployment instance (gymsim)",
-        description="Run gymsim, the reference NeMo Gym checkpoint participant deployment; the arguments "
-        "after 'gymsim' are gymsim's own (try 'ckpt-coordinator gymsim --help').",
-        add_help=False,
-    )
-    g.add_argument("args", nargs=argparse.REMAINDER)
-
-    for name, mod, helptext in _extra_commands():
-        e = sub.add_parser(name, help=helptext, add_help=False, description=helptext)
+    for name, cmd in commands.items():
+        e = sub.add_parser(name, help=cmd.help, add_help=False, description=cmd.description or cmd.help)
         e.add_argument("args", nargs=argparse.REMAINDER)
-        e.set_defaults(extra_module=mod)
     return p
-
-
-def _extra_commands() -> list[tuple[str, str, str]]:
-    return [
-        ("demo", "checkpoint_coordinator.demo", "end-to-end demo: trainer + coordinator + gymsim, crash and restore"),
-        ("import-ledger", "checkpoint_coordinator.restore.import_cli", "import a NeMo RL rollout-recovery ledger into a run"),
-    ]
 
 
 def _configure_logging(settings: Settings) -> None:
@@ -134,16 +145,15 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, commands: Mapping[str, Delegated] | None = None) -> int:
+    """Run one command; ``commands`` adds delegated commands (the launcher's tools) to the service's own."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    delegated = {**OWN_COMMANDS, **(commands or {})}
     # Commands that own their arguments get them untouched: argparse's REMAINDER would drop an
     # option such as --steps or --help that comes first.
-    delegated = {"gymsim": "gymsim.cli", **{name: mod for name, mod, _ in _extra_commands()}}
     if argv and argv[0] in delegated:
-        import importlib
-
-        return int(importlib.import_module(delegated[argv[0]]).main(argv[1:]) or 0)
-    parser = _parser()
+        return int(delegated[argv[0]].run(argv[1:]) or 0)
+    parser = _parser(delegated)
     args = parser.parse_args(argv)
     try:
         settings = Settings()

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint_coordinator.demo import build_parser
-from checkpoint_coordinator.demo.checks import check_groups, check_mutations, check_rewards
-from checkpoint_coordinator.demo.runner import pids_alive
-from checkpoint_coordinator.demo.trainer import DataLoader, recovery_config
+from ckpt_demo import build_parser
+from ckpt_demo.checks import check_groups, check_mutations, check_rewards
+from ckpt_demo.runner import pids_alive
+from ckpt_demo.trainer import DataLoader, recovery_config
 
 # Through the console script's module, as `ckpt-coordinator demo -- ARGS` (the `--` hands the
 # options to the demo's own parser).
-DEMO = [sys.executable, "-m", "checkpoint_coordinator.cli", "demo", "--"]
+DEMO = [sys.executable, "-m", "ckpt_launcher", "demo", "--"]
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:

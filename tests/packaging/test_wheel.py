@@ -1,6 +1,6 @@
 """The built wheel holds every package and module of the shipped trees, and what it installs runs.
 
-Forgetting a subpackage in pyproject.toml (as ``checkpoint_coordinator.demo`` once was) or leaving a
+Forgetting a package in pyproject.toml (as the demo once was) or leaving a
 runtime import undeclared (as ``psutil`` once was) passes every in-tree test and breaks only the
 installed package; these tests look at the installed package.
 """
@@ -23,7 +23,7 @@ from .sources import shipped_modules, shipped_packages
 def test_every_package_and_module_is_in_the_wheel(built_wheel: Path) -> None:
     names = set(zipfile.ZipFile(built_wheel).namelist())
     packages = shipped_packages()
-    assert "checkpoint_coordinator.demo" in packages  # the finder sees the trees at all
+    assert {"checkpoint_coordinator.api", "ckpt_demo", "ckpt_launcher"} <= set(packages)  # the finder sees the trees at all
     missing = sorted(n for n in packages if f"{n.replace('.', '/')}/__init__.py" not in names)
     assert missing == [], f"package directories left out of the wheel (add them to pyproject.toml): {missing}"
     missing_modules = sorted(set(shipped_modules()) - names)
@@ -35,7 +35,7 @@ def test_the_wheel_declares_its_console_script(built_wheel: Path) -> None:
     with zipfile.ZipFile(built_wheel) as z:
         (entry_points,) = [n for n in z.namelist() if n.endswith(".dist-info/entry_points.txt")]
         text = z.read(entry_points).decode()
-    assert "ckpt-coordinator = checkpoint_coordinator.cli:main" in text
+    assert "ckpt-coordinator = ckpt_launcher:main" in text
 
 
 def _run(venv: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -85,7 +85,7 @@ def test_the_demo_runs_from_the_installed_wheel(wheel_venv: Path) -> None:
         s = json.loads(summary.read_text())
         assert s["ok"] is True and s["groups"]["consumed"] == s["groups"]["expected"] == 8
         check = _run(wheel_venv, "python", "-c",
-                     "import json, sys; from checkpoint_coordinator.demo.runner import pids_alive; "
+                     "import json, sys; from ckpt_demo.runner import pids_alive; "
                      "print(pids_alive(json.load(open(sys.argv[1]))['processes']))", str(summary))
         assert check.stdout.strip() == "[]", check.stdout + check.stderr
         assert s["workdir"] and not Path(s["workdir"]).exists()

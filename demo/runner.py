@@ -189,30 +189,15 @@ class Demo:
 
         t0 = time.monotonic()
         gym_procs = [GymProcess(self._gym_config(iid), self.workdir, generation=self._next_generation(iid)) for iid in INSTANCES]
-        # Gym needs nothing from the database: both instances start while PostgreSQL does.
+        # Gym needs nothing from the coordinator: both instances start while it (and its
+        # database) does.
         gym_starts = [asyncio.create_task(asyncio.to_thread(g.start)) for g in gym_procs]
         self.pg = EmbeddedPostgres(self.pg_dir)
-        try:
-            url = await asyncio.to_thread(self.pg.start)
-            from ..ledger.db import migrate
-
-            await asyncio.to_thread(migrate, url)
-        finally:
-            started = await asyncio.gather(*gym_starts, return_exceptions=True)
-            for g, outcome in zip(gym_procs, started):
-                self.gyms[g.instance_id] = g  # registered even if it failed: cleanup stops it
-            failed = [e for e in started if isinstance(e, BaseException)]
-        if failed:
-            raise failed[0]
-        self.progress.event("setup", f"embedded PostgreSQL ready and migrated in {time.monotonic() - t0:.1f}s ({self.pg_dir / 'pgdata'})")
-        for g in gym_procs:
-            what = "policy model, agent, resources (restart-only)" if g.instance_id == RESTART_ONLY_INSTANCE else "policy model, agent, resources"
-            self.progress.event("setup", f"gymsim {g.instance_id} on {g.base_url} (pid {g.pid}): {what}")
-
+        self.pg.note_before_start()
         self.admin_token = secrets.token_urlsafe(24)
         self.coordinator = CoordinatorProcess(
             self.workdir / "coordinator.log",
-            url,
+            self.pg_dir,
             self.admin_token,
             extra_env={
                 "CKPTC_COORDINATOR_ID": "demo",
@@ -222,9 +207,23 @@ class Demo:
                 "CKPTC_LOG_LEVEL": "INFO",
             },
         )
-        t0 = time.monotonic()
-        await asyncio.to_thread(self.coordinator.start)
-        self.progress.event("setup", f"coordinator on {self.coordinator.url} (pid {self.coordinator.pid}), ready in {time.monotonic() - t0:.1f}s")
+        try:
+            await asyncio.to_thread(self.coordinator.start)
+        finally:
+            started = await asyncio.gather(*gym_starts, return_exceptions=True)
+            for g, outcome in zip(gym_procs, started):
+                self.gyms[g.instance_id] = g  # registered even if it failed: cleanup stops it
+            failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
+        self.progress.event(
+            "setup",
+            f"coordinator on {self.coordinator.url} (pid {self.coordinator.pid}) with its embedded PostgreSQL "
+            f"({self.pg.pgdata}, pid {self.pg.pid}), migrated and ready in {time.monotonic() - t0:.1f}s",
+        )
+        for g in gym_procs:
+            what = "policy model, agent, resources (restart-only)" if g.instance_id == RESTART_ONLY_INSTANCE else "policy model, agent, resources"
+            self.progress.event("setup", f"gymsim {g.instance_id} on {g.base_url} (pid {g.pid}): {what}")
 
     def _next_generation(self, iid: str) -> int:
         self._generation[iid] = self._generation.get(iid, 0) + 1
@@ -551,7 +550,8 @@ class Demo:
                 problems.append(f"{proc.name}: {e}")
 
         # Gym instances and the coordinator stop side by side (each may wait out a graceful
-        # shutdown); the database goes last, once nothing uses it.
+        # shutdown); the coordinator stops its database on the way out, and only a database it
+        # left running is stopped here.
         procs = [(g, 3.0) for g in [*self.gyms.values(), *self.stopped_gyms]]
         if self.coordinator is not None:
             procs.append((self.coordinator, 20.0))

@@ -1,0 +1,42 @@
+"""``ckpt-coordinator``, the console script: the service's commands and the tools shipped beside it.
+
+``serve``, ``migrate`` and ``import-ledger`` are the service's (``checkpoint_coordinator.cli``);
+``demo`` (``ckpt_demo``) and ``gymsim`` are packages of their own that the service must not import
+(architecture.md, "Direction of imports"). This module is the one place that knows all of them:
+it hands the tools to the service's command line, which lists and dispatches them.
+"""
+
+from __future__ import annotations
+
+from checkpoint_coordinator.cli import Delegated
+from checkpoint_coordinator.cli import main as _service_main
+
+__all__ = ["main", "TOOLS"]
+
+
+# Imported on use: `ckpt-coordinator serve` loads neither the demo nor gymsim.
+def _demo(argv: list[str]) -> int:
+    from ckpt_demo import main
+
+    return main(argv)
+
+
+def _gymsim(argv: list[str]) -> int:
+    from gymsim.cli import main
+
+    return main(argv)
+
+
+TOOLS: dict[str, Delegated] = {
+    "demo": Delegated("end-to-end demo: trainer + coordinator + gymsim, crash and restore", _demo),
+    "gymsim": Delegated(
+        "run a reference Gym deployment instance (gymsim)",
+        _gymsim,
+        description="Run gymsim, the reference NeMo Gym checkpoint participant deployment; the arguments "
+        "after 'gymsim' are gymsim's own (try 'ckpt-coordinator gymsim --help').",
+    ),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return _service_main(argv, commands=TOOLS)
