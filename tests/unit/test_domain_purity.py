@@ -1,5 +1,6 @@
-"""The domain is pure: it imports nothing of the project outside ``domain/`` and nothing that
-does I/O, reads clocks or draws randomness (architecture.md, "Direction of imports")."""
+"""The domain is pure: it imports nothing that does I/O, reads clocks or draws randomness
+(architecture.md, "Direction of imports"). That it imports nothing of the project outside
+``domain/`` is one of the edges test_layering.py checks, relative imports resolved."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ FORBIDDEN_CALLS = {"open", "print", "input", "exec", "eval", "__import__"}
 
 
 def modules() -> list[Path]:
-    return sorted(DOMAIN_DIR.glob("*.py"))
+    return sorted(p for p in DOMAIN_DIR.rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def test_every_domain_module_imports_only_pure_modules() -> None:
@@ -45,15 +46,13 @@ def test_every_domain_module_imports_only_pure_modules() -> None:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:
-                    # relative: must stay inside domain/
-                    assert node.level == 1, f"{path.name} reaches outside domain/: {ast.dump(node)}"
-                    continue
+                    continue  # the project's own modules: test_layering.py
                 names = [node.module or ""]
             else:
                 continue
             for name in names:
                 if name not in ALLOWED and name.split(".")[0] not in ALLOWED:
-                    offenders.append(f"{path.name}: import {name}")
+                    offenders.append(f"{path.relative_to(DOMAIN_DIR)}: import {name}")
     assert not offenders, offenders
 
 
@@ -62,10 +61,10 @@ def test_no_io_builtins_are_called() -> None:
     for path in modules():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in FORBIDDEN_CALLS:
-                offenders.append(f"{path.name}:{node.lineno} {node.func.id}()")
+                offenders.append(f"{path.relative_to(DOMAIN_DIR)}:{node.lineno} {node.func.id}()")
     assert not offenders, offenders
 
 
 def test_every_module_imports_cleanly() -> None:
-    for info in pkgutil.iter_modules([str(DOMAIN_DIR)]):
-        importlib.import_module(f"checkpoint_coordinator.domain.{info.name}")
+    for info in pkgutil.walk_packages([str(DOMAIN_DIR)], prefix="checkpoint_coordinator.domain."):
+        importlib.import_module(info.name)
