@@ -1,16 +1,28 @@
-"""Every conformance check runs against gymsim under both Gym profiles (spec section 13).
+"""Fixtures of the conformance checks, and every check run against gymsim under both Gym profiles
+(spec section 13).
 
 The profile reaches the checks through `gymsim.testing.DEFAULT_GYM_PROFILE`, which
 `default_instance_config` reads on every call, so each check's instances follow the test's id
 (`...[published]` or `...[strict]`) unless the check pins a profile itself. A check whose rule reads
 differently under the published profile asks for the `gym_profile` fixture and branches on it.
+
+A test module that uses `client` declares the client's timeouts as `CLIENT_TIMEOUTS`; `rows` sends
+`ROW_TURNS` turns per row unless the module says otherwise (default 100: rows outlast the test).
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
 import pytest
 
 import gymsim.testing
+from checkpoint_coordinator.gym import GymControlClient
+from gymsim.testing import GymsimInstance, default_instance_config
+
+from .helpers import Rows, StartGym
+from .recording import RecordingTransport
 
 GYM_PROFILES = ["published", "strict"]
 
@@ -19,3 +31,41 @@ GYM_PROFILES = ["published", "strict"]
 def gym_profile(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(gymsim.testing, "DEFAULT_GYM_PROFILE", request.param)
     return request.param
+
+
+@pytest.fixture
+def start_gym() -> Iterator[StartGym]:
+    """Start in-process gymsim instances; every one is killed when the test ends."""
+    started: list[GymsimInstance] = []
+
+    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
+        # Long turns: an episode is almost always working (not mid model call) when prepare
+        # starts, so readiness cannot regress between prepare and commit by a reply in flight.
+        kwargs.setdefault("turn_seconds", 0.3)
+        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
+        started.append(inst)
+        return inst
+
+    yield start
+    for inst in started:
+        inst.kill()
+
+
+@pytest.fixture
+def recorder() -> RecordingTransport:
+    return RecordingTransport()
+
+
+@pytest.fixture
+async def client(request: pytest.FixtureRequest, recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
+    timeouts = getattr(request.module, "CLIENT_TIMEOUTS", None)
+    assert timeouts is not None, f"{request.module.__name__} uses `client`: declare CLIENT_TIMEOUTS"
+    async with GymControlClient(**timeouts, transport=recorder) as c:
+        yield c
+
+
+@pytest.fixture
+async def rows(request: pytest.FixtureRequest) -> AsyncIterator[Rows]:
+    r = Rows(turns=getattr(request.module, "ROW_TURNS", 100))
+    yield r
+    await r.aclose()

@@ -9,7 +9,6 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -21,37 +20,12 @@ from checkpoint_coordinator.gym import (
     InstanceSpec,
     check_restart_only,
 )
-from checkpoint_coordinator.gym.testing import RecordingTransport
 from gymsim.testing import GymsimInstance, default_instance_config, server_config
 
-StartGym = Callable[..., GymsimInstance]
+from .helpers import StartGym
+from .recording import RecordingTransport
 
-
-@pytest.fixture
-def start_gym() -> Iterator[StartGym]:
-    started: list[GymsimInstance] = []
-
-    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
-        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
-        started.append(inst)
-        return inst
-
-    yield start
-    for inst in started:
-        inst.kill()
-
-
-@pytest.fixture
-def recorder() -> RecordingTransport:
-    return RecordingTransport()
-
-
-@pytest.fixture
-async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
-    async with GymControlClient(
-        control_timeout_s=2, prepare_timeout_s=2, discovery_timeout_s=2, transport=recorder
-    ) as c:
-        yield c
+CLIENT_TIMEOUTS = {"control_timeout_s": 2, "prepare_timeout_s": 2, "discovery_timeout_s": 2}
 
 
 def spec_of(inst: GymsimInstance, **extra_servers: str) -> InstanceSpec:

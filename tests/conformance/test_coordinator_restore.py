@@ -12,7 +12,7 @@ import json
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,101 +26,18 @@ from checkpoint_coordinator.gym import (
     GymControlError,
     GymSave,
     InstanceSpec,
-    InstanceTopology,
 )
-from checkpoint_coordinator.gym.testing import RecordedCall, RecordingTransport
 from gymsim.testing import GymsimInstance, corrupt_records_file, default_instance_config, server_config
 
-StartGym = Callable[..., GymsimInstance]
-PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
+from .helpers import PARTICIPANTS, Rows, StartGym, calls_to, nothing, server_of, spec, state, topology, wait_running
+from .recording import RecordingTransport
+
+CLIENT_TIMEOUTS = {"control_timeout_s": 2, "prepare_timeout_s": 3, "discovery_timeout_s": 2}
+# Short episodes: the continuations a restore starts finish quickly.
+ROW_TURNS = 5
 
 
 # --- fixtures and helpers ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def start_gym() -> Iterator[StartGym]:
-    started: list[GymsimInstance] = []
-
-    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
-        kwargs.setdefault("turn_seconds", 0.3)
-        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
-        started.append(inst)
-        return inst
-
-    yield start
-    for inst in started:
-        inst.kill()
-
-
-class Rows:
-    def __init__(self) -> None:
-        self.http = httpx.AsyncClient(timeout=None)
-        self.tasks: list[asyncio.Task[httpx.Response]] = []
-
-    def start(self, inst: GymsimInstance, rollout_id: str, attempt: int = 0, turns: int = 5) -> asyncio.Task[httpx.Response]:
-        body = {"_ng_rollout_id": rollout_id, "_ng_attempt_index": attempt, "task": {"q": rollout_id}, "turns": turns}
-        task = asyncio.ensure_future(self.http.post(inst.servers["workplace_agent"] + "/run", json=body))
-        self.tasks.append(task)
-        return task
-
-    async def aclose(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        await self.http.aclose()
-
-
-@pytest.fixture
-async def rows() -> AsyncIterator[Rows]:
-    r = Rows()
-    yield r
-    await r.aclose()
-
-
-@pytest.fixture
-def recorder() -> RecordingTransport:
-    return RecordingTransport()
-
-
-@pytest.fixture
-async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
-    async with GymControlClient(control_timeout_s=2, prepare_timeout_s=3, discovery_timeout_s=2, transport=recorder) as c:
-        yield c
-
-
-def spec(inst: GymsimInstance) -> InstanceSpec:
-    return InstanceSpec(inst.instance_id, inst.token, inst.servers)
-
-
-async def topology(client: GymControlClient, *insts: GymsimInstance) -> dict[str, InstanceTopology]:
-    return await client.discover_all(spec(i) for i in insts)
-
-
-def server_of(call: RecordedCall) -> str:
-    return call.url.split("/s/", 1)[1].split("/", 1)[0]
-
-
-def calls_to(recorder: RecordingTransport, inst: GymsimInstance, op: str) -> list[RecordedCall]:
-    return [c for c in recorder.ops(op) if c.url.startswith(inst.base_url)]
-
-
-async def state(inst: GymsimInstance, server: str | None = None) -> dict[str, Any]:
-    return await asyncio.to_thread(inst.state, server)
-
-
-async def wait_running(inst: GymsimInstance, keys: list[str], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        episodes = (await state(inst, "workplace_agent"))["episodes"]
-        if all(k in episodes and episodes[k]["turn"] >= 1 for k in keys):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"episodes {keys} did not start")
-
-
-async def nothing(_: Any) -> None:
-    return None
 
 
 @dataclass
@@ -154,7 +71,7 @@ def snapshot_plan() -> dict[str, tuple[dict[str, Any], list[str]]]:
 async def _take_snapshot(directory: str, plan: dict[str, tuple[dict[str, Any], list[str]]]) -> Snapshot:
     """Run the rows of each instance, save once, then kill the instances (a crash)."""
     insts = {iid: GymsimInstance.start(config) for iid, (config, _) in plan.items()}
-    rows = Rows()
+    rows = Rows(turns=ROW_TURNS)
     try:
         for iid, (_, keys) in plan.items():
             for key in keys:

@@ -12,10 +12,9 @@ import json
 import os
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import httpx
 import pytest
 
 from checkpoint_coordinator.gym import (
@@ -25,121 +24,17 @@ from checkpoint_coordinator.gym import (
     GymControlError,
     GymSave,
     GymSaveAborted,
-    InstanceSpec,
-    InstanceTopology,
     LeaseRenewer,
     ManualClock,
     instance_checkpoint_dir,
 )
-from checkpoint_coordinator.gym.testing import RecordedCall, RecordingTransport
-from gymsim.testing import GymsimInstance, default_instance_config, server_config
+from gymsim.testing import default_instance_config, server_config
 
-StartGym = Callable[..., GymsimInstance]
-PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
+from .helpers import PARTICIPANTS, Rows, StartGym, assert_all_idle, calls_to, server_of, state, topology, wait_running
+from .helpers import nothing as nothing_hook
+from .recording import RecordingTransport
 
-
-# --- fixtures and helpers ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def start_gym() -> Iterator[StartGym]:
-    started: list[GymsimInstance] = []
-
-    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
-        # Long turns: an episode is almost always working (not mid model call) when prepare
-        # starts, so readiness cannot regress between prepare and commit by a reply in flight.
-        kwargs.setdefault("turn_seconds", 0.3)
-        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
-        started.append(inst)
-        return inst
-
-    yield start
-    for inst in started:
-        inst.kill()
-
-
-class Rows:
-    """Data-plane /run rows, sent the way a caller would (its own connection pool)."""
-
-    def __init__(self) -> None:
-        self.http = httpx.AsyncClient(timeout=None)
-        self.tasks: dict[str, asyncio.Task[httpx.Response]] = {}
-
-    def start(self, inst: GymsimInstance, rollout_id: str, attempt: int = 0, turns: int = 100) -> asyncio.Task[httpx.Response]:
-        body = {"_ng_rollout_id": rollout_id, "_ng_attempt_index": attempt, "task": {"q": rollout_id}, "turns": turns}
-        task = asyncio.ensure_future(self.http.post(inst.servers["workplace_agent"] + "/run", json=body))
-        self.tasks[f"{inst.instance_id}:{rollout_id}:{attempt}"] = task
-        return task
-
-    async def aclose(self) -> None:
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        await self.http.aclose()
-
-
-@pytest.fixture
-async def rows() -> AsyncIterator[Rows]:
-    r = Rows()
-    yield r
-    await r.aclose()
-
-
-@pytest.fixture
-def recorder() -> RecordingTransport:
-    return RecordingTransport()
-
-
-@pytest.fixture
-async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
-    async with GymControlClient(
-        control_timeout_s=1.0, prepare_timeout_s=3.0, discovery_timeout_s=2.0, transport=recorder
-    ) as c:
-        yield c
-
-
-async def topology(client: GymControlClient, *insts: GymsimInstance) -> dict[str, InstanceTopology]:
-    return await client.discover_all(InstanceSpec(i.instance_id, i.token, i.servers) for i in insts)
-
-
-def server_of(call: RecordedCall) -> str:
-    return call.url.split("/s/", 1)[1].split("/", 1)[0]
-
-
-def port_of(call: RecordedCall) -> str:
-    return call.url.split("://", 1)[1].split("/", 1)[0]
-
-
-def calls_to(recorder: RecordingTransport, inst: GymsimInstance, op: str) -> list[RecordedCall]:
-    return [c for c in recorder.ops(op) if c.url.startswith(inst.base_url)]
-
-
-async def state(inst: GymsimInstance, server: str | None = None) -> dict[str, Any]:
-    return await asyncio.to_thread(inst.state, server)
-
-
-async def wait_running(inst: GymsimInstance, keys: list[str], timeout: float = 5.0) -> None:
-    """Until the agent runs every episode (past its first turn, so it has model and resources state)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        episodes = (await state(inst, "workplace_agent"))["episodes"]
-        if all(k in episodes and episodes[k]["turn"] >= 1 for k in keys):
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"episodes {keys} did not start")
-
-
-async def nothing_hook(_: Any) -> None:
-    return None
-
-
-def assert_all_idle(*insts: GymsimInstance) -> None:
-    for inst in insts:
-        servers = inst.state()["servers"]
-        for name in PARTICIPANTS:
-            if name in servers and servers[name]["participant"]:
-                assert servers[name]["phase"] == "idle", (inst.instance_id, name, servers[name]["phase"])
-                assert servers[name]["admission_open"], (inst.instance_id, name)
+CLIENT_TIMEOUTS = {"control_timeout_s": 1.0, "prepare_timeout_s": 3.0, "discovery_timeout_s": 2.0}
 
 
 # --- 39 ------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import logging
 import pickle
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -31,56 +31,19 @@ from checkpoint_coordinator.gym import (
     classify_run_reply,
     instance_checkpoint_dir,
 )
-from checkpoint_coordinator.gym.testing import RecordedCall, RecordingTransport
-from gymsim.testing import GymsimInstance, default_instance_config, server_config
+from gymsim.testing import default_instance_config, server_config
 
-StartGym = Callable[..., GymsimInstance]
-PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
+from .helpers import PARTICIPANTS, StartGym, nothing, server_of, topology
+from .recording import RecordingTransport
+
 SPELLINGS = ["current", "legacy"]
-
-
-@pytest.fixture
-def start_gym() -> Iterator[StartGym]:
-    started: list[GymsimInstance] = []
-
-    def start(config: dict[str, Any] | None = None, **kwargs: Any) -> GymsimInstance:
-        kwargs.setdefault("turn_seconds", 0.3)
-        inst = GymsimInstance.start(config or default_instance_config(**kwargs))
-        started.append(inst)
-        return inst
-
-    yield start
-    for inst in started:
-        inst.kill()
-
-
-@pytest.fixture
-def recorder() -> RecordingTransport:
-    return RecordingTransport()
-
-
-@pytest.fixture
-async def client(recorder: RecordingTransport) -> AsyncIterator[GymControlClient]:
-    async with GymControlClient(control_timeout_s=1, prepare_timeout_s=2, discovery_timeout_s=2, transport=recorder) as c:
-        yield c
+CLIENT_TIMEOUTS = {"control_timeout_s": 1, "prepare_timeout_s": 2, "discovery_timeout_s": 2}
 
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(timeout=None) as h:
         yield h
-
-
-async def topology(client: GymControlClient, *insts: GymsimInstance) -> dict[str, InstanceTopology]:
-    return await client.discover_all(InstanceSpec(i.instance_id, i.token, i.servers) for i in insts)
-
-
-def server_of(call: RecordedCall) -> str:
-    return call.url.split("/s/", 1)[1].split("/", 1)[0]
-
-
-async def nothing(_: Any) -> None:
-    return None
 
 
 def only_part(err: GymControlError) -> dict[str, Any]:

@@ -1,9 +1,8 @@
-"""Test support: a transport that records control calls and can tamper with replies.
+"""A transport that records the Gym control calls a client sends and can tamper with replies.
 
 Wrapped around a real transport (for example one talking to gymsim), it lets a test observe
 what the client sent, in which order and when, and rewrite a participant's reply to one that
 no valid participant produces (wrong manifest, exports outside the scope, oversized bodies).
-Nothing in the client imports this module.
 """
 
 from __future__ import annotations
@@ -16,7 +15,9 @@ from typing import Any
 
 import httpx
 
-from .channel import CONTROL_PREFIX
+# The protocol's path, written here rather than taken from the client under test: a client with a
+# wrong prefix must not be observed through that same mistake.
+CONTROL_PREFIX = "/ng-control/v1/checkpoint/"
 
 __all__ = ["RecordedCall", "RecordingTransport", "Rewrite"]
 
