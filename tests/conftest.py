@@ -131,6 +131,16 @@ async def client(app) -> AsyncIterator[object]:  # type: ignore[no-untyped-def]
         yield c
 
 
+@pytest.fixture(autouse=True)
+def _remove_checkpoint_roots() -> Iterator[None]:
+    """The checkpoint roots a test's runs were given go with the test (autouse: torn down after
+    the app that wrote into them)."""
+    yield
+    from .integration.ledger_helpers import remove_checkpoint_roots
+
+    remove_checkpoint_roots()
+
+
 def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

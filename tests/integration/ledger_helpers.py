@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import itertools
+import shutil
+import tempfile
 from typing import Any
 
 _dispatch_ids = itertools.count(1)
+_checkpoint_roots: list[str] = []
+
+
+def checkpoint_root() -> str:
+    """A fresh checkpoint root, removed when the test that made it ends (tests/conftest.py)."""
+    root = tempfile.mkdtemp(prefix="ckptc-root-")
+    _checkpoint_roots.append(root)
+    return root
+
+
+def remove_checkpoint_roots() -> None:
+    while _checkpoint_roots:
+        shutil.rmtree(_checkpoint_roots.pop(), ignore_errors=True)
 
 
 class RunApi:
@@ -58,10 +73,8 @@ def group_body(gid: str, n: int = 4, **kw: Any) -> dict[str, Any]:
 
 
 async def new_run(client: Any, admin: dict[str, str], run_id: str = "run-1", **recovery: Any) -> RunApi:
-    import tempfile
-
     # A fresh checkpoint root per run: snapshot directories never change once written (protocol 8.1).
-    root = tempfile.mkdtemp(prefix="ckptc-root-")
+    root = checkpoint_root()
     body = {"run_id": run_id, "checkpoint_root": root, "recovery": {"target_level": "sibling", **recovery}}
     r = await client.post("/v1/runs", json=body, headers=admin)
     assert r.status_code == 201, r.text
