@@ -7,7 +7,6 @@ its own control connection pool and an injectable clock. Failures leave it as
 
 from .client import GymControlClient, RestoreCleanup, Topology, callers_first
 from .clock import Clock, ManualClock, SystemClock
-from .dataplane import RunDisposition, RunOutcome, classify_run_reply
 from .errors import FailureClass, GymControlError, classify, normalize_code
 from .lease import LeaseRenewer
 from .manifest import build_gym_manifest, write_gym_manifest
@@ -20,7 +19,7 @@ from .models import (
     instance_checkpoint_dir,
     parse_capture_key,
 )
-from .policy import check_restart_only, compute_scope
+from .policy import compute_scope
 from .results import (
     BatchResult,
     CommitResult,
@@ -56,16 +55,12 @@ __all__ = [
     "RestoreCleanup",
     "RestoreResult",
     "ResumeReport",
-    "RunDisposition",
-    "RunOutcome",
     "SaveResult",
     "SystemClock",
     "Topology",
     "build_gym_manifest",
     "callers_first",
-    "check_restart_only",
     "classify",
-    "classify_run_reply",
     "compute_scope",
     "format_capture_key",
     "instance_checkpoint_dir",

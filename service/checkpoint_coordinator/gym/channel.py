@@ -21,7 +21,15 @@ from .errors import FailureClass, ServerFailure, classify, normalize_code, serve
 from ..observability.metrics import observe_gym_control
 from .models import _Reply
 
-__all__ = ["CONTROL_PREFIX", "CallFailed", "ControlChannel", "Target", "encode_body", "error_part"]
+__all__ = [
+    "CONTROL_PREFIX",
+    "CallFailed",
+    "ControlChannel",
+    "Target",
+    "encode_body",
+    "error_part",
+    "validation_summary",
+]
 
 
 log = logging.getLogger("checkpoint_coordinator.gym")
@@ -240,7 +248,7 @@ class ControlChannel:
                     server_failure(
                         FailureClass.PROTOCOL_ERROR,
                         op,
-                        f"malformed {op} reply: {_validation_summary(exc)}",
+                        f"malformed {op} reply: {validation_summary(exc)}",
                         http_status=status,
                     ),
                 ) from None
@@ -281,7 +289,7 @@ def error_part(op: str, status: int, content: bytes) -> ServerFailure:
     )
 
 
-def _validation_summary(exc: ValidationError) -> str:
+def validation_summary(exc: ValidationError) -> str:
     errors = exc.errors(include_url=False, include_input=False)
     shown = "; ".join(
         f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in errors[:5]
