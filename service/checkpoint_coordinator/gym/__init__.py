@@ -1,7 +1,9 @@
 """The coordinator's NeMo Gym control client (spec: gym-control-protocol.md, Gen B).
 
-A library for the snapshot and restore choreographies: pure httpx, stdlib and pydantic, with
-its own control connection pool and an injectable clock. Failures leave it as
+A library for the snapshot and restore choreographies: httpx, pydantic and the domain's
+identifier rules, with its own control connection pool and an injectable clock. One module per
+operation (discovery, prepare, renew, commit, resume, restore, retire) behind the
+:class:`GymControlClient` facade. Failures leave it as
 :class:`GymControlError`, whose ``to_dict()`` is the plain data of spec section 9.
 """
 

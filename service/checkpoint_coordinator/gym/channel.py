@@ -28,7 +28,7 @@ __all__ = [
     "Target",
     "encode_body",
     "error_part",
-    "validation_summary",
+    "parse_reply",
 ]
 
 
@@ -121,7 +121,7 @@ class ControlChannel:
         outcome = "ok"
         try:
             status, content = await self._exchange(target, op, "POST", payload, budget)
-            return self._parse(target, op, status, content, reply_model)
+            return parse_reply(target, op, status, content, reply_model)
         except CallFailed as exc:
             outcome = exc.part["class"]
             raise
@@ -236,23 +236,23 @@ class ControlChannel:
             raise _TooLarge(f"reply exceeds max_control_reply_bytes={self.max_reply_bytes}")
         return response.status_code, content
 
-    def _parse(
-        self, target: Target, op: str, status: int, content: bytes, reply_model: type[R]
-    ) -> R:
-        if status == 200:
-            try:
-                return reply_model.model_validate_json(content)
-            except ValidationError as exc:
-                raise CallFailed(
-                    target,
-                    server_failure(
-                        FailureClass.PROTOCOL_ERROR,
-                        op,
-                        f"malformed {op} reply: {validation_summary(exc)}",
-                        http_status=status,
-                    ),
-                ) from None
-        raise CallFailed(target, error_part(op, status, content))
+
+def parse_reply(target: Target, op: str, status: int, content: bytes, reply_model: type[R]) -> R:
+    """The parsed 200 reply; anything else raises :class:`CallFailed`."""
+    if status == 200:
+        try:
+            return reply_model.model_validate_json(content)
+        except ValidationError as exc:
+            raise CallFailed(
+                target,
+                server_failure(
+                    FailureClass.PROTOCOL_ERROR,
+                    op,
+                    f"malformed {op} reply: {_validation_summary(exc)}",
+                    http_status=status,
+                ),
+            ) from None
+    raise CallFailed(target, error_part(op, status, content))
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
@@ -289,7 +289,7 @@ def error_part(op: str, status: int, content: bytes) -> ServerFailure:
     )
 
 
-def validation_summary(exc: ValidationError) -> str:
+def _validation_summary(exc: ValidationError) -> str:
     errors = exc.errors(include_url=False, include_input=False)
     shown = "; ".join(
         f"{'.'.join(str(p) for p in e['loc']) or '<body>'}: {e['msg']}" for e in errors[:5]

@@ -14,11 +14,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pydantic import ValidationError
-
-from .channel import CallFailed, ControlChannel, Target, error_part, validation_summary
+from .channel import CallFailed, ControlChannel, Target, error_part, parse_reply
 from .clock import Clock
-from .errors import FailureClass, GymControlError, classify_status, server_failure
+from .errors import FailureClass, GymControlError, classify_status
 from .models import Episode, InstanceTopology, Participant, StatusReply, _Reply, is_valid_checkpoint_id
 
 __all__ = ["Budgets", "CheckpointBook", "Control", "catch"]
@@ -156,18 +154,7 @@ class Control:
         if status == 404:
             return None
         if status == 200:
-            try:
-                return StatusReply.model_validate_json(content)
-            except ValidationError as exc:
-                raise CallFailed(
-                    target,
-                    server_failure(
-                        FailureClass.PROTOCOL_ERROR,
-                        "status",
-                        f"malformed status reply: {validation_summary(exc)}",
-                        http_status=200,
-                    ),
-                ) from None
+            return parse_reply(target, "status", status, content, StatusReply)
         part = error_part("status", status, content)
         # Only 401, 408, 429 and 5xx have a class of their own at discovery.
         cls = classify_status(status)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .channel import CallFailed, encode_body
 from .context import Control
@@ -109,37 +110,27 @@ def _not_prepared(reply: PrepareReply) -> ServerFailure | None:
 
 async def _conflict(ctl: Control, cid: str, inst: InstanceTopology, p: Participant, refusal: CallFailed) -> ServerFailure:
     """An orphan of ours is resumed and the prepare fails transiently; anything else is ``conflict``."""
+
+    def part(cls: FailureClass, detail: str, **extra: Any) -> ServerFailure:
+        return server_failure(
+            cls, "prepare", detail, http_status=refusal.part["http_status"], code="checkpoint_conflict", **extra
+        )
+
     try:
         status = await ctl.read_status(ctl.target(inst, p))
     except CallFailed as exc:
-        return server_failure(
-            FailureClass.CONFLICT,
-            "prepare",
-            f"{refusal.part['detail']} (status unreadable: {exc.part['detail']})",
-            http_status=refusal.part["http_status"],
-            code="checkpoint_conflict",
-        )
+        return part(FailureClass.CONFLICT, f"{refusal.part['detail']} (status unreadable: {exc.part['detail']})")
     held = status.checkpoint_id if status is not None else None
     if held and held != cid and ctl.book.is_orphan_of_ours(held):
         log.warning("%s/%s holds orphaned checkpoint %s; resuming it", inst.instance_id, p.server_name, held)
         report = await resume_all(ctl, held, {inst.instance_id: inst})
         outcome = "resumed" if report.ok else f"resume failed: {report.failure}"
-        return server_failure(
+        return part(
             FailureClass.UNAVAILABLE,
-            "prepare",
             f"held orphaned checkpoint {held!r} of this coordinator ({outcome}); try again",
-            http_status=refusal.part["http_status"],
-            code="checkpoint_conflict",
             held_checkpoint_id=held,
         )
-    return server_failure(
-        FailureClass.CONFLICT,
-        "prepare",
-        f"instance held by checkpoint {held!r} of another controller",
-        http_status=refusal.part["http_status"],
-        code="checkpoint_conflict",
-        held_checkpoint_id=held,
-    )
+    return part(FailureClass.CONFLICT, f"instance held by checkpoint {held!r} of another controller", held_checkpoint_id=held)
 
 
 def _message(cid: str, failed: Mapping[str, Mapping[str, ServerFailure]]) -> str:
