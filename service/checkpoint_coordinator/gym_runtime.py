@@ -1,34 +1,67 @@
 """The coordinator's Gym clients and the topology of a run, as stored at registration.
 
-One GymControlClient per run (its timeouts are the run's recovery config, and it remembers the
-checkpoint ids it issued). The topology comes from the ledger, not a fresh discovery: discovery
-runs at registration and before a restore (protocol section 3), not before every snapshot.
+:func:`make_client` is the one way to build a Gym control client for a run: its budgets come
+from the run's typed recovery config. :class:`GymClients` keeps one per run, since a client
+remembers the checkpoint ids it issued. The topology comes from the ledger, not a fresh
+discovery: discovery runs at registration and before a restore (protocol section 3), not before
+every snapshot.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import text
+import httpx
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .domain.config import RecoveryConfig, load_recovery_config
 from .gym.client import GymControlClient, Topology
+from .gym.clock import Clock
 from .gym.models import InstanceSpec, InstanceTopology, Participant
+from .ledger.gym_registry import instance_specs, participants_by_instance
+
+__all__ = ["GymClients", "instance_client_specs", "load_topology", "make_client"]
+
+
+def make_client(
+    cfg: RecoveryConfig,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    issued: Iterable[str] | Callable[[str], bool] = (),
+    clock: Clock | None = None,
+) -> GymControlClient:
+    """A control client with the run's budgets.
+
+    ``issued`` names the Gym ids this coordinator issued before (from the ledger), or tells them
+    by a predicate, so that the client recognises its own orphans after a restart. Discovery
+    shares the control budget: the run's config has no budget of its own for it.
+    """
+    owns = issued if callable(issued) else frozenset(issued).__contains__
+    return GymControlClient(
+        control_timeout_s=cfg.control_timeout_s,
+        prepare_timeout_s=cfg.prepare_timeout_s,
+        discovery_timeout_s=cfg.control_timeout_s,
+        transport=transport,
+        owns_checkpoint_id=owns,
+        clock=clock,
+    )
 
 
 class GymClients:
-    def __init__(self, **client_kwargs: Any) -> None:
-        self._clients: dict[str, GymControlClient] = {}
-        self._kwargs = client_kwargs
+    """One client per run, for the process's background work (snapshots, the outbox)."""
 
-    def for_run(self, run_id: str, config: dict[str, Any]) -> GymControlClient:
+    def __init__(self, *, transport: httpx.AsyncBaseTransport | None = None, clock: Clock | None = None) -> None:
+        self._clients: dict[str, GymControlClient] = {}
+        self._transport = transport
+        self._clock = clock
+
+    def for_run(self, run_id: str, config: RecoveryConfig | Mapping[str, Any]) -> GymControlClient:
+        """``config`` is the run's recovery config, typed or as stored (validated when stored)."""
         client = self._clients.get(run_id)
         if client is None:
-            client = GymControlClient(
-                control_timeout_s=float(config.get("control_timeout_s", 60)),
-                prepare_timeout_s=float(config.get("prepare_timeout_s", 300)),
-                **self._kwargs,
-            )
+            cfg = config if isinstance(config, RecoveryConfig) else load_recovery_config(config)
+            client = make_client(cfg, transport=self._transport, clock=self._clock)
             self._clients[run_id] = client
         return client
 
@@ -38,34 +71,28 @@ class GymClients:
         self._clients.clear()
 
 
+async def instance_client_specs(conn: AsyncConnection, run_id: str) -> list[InstanceSpec]:
+    """The run's registered instances, as the Gym client reaches them (tokens included)."""
+    return [InstanceSpec(s.instance_id, s.control_token, s.servers) for s in await instance_specs(conn, run_id)]
+
+
 async def load_topology(conn: AsyncConnection, run_id: str) -> Topology:
     """The run's registered instances with their discovered participants."""
-    insts = (
-        await conn.execute(
-            text("SELECT instance_id, control_token, servers FROM gym_instances WHERE run_id = :r ORDER BY instance_id"), {"r": run_id}
-        )
-    ).all()
-    parts = (
-        await conn.execute(
-            text(
-                "SELECT instance_id, server_name, base_url, kind, participant_name, mode, stage FROM gym_participants "
-                "WHERE run_id = :r ORDER BY instance_id, stage, server_name"
-            ),
-            {"r": run_id},
-        )
-    ).all()
-    by_inst: dict[str, list[Participant]] = {}
-    for p in parts:
-        by_inst.setdefault(p.instance_id, []).append(
-            Participant(
-                server_name=p.server_name, base_url=p.base_url, kind=p.kind, participant_name=p.participant_name,
-                mode=p.mode, phase="idle", stage=p.stage,
-            )
-        )
+    by_inst = await participants_by_instance(conn, run_id)
     topo: dict[str, InstanceTopology] = {}
-    for i in insts:
-        spec = InstanceSpec(i.instance_id, i.control_token, dict(i.servers))
-        members = tuple(by_inst.get(i.instance_id, ()))
+    for spec in await instance_client_specs(conn, run_id):
+        members = tuple(
+            Participant(
+                server_name=p.server_name,
+                base_url=p.base_url,
+                kind=p.kind,
+                participant_name=p.participant_name,
+                mode=p.mode,
+                phase="idle",
+                stage=p.stage,
+            )
+            for p in by_inst.get(spec.instance_id, ())
+        )
         non = tuple(sorted(set(spec.servers) - {p.server_name for p in members}))
-        topo[i.instance_id] = InstanceTopology(spec=spec, participants=members, non_participants=non)
+        topo[spec.instance_id] = InstanceTopology(spec=spec, participants=members, non_participants=non)
     return topo

@@ -13,13 +13,15 @@ from typing import Any
 
 import pytest
 
+from checkpoint_coordinator.domain.config import RestartOnlyVerdict, check_restart_only_servers, load_recovery_config
 from checkpoint_coordinator.gym import (
     FailureClass,
     GymControlClient,
     GymControlError,
     InstanceSpec,
-    check_restart_only,
+    InstanceTopology,
 )
+from checkpoint_coordinator.restore.registration import participant_record, restart_only_servers
 from gymsim.testing import GymsimInstance, default_instance_config, server_config
 
 from .helpers import StartGym
@@ -30,6 +32,13 @@ CLIENT_TIMEOUTS = {"control_timeout_s": 2, "prepare_timeout_s": 2, "discovery_ti
 
 def spec_of(inst: GymsimInstance, **extra_servers: str) -> InstanceSpec:
     return InstanceSpec(inst.instance_id, inst.token, {**inst.servers, **extra_servers})
+
+
+def restart_only_policy(live: dict[str, InstanceTopology], allow: bool) -> RestartOnlyVerdict:
+    """The rule registration applies to what discovery found, at target level turn."""
+    cfg = load_recovery_config({"target_level": "turn", "allow_restart_only_gym_servers": allow})
+    found = restart_only_servers({iid: map(participant_record, t.participants) for iid, t in live.items()})
+    return check_restart_only_servers(cfg, found)
 
 
 def dead_url() -> str:
@@ -202,27 +211,26 @@ async def test_c38_restart_only_policy_after_discovery(start_gym: StartGym, clie
     a = start_gym(instance_id="math/replica-0", resources_mode="restart_only")
     b = start_gym(server_config(default_instance_config("math/replica-1"), "workplace_agent", mode="restart_only"))
     live = await client.discover_all([spec_of(a), spec_of(b)])
-    by_instance = {iid: t.participants for iid, t in live.items()}
-    with pytest.raises(GymControlError) as info:
-        client.check_restart_only(by_instance, "turn", False)
-    assert info.value.failure_class is FailureClass.CONFIG_ERROR
+    refused = restart_only_policy(live, allow=False)
     # A published agent reports no mode (section 13 P3), so only its restarts at each prepare
     # tell that it cannot continue; discovery can flag the resources server alone.
-    flagged = {"math/replica-0": ["calendar_resources"]}
+    flagged = ["math/replica-0:calendar_resources"]
     if gym_profile == "strict":
-        flagged["math/replica-1"] = ["workplace_agent"]
-    assert info.value.server_names() == flagged
-    warnings = check_restart_only(by_instance, "turn", True)
-    assert len(warnings) == 1
-    assert "math/replica-0/calendar_resources" in warnings[0]
-    assert ("math/replica-1/workplace_agent" in warnings[0]) == (gym_profile == "strict")
+        flagged.append("math/replica-1:workplace_agent")
+    assert refused.error is not None and list(refused.restart_only_servers) == flagged
+    for name in flagged:
+        assert name in refused.error
+    accepted = restart_only_policy(live, allow=True)
+    assert accepted.accepted and len(accepted.warnings) == 1
+    assert "math/replica-0:calendar_resources" in accepted.warnings[0]
+    assert ("math/replica-1:workplace_agent" in accepted.warnings[0]) == (gym_profile == "strict")
 
 
 async def test_c38_flag_without_restart_only_warns_no_effect(start_gym: StartGym, client: GymControlClient) -> None:
     inst = start_gym()
     topo = await client.discover_instance(spec_of(inst))
-    warnings = check_restart_only({inst.instance_id: topo.participants}, "turn", True)
-    assert len(warnings) == 1 and "no effect" in warnings[0]
+    verdict = restart_only_policy({inst.instance_id: topo}, allow=True)
+    assert verdict.accepted and len(verdict.warnings) == 1 and "no effect" in verdict.warnings[0]
 
 
 async def test_c38_status_without_mode_is_not_flagged_and_warns(
@@ -238,7 +246,7 @@ async def test_c38_status_without_mode_is_not_flagged_and_warns(
     assert any(silent in w and "no checkpoint mode" in w for w in topo.warnings)
     assert any("no checkpoint mode" in r.getMessage() for r in caplog.records)
     # Not restart-only: the strict policy accepts it.
-    assert check_restart_only({inst.instance_id: topo.participants}, "turn", False) == []
+    assert restart_only_policy({inst.instance_id: topo}, allow=False).accepted
 
 
 async def test_c35_participant_name_differing_from_server_name_warns(start_gym: StartGym, client: GymControlClient) -> None:

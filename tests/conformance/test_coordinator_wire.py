@@ -27,9 +27,8 @@ from checkpoint_coordinator.gym import (
     GymSave,
     InstanceSpec,
     InstanceTopology,
-    RunDisposition,
-    classify_run_reply,
     instance_checkpoint_dir,
+    normalize_code,
 )
 from gymsim.testing import default_instance_config, server_config
 
@@ -175,14 +174,14 @@ async def test_c62_admission_refusal_on_run_is_retry_same_attempt_after_resume(
     await client.prepare(cid, topo)
     row = {"_ng_rollout_id": "late", "_ng_attempt_index": 0, "task": {}, "turns": 1}
     refused = await http.post(inst.servers["workplace_agent"] + "/run", json=row)
-    outcome = classify_run_reply(refused.status_code, refused.content)
-    assert outcome.disposition is RunDisposition.RETRY_SAME_ATTEMPT_AFTER_RESUME
-    assert not outcome.spends_attempt and not outcome.needs_retire and not outcome.new_rollout_id
+    # Either spelling is recognised as the admission refusal: the row never started, so the
+    # caller re-sends the same attempt rather than spending one.
+    assert refused.status_code == 409
+    assert normalize_code(refused.json()["error"]["code"]) == "admission_closed"
     await client.resume(cid, topo)
-    # The very same row, same rollout id and attempt, is admitted after resume.
+    # The very same row, same rollout id and attempt, is admitted after resume: no mark was raised.
     again = await http.post(inst.servers["workplace_agent"] + "/run", json=row)
     assert again.status_code == 200
-    assert classify_run_reply(again.status_code, again.content).disposition is RunDisposition.COMPLETED
 
 
 # --- 63 ------------------------------------------------------------------------------------------

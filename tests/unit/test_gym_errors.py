@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpoint_coordinator.gym.dataplane import RunDisposition, classify_run_reply
 from checkpoint_coordinator.gym.errors import (
     DETAIL_LIMIT_BYTES,
     LEGACY_CODES,
@@ -152,16 +151,3 @@ def test_c64_failure_serialises_to_plain_data_and_pickles() -> None:
     assert isinstance(clone, GymControlError)
     assert clone.to_dict() == data
     assert GymControlError.from_dict(data).to_dict() == data
-
-
-def test_c62_admission_refusal_on_run_retries_same_attempt_without_spending_one() -> None:
-    for code in ("checkpoint_parked", "admission_closed", "checkpoint_admission_closed", "agent_admission_closed"):
-        out = classify_run_reply(409, json.dumps({"error": {"code": code, "detail": "parked"}}).encode())
-        assert out.disposition is RunDisposition.RETRY_SAME_ATTEMPT_AFTER_RESUME
-        assert not out.spends_attempt and not out.needs_retire and not out.new_rollout_id
-    stale = classify_run_reply(409, {"error": {"code": "checkpoint_stale_attempt", "detail": ""}})
-    assert stale.disposition is RunDisposition.STALE_ATTEMPT
-    lost = classify_run_reply(None, None)
-    assert lost.disposition is RunDisposition.NO_REPLY and lost.needs_retire and lost.new_rollout_id
-    bug = classify_run_reply(400, {"error": {"code": "rollout_id_required", "detail": ""}})
-    assert bug.disposition is RunDisposition.DATA_FAILURE and bug.spends_attempt

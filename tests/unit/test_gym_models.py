@@ -1,4 +1,5 @@
-"""Capture keys, episode objects, reply parsing and the restart-only policy (pure parts)."""
+"""Capture keys, episode objects, reply parsing, the commit scope and the restart-only rule
+(pure parts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from checkpoint_coordinator.gym.models import (
     CommitReply,
     Episode,
     InstanceSpec,
-    Participant,
     StatusReply,
     episodes_to_wire,
     format_capture_key,
@@ -20,7 +20,10 @@ from checkpoint_coordinator.gym.models import (
     is_valid_rollout_id,
     parse_capture_key,
 )
-from checkpoint_coordinator.gym.policy import check_restart_only, compute_scope
+from checkpoint_coordinator.domain.config import check_restart_only_servers, load_recovery_config
+from checkpoint_coordinator.gym.policy import compute_scope
+from checkpoint_coordinator.ledger.gym_registry import ParticipantRecord
+from checkpoint_coordinator.restore.registration import restart_only_servers
 
 rollout_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,30}", fullmatch=True).filter(is_valid_rollout_id)
 attempts = st.integers(min_value=0, max_value=10_000)
@@ -91,8 +94,8 @@ def test_c64_unknown_reply_fields_are_ignored_and_types_strict() -> None:
         CommitReply.model_validate_json(b'{"phase":"committed","episode_ids":[]}')
 
 
-def _p(name: str, kind: str, mode: str | None) -> Participant:
-    return Participant(name, "http://x", kind, name, mode, "idle", {"model": 1, "agent": 2, "resources": 3}[kind])
+def _p(name: str, kind: str, mode: str | None) -> ParticipantRecord:
+    return ParticipantRecord(name, "http://x", kind, name, mode, {"model": 1, "agent": 2, "resources": 3}[kind])
 
 
 TOPO = {
@@ -102,37 +105,27 @@ TOPO = {
 
 
 def test_c38_restart_only_fails_setup_naming_every_server() -> None:
-    with pytest.raises(GymControlError) as info:
-        check_restart_only(TOPO, "turn", False)
-    err = info.value
-    assert err.failure_class is FailureClass.CONFIG_ERROR and not err.transient
-    assert err.server_names() == {"a/0": ["tools"], "b/0": ["agent"]}
-    assert "a/0/tools" in str(err) and "b/0/agent" in str(err)
+    found = restart_only_servers(TOPO)
     # A status without a mode (old Gym) is never flagged.
-    assert "old" not in str(err)
+    assert found == {"a/0": ["tools"], "b/0": ["agent"]}
+    verdict = check_restart_only_servers(load_recovery_config({"target_level": "turn"}), found)
+    assert verdict.error is not None
+    assert "a/0:tools" in verdict.error and "b/0:agent" in verdict.error and "old" not in verdict.error
 
 
 def test_c38_restart_only_allowed_warns_naming_them() -> None:
-    warnings = check_restart_only(TOPO, "turn", True)
-    assert len(warnings) == 1 and "a/0/tools" in warnings[0] and "b/0/agent" in warnings[0]
+    cfg = load_recovery_config({"target_level": "turn", "allow_restart_only_gym_servers": True})
+    verdict = check_restart_only_servers(cfg, restart_only_servers(TOPO))
+    assert verdict.accepted and len(verdict.warnings) == 1
+    assert "a/0:tools" in verdict.warnings[0] and "b/0:agent" in verdict.warnings[0]
 
 
 def test_c38_flag_without_restart_only_servers_warns_no_effect() -> None:
     clean = {"a/0": [_p("policy", "model", "exported"), _p("old", "agent", None)]}
-    warnings = check_restart_only(clean, "turn", True)
-    assert len(warnings) == 1 and "no effect" in warnings[0]
-    assert check_restart_only(clean, "turn", False) == []
-
-
-def test_c38_flag_with_coarser_level_rejected() -> None:
-    for level in ("sibling", "prompt_group"):
-        with pytest.raises(GymControlError) as info:
-            check_restart_only(TOPO, level, True)
-        assert info.value.failure_class is FailureClass.CONFIG_ERROR
-        # Without the flag, restart-only servers lose nothing at a coarser level.
-        assert check_restart_only(TOPO, level, False) == []
-    with pytest.raises(GymControlError):
-        check_restart_only(TOPO, "prefix", False)
+    assert restart_only_servers(clean) == {}
+    cfg = load_recovery_config({"target_level": "turn", "allow_restart_only_gym_servers": True})
+    verdict = check_restart_only_servers(cfg, restart_only_servers(clean))
+    assert verdict.accepted and len(verdict.warnings) == 1 and "no effect" in verdict.warnings[0]
 
 
 def test_c44_scope_excludes_restarts_and_refuses_wrong_attempt() -> None:

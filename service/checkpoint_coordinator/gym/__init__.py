@@ -1,13 +1,14 @@
 """The coordinator's NeMo Gym control client (spec: gym-control-protocol.md, Gen B).
 
-A library for the snapshot and restore choreographies: pure httpx, stdlib and pydantic, with
-its own control connection pool and an injectable clock. Failures leave it as
+A library for the snapshot and restore choreographies: httpx, pydantic and the domain's
+identifier rules, with its own control connection pool and an injectable clock. One module per
+operation (discovery, prepare, renew, commit, resume, restore, retire) behind the
+:class:`GymControlClient` facade. Failures leave it as
 :class:`GymControlError`, whose ``to_dict()`` is the plain data of spec section 9.
 """
 
 from .client import GymControlClient, RestoreCleanup, Topology, callers_first
 from .clock import Clock, ManualClock, SystemClock
-from .dataplane import RunDisposition, RunOutcome, classify_run_reply
 from .errors import FailureClass, GymControlError, classify, normalize_code
 from .lease import LeaseRenewer
 from .manifest import build_gym_manifest, write_gym_manifest
@@ -20,7 +21,7 @@ from .models import (
     instance_checkpoint_dir,
     parse_capture_key,
 )
-from .policy import check_restart_only, compute_scope
+from .policy import compute_scope
 from .results import (
     BatchResult,
     CommitResult,
@@ -56,16 +57,12 @@ __all__ = [
     "RestoreCleanup",
     "RestoreResult",
     "ResumeReport",
-    "RunDisposition",
-    "RunOutcome",
     "SaveResult",
     "SystemClock",
     "Topology",
     "build_gym_manifest",
     "callers_first",
-    "check_restart_only",
     "classify",
-    "classify_run_reply",
     "compute_scope",
     "format_capture_key",
     "instance_checkpoint_dir",

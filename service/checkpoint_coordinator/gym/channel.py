@@ -21,7 +21,15 @@ from .errors import FailureClass, ServerFailure, classify, normalize_code, serve
 from ..observability.metrics import observe_gym_control
 from .models import _Reply
 
-__all__ = ["CONTROL_PREFIX", "CallFailed", "ControlChannel", "Target", "encode_body", "error_part"]
+__all__ = [
+    "CONTROL_PREFIX",
+    "CallFailed",
+    "ControlChannel",
+    "Target",
+    "encode_body",
+    "error_part",
+    "parse_reply",
+]
 
 
 log = logging.getLogger("checkpoint_coordinator.gym")
@@ -113,7 +121,7 @@ class ControlChannel:
         outcome = "ok"
         try:
             status, content = await self._exchange(target, op, "POST", payload, budget)
-            return self._parse(target, op, status, content, reply_model)
+            return parse_reply(target, op, status, content, reply_model)
         except CallFailed as exc:
             outcome = exc.part["class"]
             raise
@@ -228,23 +236,23 @@ class ControlChannel:
             raise _TooLarge(f"reply exceeds max_control_reply_bytes={self.max_reply_bytes}")
         return response.status_code, content
 
-    def _parse(
-        self, target: Target, op: str, status: int, content: bytes, reply_model: type[R]
-    ) -> R:
-        if status == 200:
-            try:
-                return reply_model.model_validate_json(content)
-            except ValidationError as exc:
-                raise CallFailed(
-                    target,
-                    server_failure(
-                        FailureClass.PROTOCOL_ERROR,
-                        op,
-                        f"malformed {op} reply: {_validation_summary(exc)}",
-                        http_status=status,
-                    ),
-                ) from None
-        raise CallFailed(target, error_part(op, status, content))
+
+def parse_reply(target: Target, op: str, status: int, content: bytes, reply_model: type[R]) -> R:
+    """The parsed 200 reply; anything else raises :class:`CallFailed`."""
+    if status == 200:
+        try:
+            return reply_model.model_validate_json(content)
+        except ValidationError as exc:
+            raise CallFailed(
+                target,
+                server_failure(
+                    FailureClass.PROTOCOL_ERROR,
+                    op,
+                    f"malformed {op} reply: {_validation_summary(exc)}",
+                    http_status=status,
+                ),
+            ) from None
+    raise CallFailed(target, error_part(op, status, content))
 
 
 def encode_body(body: dict[str, Any]) -> bytes:

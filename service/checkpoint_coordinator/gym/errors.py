@@ -16,15 +16,22 @@ __all__ = [
     "FailureClass",
     "GymControlError",
     "ServerFailure",
+    "INSTANCE_WIDE",
+    "SAMPLE",
     "TRANSIENT_CLASSES",
     "classify",
     "classify_status",
     "normalize_code",
+    "parts_summary",
+    "sample",
+    "server_failure",
     "truncate_detail",
 ]
 
 # Section 2: the coordinator truncates what it logs or propagates to 4 KiB.
 DETAIL_LIMIT_BYTES = 4096
+# How many sample ids a failure or a warning names at most.
+SAMPLE = 10
 
 
 class FailureClass(StrEnum):
@@ -196,6 +203,19 @@ def server_failure(
     }
     part.update(extra)
     return part
+
+
+def sample(items: Iterable[str]) -> list[str]:
+    return sorted(items)[:SAMPLE]
+
+
+def parts_summary(parts: Mapping[str, Mapping[str, ServerFailure]]) -> str:
+    """One line per failed server, for messages."""
+    return "; ".join(
+        f"{iid}/{server}: {part['op']} {part['class']}: {part['detail']}"
+        for iid, servers in sorted(parts.items())
+        for server, part in sorted(servers.items())
+    )
 
 
 class GymControlError(Exception):

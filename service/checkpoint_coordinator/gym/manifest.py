@@ -6,10 +6,10 @@ Loading and validating a manifest belongs to the domain layer; this module only 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
+from .files import write_file_atomically
 from .results import CommitResult
 
 __all__ = ["GYM_MANIFEST_FILENAME", "GYM_MANIFEST_VERSION", "build_gym_manifest", "write_gym_manifest"]
@@ -41,23 +41,10 @@ def build_gym_manifest(checkpoint_id: str, commit: CommitResult) -> dict[str, An
 
 
 def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any]) -> str:
-    """Write ``<snapshot_dir>/gym_checkpoint.json`` atomically; returns the path.
+    """Write ``<snapshot_dir>/gym_checkpoint.json`` with sorted keys, atomically; returns the path.
 
-    Temporary file, fsync, rename, then fsync of the directory, so a crash leaves either the
-    old file or the complete new one.
+    This is the one writer of the file; callers that must refuse an invalid manifest validate
+    it first (``restore.gym_manifest_file``).
     """
-    os.makedirs(snapshot_dir, exist_ok=True)
-    path = os.path.join(snapshot_dir, GYM_MANIFEST_FILENAME)
-    tmp = path + ".tmp"
-    data = json.dumps(manifest, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(snapshot_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-    return path
+    data = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    return write_file_atomically(snapshot_dir, GYM_MANIFEST_FILENAME, data)

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from ..domain.identity import CHECKPOINT_ID, INSTANCE_ID, SERVER_NAME, is_valid_rollout_id
+
 __all__ = [
     "AGENT",
     "CommitReply",
@@ -37,6 +39,7 @@ __all__ = [
     "RetireReply",
     "STAGE_OF_KIND",
     "StatusReply",
+    "Topology",
     "episodes_to_wire",
     "format_capture_key",
     "instance_checkpoint_dir",
@@ -47,8 +50,6 @@ __all__ = [
     "parse_capture_key",
 ]
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_ROLLOUT_SUFFIX_RE = re.compile(r"-a[0-9]+$")
 _CAPTURE_KEY_RE = re.compile(r"^(.+)-a([1-9][0-9]*)$")
 
 ENVIRONMENT = "environment"
@@ -62,31 +63,10 @@ MODES = frozenset({"exported", "stateless", "restart_only"})
 MODE_ALIASES = {"export_restore": "exported"}
 PHASES = frozenset({"idle", "preparing", "prepared", "committed", "restored"})
 
-
-def is_valid_name(value: object) -> bool:
-    return isinstance(value, str) and NAME_RE.match(value) is not None
-
-
-def is_valid_checkpoint_id(value: object) -> bool:
-    return isinstance(value, str) and 1 <= len(value) <= 128 and NAME_RE.match(value) is not None
-
-
-def is_valid_rollout_id(value: object) -> bool:
-    return (
-        isinstance(value, str)
-        and 1 <= len(value) <= 256
-        and NAME_RE.match(value) is not None
-        # The suffix is reserved for capture keys, so a key always parses back unambiguously.
-        and _ROLLOUT_SUFFIX_RE.search(value) is None
-    )
-
-
-def is_valid_instance_id(value: object) -> bool:
-    return (
-        isinstance(value, str)
-        and 1 <= len(value) <= 256
-        and all(NAME_RE.match(seg) for seg in value.split("/"))
-    )
+# The identifier rules are the domain's; the client checks what it sends and what it names.
+is_valid_name = SERVER_NAME.is_valid
+is_valid_checkpoint_id = CHECKPOINT_ID.is_valid
+is_valid_instance_id = INSTANCE_ID.is_valid
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -220,6 +200,10 @@ class InstanceTopology:
         return [groups[s] for s in sorted(groups, reverse=reverse)]
 
 
+Topology = Mapping[str, InstanceTopology]
+"""What discovery returned for a run's instances, keyed by instance id."""
+
+
 # --- reply models ------------------------------------------------------------------------------
 
 StrictNonNegInt = Annotated[int, Field(ge=0, strict=True)]
@@ -241,7 +225,7 @@ class StatusReply(_Reply):
     kind: str
     instance: str
     phase: str
-    # Absent on Gym before PR #4957; such a participant is never flagged as restart-only.
+    # Absent on older Gym versions; such a participant is never flagged as restart-only.
     mode: str | None = None
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None

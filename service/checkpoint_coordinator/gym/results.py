@@ -16,6 +16,7 @@ __all__ = [
     "InstanceCommit",
     "PrepareResult",
     "RenewResult",
+    "RestoreCleanup",
     "RestoreResult",
     "ResumeReport",
     "SaveResult",
@@ -190,3 +191,29 @@ class SaveResult:
     @property
     def gym_restarted_episodes(self) -> int:
         return sum(len(r) for r in self.restarts.values())
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCleanup:
+    """What the all-or-nothing restore cleanup (retire N+1, then resume) achieved."""
+
+    restore_id: str
+    batches: tuple[BatchResult, ...]
+    resume: ResumeReport
+    # Per instance, the rollouts whose continuations are abandoned: restart them from their task.
+    rollouts_to_restart: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def failure(self) -> GymControlError | None:
+        errors = [b.failure for b in self.batches if b.failure is not None]
+        if self.resume.failure is not None:
+            errors.append(self.resume.failure)
+        return GymControlError.combine(errors) if errors else None
+
+    def unretired(self) -> dict[str, list[str]]:
+        """Capture keys whose retire failed, per instance: the caller's outbox keeps them."""
+        owed: dict[str, list[str]] = {}
+        for batch in self.batches:
+            if batch.failure is not None:
+                owed.setdefault(batch.instance_id, []).extend(e.capture_key for e in batch.episodes)
+        return owed

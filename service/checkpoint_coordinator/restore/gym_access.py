@@ -1,49 +1,33 @@
-"""Reaching a run's Gym instances: the control client built from the run's config, the
-registered instances as client specs, and the freshness probe a restore runs before it touches
-Gym."""
+"""Reaching a run's Gym instances from the restore side: the registered instances as client
+specs, and the freshness probe a restore runs before it touches Gym. Clients come from the one
+factory, :func:`checkpoint_coordinator.gym_runtime.make_client`."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..domain.config import RecoveryConfig
+from ..gym.channel import CallFailed
 from ..gym.client import GymControlClient
-from ..gym.models import InstanceSpec, InstanceTopology
-from ..ledger.gym_registry import StoredSpec, instance_specs, issued_gym_ids
+from ..gym.models import InstanceSpec, InstanceTopology, Participant
+from ..gym_runtime import instance_client_specs, make_client
+from ..ledger.gym_registry import issued_gym_ids
 
-CONTROL_PREFIX = "/ng-control/v1/checkpoint/"
-# Informational readiness counters (protocol 5) that, when positive, show live data-plane work.
+__all__ = ["make_client", "probe_freshness", "registered_specs"]
+
+# Informational readiness counters that, when positive, show live data-plane work.
 _LIVE_COUNTS = frozenset(
     {"episodes", "sessions", "in_flight", "working", "at_boundary", "on_wire", "computing", "held", "streaming", "waiting", "unclaimed", "native"}
 )
 
 
-def make_client(
-    cfg: RecoveryConfig, *, transport: httpx.AsyncBaseTransport | None = None, issued: Iterable[str] = ()
-) -> GymControlClient:
-    owned = frozenset(issued)
-    return GymControlClient(
-        control_timeout_s=cfg.control_timeout_s,
-        prepare_timeout_s=cfg.prepare_timeout_s,
-        discovery_timeout_s=cfg.control_timeout_s,
-        transport=transport,
-        owns_checkpoint_id=owned.__contains__,
-    )
-
-
-def to_spec(s: StoredSpec) -> InstanceSpec:
-    return InstanceSpec(s.instance_id, s.control_token, s.servers)
-
-
 async def registered_specs(conn: AsyncConnection, run_id: str) -> tuple[list[InstanceSpec], frozenset[str]]:
     """The run's registered instances as client specs, and the Gym ids the coordinator issued."""
-    specs = [to_spec(s) for s in await instance_specs(conn, run_id)]
-    return specs, await issued_gym_ids(conn, run_id)
+    return await instance_client_specs(conn, run_id), await issued_gym_ids(conn, run_id)
 
 
 async def probe_freshness(
@@ -51,6 +35,7 @@ async def probe_freshness(
     *,
     timeout_s: float,
     transport: httpx.AsyncBaseTransport | None = None,
+    client: GymControlClient | None = None,
 ) -> dict[str, dict[str, list[str]]]:
     """Per instance and participant, why it has evidently served work since it started.
 
@@ -61,20 +46,22 @@ async def probe_freshness(
     (``unclaimed``/``restored_pending``), blockers, restarts or live-work counters in its
     readiness report. Gym's own refusal (409 ``checkpoint_error``) remains the last word.
     A status that cannot be read is not judged here: the restore's own discovery reports it.
+
+    The statuses are read through ``client`` (the restore's own), or without one through a
+    short-lived client on ``transport`` whose budgets are ``timeout_s``.
     """
-    async with httpx.AsyncClient(transport=transport, trust_env=False, timeout=timeout_s) as http:
+    if client is None:
+        async with GymControlClient(control_timeout_s=timeout_s, discovery_timeout_s=timeout_s, transport=transport) as own:
+            return await probe_freshness(topology, timeout_s=timeout_s, client=own)
 
-        async def one(inst: InstanceTopology, server: str, url: str) -> tuple[str, str, list[str]]:
-            token = inst.spec.token.get_secret_value()
-            try:
-                resp = await http.get(url.rstrip("/") + CONTROL_PREFIX + "status", headers={"Authorization": f"Bearer {token}"})
-                body = resp.json() if resp.status_code == 200 else None
-            except (httpx.HTTPError, ValueError):
-                body = None
-            return inst.instance_id, server, _signs(body) if isinstance(body, dict) else []
+    async def one(inst: InstanceTopology, p: Participant) -> tuple[str, str, list[str]]:
+        try:
+            body = await client.status_document(inst, p)
+        except CallFailed:
+            body = None
+        return inst.instance_id, p.server_name, _signs(body) if body is not None else []
 
-        calls = [one(inst, p.server_name, p.base_url) for inst in topology.values() for p in inst.participants]
-        results = await asyncio.gather(*calls)
+    results = await asyncio.gather(*(one(inst, p) for inst in topology.values() for p in inst.participants))
     out: dict[str, dict[str, list[str]]] = {}
     for iid, server, signs in results:
         if signs:

@@ -9,7 +9,7 @@ passes is anything stored.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,18 +19,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..domain.config import RecoveryConfig, check_restart_only_servers, gym_checkpoint_settings, load_recovery_config
 from ..domain.errors import DomainError
 from ..gym.errors import GymControlError
-from ..gym.models import InstanceSpec
+from ..gym.models import InstanceSpec, InstanceTopology, Participant
+from ..gym_runtime import make_client
 from ..ledger.gym_registry import (
     InstanceRecord,
     ParticipantRecord,
     list_instances,
+    participant_json,
     participants_by_instance,
     store_instances,
 )
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from .errors import GymFailure, RestartOnlyRefused
-from .gym_access import make_client
 
 log = logging.getLogger("checkpoint_coordinator.restore")
 
@@ -50,10 +51,20 @@ def run_config(raw: dict[str, Any]) -> RecoveryConfig:
 
 
 def is_restart_only(p: ParticipantRecord) -> bool:
-    """A participant that cannot continue a session after a crash: a resources server in mode
-    ``restart_only``, an agent whose mode says it cannot continue sessions, or any other
-    participant reporting ``restart_only``. A participant without a mode (an older Gym) is not."""
+    """A participant that cannot continue a session after a crash reports ``restart_only``; one
+    without a mode (an older Gym) is not restart-only."""
     return p.mode == "restart_only"
+
+
+def restart_only_servers(participants: Mapping[str, Iterable[ParticipantRecord]]) -> dict[str, list[str]]:
+    """Per instance, the sorted names of its restart-only participants (instances without any
+    left out): what ``allow_restart_only_gym_servers`` is applied to."""
+    found = {iid: sorted(p.server_name for p in ps if is_restart_only(p)) for iid, ps in participants.items()}
+    return {iid: names for iid, names in found.items() if names}
+
+
+def participant_record(p: Participant) -> ParticipantRecord:
+    return ParticipantRecord(p.server_name, p.base_url, p.kind, p.participant_name, p.mode, p.stage)
 
 
 def gym_settings(cfg: RecoveryConfig) -> dict[str, Any]:
@@ -90,10 +101,8 @@ async def register_instances(
     warnings: list[str] = []
     for reg in registrations:
         topo = topology[reg.instance_id]
-        parts = tuple(
-            ParticipantRecord(p.server_name, p.base_url, p.kind, p.participant_name, p.mode, p.stage) for p in topo.participants
-        )
-        records.append(InstanceRecord(reg.instance_id, reg.control_token, dict(reg.servers), parts))
+        record = InstanceRecord(reg.instance_id, reg.control_token, dict(reg.servers), tuple(map(participant_record, topo.participants)))
+        records.append(record)
         warnings.extend(topo.warnings)
         busy = {p.server_name: p.checkpoint_id for p in topo.participants if p.phase != "idle"}
         if busy:
@@ -102,32 +111,12 @@ async def register_instances(
                 + ", ".join(f"{s} ({c})" for s, c in sorted(busy.items()))
                 + "; a snapshot or restore resumes or refuses them"
             )
-        answer_instances.append(
-            {
-                "instance_id": reg.instance_id,
-                "servers": dict(sorted(reg.servers.items())),
-                "participants": [
-                    {
-                        "server_name": p.server_name,
-                        "base_url": p.base_url,
-                        "kind": p.kind,
-                        "participant_name": p.participant_name,
-                        "mode": p.mode,
-                        "stage": p.stage,
-                        "phase": p.phase,
-                        "restart_only": p.mode == "restart_only",
-                    }
-                    for p in topo.participants
-                ],
-                "non_participants": list(topo.non_participants),
-            }
-        )
+        answer_instances.append(_answer_instance(reg, topo, record))
 
     # The rule applies to every participant the run will have after this registration.
     merged = {iid: list(ps) for iid, ps in stored.items()}
     merged.update({r.instance_id: list(r.participants) for r in records})
-    restart_only = {iid: sorted(p.server_name for p in ps if is_restart_only(p)) for iid, ps in merged.items()}
-    restart_only = {iid: names for iid, names in restart_only.items() if names}
+    restart_only = restart_only_servers(merged)
     verdict = check_restart_only_servers(cfg, restart_only)
     if verdict.error is not None:
         raise RestartOnlyRefused(
@@ -149,6 +138,18 @@ async def register_instances(
         "restart_only_servers": list(verdict.restart_only_servers),
         "warnings": warnings,
         "gym_settings": gym_settings(cfg),
+    }
+
+
+def _answer_instance(reg: Registration, topo: InstanceTopology, record: InstanceRecord) -> dict[str, Any]:
+    return {
+        "instance_id": reg.instance_id,
+        "servers": dict(sorted(reg.servers.items())),
+        "participants": [
+            {**participant_json(r), "phase": p.phase, "restart_only": is_restart_only(r)}
+            for p, r in zip(topo.participants, record.participants)
+        ],
+        "non_participants": list(topo.non_participants),
     }
 
 
