@@ -31,8 +31,9 @@ SERVICE_AREAS = {
     "domain": "domain",
     "ledger": "ledger",
     "gym": "gym",
-    # Builds the Gym clients the background workers use: part of the Gym layer.
-    "gym_runtime": "gym",
+    # Builds the Gym clients and reads a run's registered topology for the choreographies: it
+    # joins the Gym client and the ledger, below the choreographies, above both.
+    "gym_runtime": "runtime",
     # Cross-cutting support every layer but the domain may use; it may use only the domain, so
     # that allowing it from below opens no path upwards.
     "observability": "support",
@@ -56,7 +57,7 @@ PACKAGE_AREAS = {
 }
 
 _MIDDLE = {"snapshots", "restore", "outbox"}
-_BELOW = {"domain", "ledger", "gym", "support"}
+_BELOW = {"domain", "ledger", "gym", "support", "runtime"}
 _SERVICE = set(SERVICE_AREAS.values())
 
 # area -> the areas it may import (its own included). Anything not listed is forbidden.
@@ -66,6 +67,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     # The ledger runs the migrations: it finds the alembic scripts through their package.
     "ledger": {"ledger", "domain", "support", "migrations"},
     "gym": {"gym", "domain", "support"},
+    "runtime": {"runtime", "gym", "ledger", "domain", "support"},
     # The choreographies may use one another (a snapshot queues outbox items), never the API.
     **{m: _MIDDLE | _BELOW for m in _MIDDLE},
     "api": {"api"} | _MIDDLE | _BELOW,
