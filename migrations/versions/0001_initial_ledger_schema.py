@@ -286,8 +286,8 @@ def upgrade() -> None:
         "CREATE TRIGGER prompt_groups_drop_children AFTER DELETE ON prompt_groups REFERENCING OLD TABLE AS gone "
         "FOR EACH STATEMENT EXECUTE FUNCTION prompt_groups_drop_children()"
     )
-    # The cut's staging keys (~90 000, 3-4 MB at 200 000 siblings) are written at the barrier while
-    # Gym is parked: stored out of line but not compressed (pglz cost ~0.1 s there).
+    # The cut's staging keys are written at the barrier while Gym is parked: stored out of line but
+    # not compressed, because compressing them lengthened the park (bench/README.md).
     op.execute("ALTER TABLE snapshots ALTER COLUMN cut_staging_keys SET STORAGE EXTERNAL")
     op.execute(SNAPSHOT_GROUPS_VIEW)
     op.execute(SNAPSHOT_ATTEMPTS_VIEW)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import rollouts, snapshots
+from . import gym, restore, rollouts, snapshots
 
-ROUTERS: list[Any] = [rollouts.router, snapshots.router]
-ROUTERS.append(__import__(f"{__package__}.gym", fromlist=["router"]).router)  # Gym registration (issue 6)
-ROUTERS.append(__import__(f"{__package__}.restore", fromlist=["router"]).router)  # restore, manifest, ledger import (issue 6)
+ROUTERS: list[Any] = [rollouts.router, snapshots.router, gym.router, restore.router]
