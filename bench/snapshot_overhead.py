@@ -115,16 +115,16 @@ def _serve_timed(port: str, timing_file: str) -> int:
 
     # --ab: while the benchmark holds this file, the runner takes no pre-cut (the barrier then
     # copies the whole run), so both ways are measured in one run on the same ledger.
-    from checkpoint_coordinator.snapshots import runner as snapshot_runner
+    from checkpoint_coordinator.snapshots import pending as pending_snapshot
 
-    original_pre_cut = snapshot_runner.SnapshotRunner._pre_cut
+    original_pre_cut = pending_snapshot.PendingSnapshot._take_pre_cut
     no_pre_cut = timing_file + ".no-pre-cut"
 
-    async def pre_cut(self: Any, job: Any, timings: Any) -> None:
+    async def pre_cut(self: Any) -> None:
         if not os.path.exists(no_pre_cut):
-            await original_pre_cut(self, job, timings)
+            await original_pre_cut(self)
 
-    snapshot_runner.SnapshotRunner._pre_cut = pre_cut  # type: ignore[method-assign]
+    pending_snapshot.PendingSnapshot._take_pre_cut = pre_cut  # type: ignore[method-assign]
     return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
 
 

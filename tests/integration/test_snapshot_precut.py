@@ -110,12 +110,13 @@ async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_who
 async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_cut(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing(engine, "p")
+    tracked_from = await repo.tracking_horizon(engine)  # what the runner reads as it starts the pre-cut
     # A seal's transaction is open (its write invisible) while the pre-cut copies; it commits after.
     async with engine.begin() as writer:  # commits when the block ends
         await writer.execute(
             text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/late}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
         )
-        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12
+        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
     stale = await _rows(engine, "SELECT status FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
     assert stale[0][0] == "reserved"  # the pre-cut did not see it
     await _to_data_plane(engine, "p")
@@ -162,6 +163,19 @@ async def test_when_most_groups_changed_the_barrier_copies_the_whole_run(engine:
     row = await repo.take_cut(engine, RUN, "p")
     assert row.counts["cut_pre_cut_groups"] == 2 and "cut_recopied_groups" not in row.counts
     await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_write_open_when_tracking_began_holds_the_pre_cut_back(engine: Any) -> None:
+    # This writer may have written before it could see the tracking phase (so recorded nothing):
+    # the pre-cut waits for it, and gives up (the barrier copies the whole run) while it stays open.
+    await _quiet_groups(engine)
+    async with engine.begin() as writer:
+        await writer.execute(text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/early}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN})
+        await _committing(engine, "p")
+        tracked_from = await repo.tracking_horizon(engine)
+        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) is None
+    assert await _stored(engine, "p") == 0
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
 
 
 async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> None:

@@ -220,7 +220,10 @@ async def move_in(
     for k, v in fields.items():
         if k not in _MOVE_FIELDS:
             raise ValueError(f"a phase move does not write {k!r}")
-        if k in _JSON_FIELDS:
+        if k == "counts":  # other writers (the pre-cut) add their counts too
+            sets.append("counts = COALESCE(counts, '{}'::jsonb) || CAST(:counts AS jsonb)")
+            params[k] = _j(v)
+        elif k in _JSON_FIELDS:
             sets.append(f"{k} = CAST(:{k} AS jsonb)")
             params[k] = _j(v)
         else:
@@ -352,12 +355,14 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
     transaction, and answer the staging keys that must exist. Idempotent.
 
     When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
-    groups written since its base are copied again (``_CHANGED_GROUPS_SQL``); otherwise the whole
-    run is copied (one row per group, its siblings in an array). Then one statement answers the
-    staging keys (the cut's and the Gym manifest's, unnested in the database) and updates the
-    snapshot row. ``counts`` says which way it went (``cut_recopied_groups``)."""
+    groups written since are copied again: those ``snapshot_changed_groups`` recorded as they
+    were written; otherwise the whole run is copied (one row per group, its siblings in an array).
+    Then one statement answers the staging keys (the cut's and the Gym manifest's, unnested in the
+    database) and updates the snapshot row. ``counts`` says which way it went
+    (``cut_recopied_groups``). The run is locked FOR UPDATE: no report lands between the reading
+    of the changed groups and their copy."""
     async with engine.begin() as conn:
-        await lock_run(conn, run_id)
+        await lock_run(conn, run_id, for_update=True)
         snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
         if snap.cut_at is not None and snap.outcome is None:
             return snap
@@ -379,9 +384,8 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         base = (
             await conn.execute(
                 text(
-                    f"SELECT cut_base_xid, {NEXT_XID_SQL} AS next_xid, "
-                    f"{CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-                    "(SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) AS pre_cut_groups "
+                    f"SELECT cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
+                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups "
                     "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
                 ),
                 {"r": run_id, "s": snapshot_id},
@@ -389,10 +393,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         ).one()
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
-        if xid_base_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
-            changed = list(
-                (await conn.execute(text(_CHANGED_GROUPS_SQL), {"r": run_id, "s": snapshot_id, "bx": str(base.cut_base_xid % 2**32)})).scalar() or []
-            )
+        recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), {"r": run_id})).scalars())
+        if base.cut_base_xid is not None and base.pre_cut_groups > 0:
+            changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base.pre_cut_groups:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
         if changed is not None:
@@ -407,8 +410,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
         else:
             if base.pre_cut_groups:
-                # A pre-cut whose base cannot be trusted (the xid counter moved too far), or one
-                # that most groups changed since: copy everything.
+                # A pre-cut that most groups changed since: copy everything.
                 await delete_cut_rows(conn, run_id, [snapshot_id])
                 extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
@@ -490,27 +492,6 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-# The groups whose cut row the pre-cut may have copied stale: every group with a row (group,
-# sibling or attempt) written by a transaction whose xid is at or after the pre-cut's snapshot
-# xmin (age() relative to this transaction: a smaller age is a newer xid), and every copied group
-# that is gone. A row whose xmin is older than that xmin was committed before the pre-cut's
-# snapshot, so the pre-cut copied this very version. Conservative: a transaction committed just
-# before the pre-cut but after its xmin makes its groups count as changed, which only costs a copy.
-# Rows are deleted only with their group (trigger ``prompt_groups_drop_children``) or by a restore,
-# which cannot run while a snapshot is open.
-# The run's groups are read once (``live``): the gone ones are a hash anti join against it, not
-# 25 000 index probes.
-_CHANGED_GROUPS_SQL = (
-    "WITH b AS MATERIALIZED (SELECT age(CAST(CAST(:bx AS text) AS xid)) AS b), "
-    "live AS MATERIALIZED (SELECT g.group_id, age(g.xmin) <= (SELECT b FROM b) AS changed FROM prompt_groups g WHERE g.run_id = :r) "
-    "SELECT array_agg(group_id) FROM ("
-    " SELECT a.group_id FROM attempts a WHERE a.run_id = :r AND age(a.xmin) <= (SELECT b FROM b) "
-    " UNION SELECT s.group_id FROM siblings s WHERE s.run_id = :r AND age(s.xmin) <= (SELECT b FROM b) "
-    " UNION SELECT l.group_id FROM live l WHERE l.changed "
-    " UNION SELECT c.group_id FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
-    " AND NOT EXISTS (SELECT 1 FROM live l WHERE l.group_id = c.group_id)) AS x"
-)
-
 # The barrier's answer and the snapshot row: the staging keys (the cut's, those of the Gym
 # manifest unnested in the database) and the counts.
 _FINISH_CUT_SQL = (
@@ -535,7 +516,7 @@ class _PreCutVoid(Exception):
     """The snapshot moved on during the pre-cut: roll its copy back."""
 
 
-async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> int | None:
+async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> int | None:
     """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
     this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
     the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
@@ -546,14 +527,19 @@ async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fen
     must not wait for it); the closing conditional update decides, and a snapshot that ended
     meanwhile rolls the copy back (``end`` deletes the cut rows of every snapshot it does not
     publish, after waiting for this update's row lock). That update is fenced like a phase move:
-    a copy by an owner that lost the run's lease rolls back."""
+    a copy by an owner that lost the run's lease rolls back.
+
+    ``tracked_from`` is ``tracking_horizon`` read once the snapshot's tracking phase was
+    committed (the runner starts the pre-cut right then; by default it is read now)."""
     try:
-        return await _pre_cut(engine, run_id, snapshot_id, fence)
+        return await _pre_cut(engine, run_id, snapshot_id, fence, tracked_from)
     except _PreCutVoid:
         return None
 
 
-async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> int | None:
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> int | None:
+    if not await _writers_see_the_tracking(engine, tracked_from):
+        return None
     async with engine.begin() as conn:
         st = (
             await conn.execute(
@@ -565,20 +551,54 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         # Taken before the copy's own statement snapshot: anything the copy saw that this base
         # does not is counted as changed at the barrier, never the other way round.
         base = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar()
+        # What was recorded before this point is in the copy below; what is written after it is
+        # recorded (the snapshot is in a tracking phase) and re-copied at the barrier.
+        await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         await _cut_settings(conn)
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
         done = (
             await conn.execute(
                 text(
-                    "UPDATE snapshots SET cut_base_xid = :b WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
+                    "UPDATE snapshots SET cut_base_xid = :b, counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_pre_cut_groups', CAST(:n AS bigint)) "
+                    "WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
                     f"AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> :dp AND owner = :fence_owner AND {fence_sql()}"
                 ),
-                {"r": run_id, "s": snapshot_id, "b": base, "dp": P.data_plane.value, **fence.params()},
+                {"r": run_id, "s": snapshot_id, "b": base, "n": n, "dp": P.data_plane.value, **fence.params()},
             )
         ).rowcount
         if done != 1:
             raise _PreCutVoid()
         return int(n)
+
+
+# How long the pre-cut waits for the transactions that were writing when the snapshot entered a
+# tracking phase; past it no pre-cut is taken (the barrier copies the whole run).
+PRE_CUT_WAIT_S = 2.0
+
+
+async def tracking_horizon(engine: AsyncEngine) -> int:
+    """The next transaction id: read after a snapshot's tracking phase was committed, every
+    transaction below it may have written without seeing that phase."""
+    async with engine.connect() as conn:
+        return int((await conn.execute(text(f"SELECT {NEXT_XID_SQL}"))).scalar())
+
+
+async def _writers_see_the_tracking(engine: AsyncEngine, horizon: int | None) -> bool:
+    """Wait until every transaction below ``horizon`` has ended: a statement of one of them may
+    have written without seeing the tracking phase (and recorded nothing). Every later statement
+    records its groups."""
+    import asyncio
+    import time
+
+    async with engine.connect() as conn:
+        if horizon is None:
+            horizon = (await conn.execute(text(f"SELECT {NEXT_XID_SQL}"))).scalar()
+        deadline = time.monotonic() + PRE_CUT_WAIT_S
+        while (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar() < horizon:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+    return True
 
 
 async def insert_cut_rows(conn: AsyncConnection, run_id: str, snapshot_id: str, groups_sql: str, attempts_sql: str, params: dict[str, Any]) -> int:
@@ -720,6 +740,7 @@ async def end(
             # step during commit) would otherwise stay forever, a copy of every live row per loss.
             # The snapshot row stays, for history.
             await delete_cut_rows(conn, run_id, [snapshot_id])
+        await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 
