@@ -31,7 +31,7 @@ barrier, capture file, captured). Reported per snapshot and as medians:
   runner takes beside Gym's prepare and commit, ``phase_timings.pre_cut``) and how many groups the
   barrier copied again; ``take_cut`` of the whole run called in-process (what the barrier costs
   without a pre-cut); with ``--ab`` as many snapshots again without the pre-cut, alternating;
-* the cost of reading the snapshot row (what the runner polls every 50 ms, twice over, while parked),
+* the cost of reading the snapshot row (what the pending snapshot reads on each handshake event and each fallback poll),
   and of the candidates query (gate phase).
 
 Targets (issue): total coordinator time <= 1.5 s, ledger cut <= 1 s. They are reported, never turned

@@ -317,7 +317,7 @@ async def still_pending(engine: AsyncEngine, run_id: str, keys: list[tuple[str, 
 @dataclass(frozen=True)
 class SnapshotProgress:
     """The few columns the runner polls; the full row carries the manifest and staging keys
-    (megabytes at 10 000 episodes), too heavy to read every 50 ms."""
+    (megabytes at 10 000 episodes), too heavy to read on every event and every fallback poll."""
 
     phase: str
     outcome: str | None
