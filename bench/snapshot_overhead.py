@@ -31,7 +31,7 @@ barrier, capture file, captured). Reported per snapshot and as medians:
   runner takes beside Gym's prepare and commit, ``phase_timings.pre_cut``) and how many groups the
   barrier copied again; ``take_cut`` of the whole run called in-process (what the barrier costs
   without a pre-cut); with ``--ab`` as many snapshots again without the pre-cut, alternating;
-* the cost of reading the snapshot row (what the runner polls every 50 ms, twice over, while parked),
+* the cost of reading the snapshot row (what the pending snapshot reads on each handshake event and each fallback poll),
   and of the candidates query (gate phase).
 
 Targets (issue): total coordinator time <= 1.5 s, ledger cut <= 1 s. They are reported, never turned
@@ -115,16 +115,16 @@ def _serve_timed(port: str, timing_file: str) -> int:
 
     # --ab: while the benchmark holds this file, the runner takes no pre-cut (the barrier then
     # copies the whole run), so both ways are measured in one run on the same ledger.
-    from checkpoint_coordinator.snapshots import runner as snapshot_runner
+    from checkpoint_coordinator.snapshots import pending as pending_snapshot
 
-    original_pre_cut = snapshot_runner.SnapshotRunner._pre_cut
+    original_pre_cut = pending_snapshot.PendingSnapshot._take_pre_cut
     no_pre_cut = timing_file + ".no-pre-cut"
 
-    async def pre_cut(self: Any, job: Any, timings: Any) -> None:
+    async def pre_cut(self: Any) -> None:
         if not os.path.exists(no_pre_cut):
-            await original_pre_cut(self, job, timings)
+            await original_pre_cut(self)
 
-    snapshot_runner.SnapshotRunner._pre_cut = pre_cut  # type: ignore[method-assign]
+    pending_snapshot.PendingSnapshot._take_pre_cut = pre_cut  # type: ignore[method-assign]
     return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
 
 

@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     coordinator_id: str = Field(default_factory=lambda: os.uname().nodename, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     ownership_lease_s: float = Field(default=30.0, gt=0)
     outbox_poll_s: float = Field(default=1.0, gt=0)
+    snapshot_poll_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How often a running snapshot reads its own progress when no event came (trainer handshakes "
+        "arrive as PostgreSQL notifications; this is the fallback).",
+    )
     outbox_max_backoff_s: float = Field(default=60.0, gt=0)
     gate_retry_after_s: float = Field(default=1.0, gt=0)
     run_token_cache_s: float = Field(

@@ -293,40 +293,32 @@ async def test_c44_scope_excludes_restarts_sorted_objects_and_dir_created_first(
     assert result.gym_restarted_episodes == 2
 
 
-async def test_c44_candidates_hook_is_awaited_after_prepare_and_gives_the_scope(
+async def test_c44_candidates_given_to_the_commit_step_give_the_scope(
     start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
-    # The coordinator's candidates query runs while the prepare calls are in flight: the hook is
-    # awaited only once prepare answered, and its answer (not ``candidates``) makes the scope.
+    # The coordinator's candidates query runs while the prepare calls are in flight: the candidates
+    # handed to the commit step (not the constructor's) make the scope.
     inst = start_gym()
     topo = await topology(client, inst)
-    seen: list[int] = []
-
-    async def candidates() -> dict[str, list[Episode]]:
-        seen.append(len(recorder.ops("prepare")))
-        return {inst.instance_id: [Episode("ghost-2", 0), Episode("ghost-1", 3)]}
-
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, candidates_hook=candidates,
-                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
-    await save.run()
-    assert seen == [len(PARTICIPANTS)]
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
+    await save.prepare()
+    await save.commit({inst.instance_id: [Episode("ghost-2", 0), Episode("ghost-1", 3)]})
+    await save.resume_before_cut()
     for call in recorder.ops("commit"):
         assert call.body["episode_ids"] == [{"rollout_id": "ghost-1", "attempt": 3}, {"rollout_id": "ghost-2", "attempt": 0}]
+    assert len(recorder.ops("resume")) == len(PARTICIPANTS)
 
 
-async def test_c44_candidates_hook_naming_an_unknown_instance_fails_and_resumes(
+async def test_c44_candidates_naming_an_unknown_instance_are_refused_before_the_commit(
     start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
     inst = start_gym()
     topo = await topology(client, inst)
-
-    async def candidates() -> dict[str, list[Episode]]:
-        return {"math/replica-9": [Episode("x", 0)]}
-
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, candidates_hook=candidates,
-                   drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
+    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
+    await save.prepare()
     with pytest.raises(ValueError, match="outside the topology"):
-        await save.run()
+        await save.commit({"math/replica-9": [Episode("x", 0)]})
+    await save.resume_before_cut()
     assert recorder.ops("commit") == []
     assert len(recorder.ops("resume")) == len(PARTICIPANTS)
 

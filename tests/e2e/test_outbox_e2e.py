@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from checkpoint_coordinator.ledger import leases
 from checkpoint_coordinator.outbox.worker import OutboxDeliverer
 from gymsim.testing import GymsimInstance, default_instance_config
 
@@ -107,10 +108,17 @@ async def test_two_replicas_never_deliver_the_same_item(client, admin, app, gym)
     for t in app.state.background:
         t.cancel()
     api, rows = await _abandoned(client, admin, app, gym, n_groups=300, n=8)
+    # Two deliverers under the lease holder's name (a restarted process beside the old one) race
+    # on the claims; a replica without the lease is refused at its first claim.
+    epoch = await leases.acquire(app.state.engine, "run-1", "replica-a", 60)
+    assert epoch is not None
     a = OutboxDeliverer(app.state.engine, app.state.gym, "replica-a")
+    a2 = OutboxDeliverer(app.state.engine, app.state.gym, "replica-a")
     b = OutboxDeliverer(app.state.engine, app.state.gym, "replica-b")
-    await asyncio.gather(a.deliver_run("run-1"), b.deliver_run("run-1"), a.deliver_run("run-1"), b.deliver_run("run-1"))
-    await asyncio.gather(a.deliver_run("run-1"), b.deliver_run("run-1"))
+    with pytest.raises(leases.Fenced):
+        await b.deliver_run("run-1", epoch)
+    await asyncio.gather(a.deliver_run("run-1", epoch), a2.deliver_run("run-1", epoch), a.deliver_run("run-1", epoch), a2.deliver_run("run-1", epoch))
+    await asyncio.gather(a.deliver_run("run-1", epoch), a2.deliver_run("run-1", epoch))
     assert (await api.get("/outbox"))["items"] == []
     for server, counts in _retired_keys(gym).items():
         assert len(counts) == 2400 and max(counts.values()) == 1, server

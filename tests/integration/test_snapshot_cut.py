@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
+from checkpoint_coordinator.ledger import leases
 from checkpoint_coordinator.ledger import snapshots as repo
 from checkpoint_coordinator.ledger.db import make_async_engine
 
@@ -204,7 +206,7 @@ async def test_retention_deletes_the_cut_rows_of_removed_snapshots(engine: Any) 
         await _data_plane(engine, sid)
         await repo.take_cut(engine, RUN, sid)
         await repo.captured(engine, RUN, sid, {"path": f"/d/{sid}", "digest": "sha256:0"})
-        await repo.end(engine, RUN, sid, "published", "ok", keep_latest_k=2)
+        await repo.end(engine, RUN, sid, "published", "ok", keep_latest_k=2, fence=await owner_fence(engine), expected=SnapshotPhase.data_plane)
     left = await _rows(engine, "SELECT snapshot_id FROM snapshots WHERE run_id = :r ORDER BY 1")
     assert [r[0] for r in left] == ["s2", "s3"]
     for table in ("snapshot_cut_groups", "snapshot_groups", "snapshot_attempts"):
@@ -218,10 +220,10 @@ async def test_a_snapshot_lost_after_its_cut_leaves_no_cut_rows(engine: Any) -> 
     await _data_plane(engine, "s1")
     await repo.take_cut(engine, RUN, "s1")
     await repo.captured(engine, RUN, "s1", {"path": "/d/s1", "digest": "sha256:0"})
-    await repo.end(engine, RUN, "s1", "published", "ok")
+    await repo.end(engine, RUN, "s1", "published", "ok", fence=await owner_fence(engine), expected=SnapshotPhase.data_plane)
     await _data_plane(engine, "s2")
     await repo.take_cut(engine, RUN, "s2")
-    row, _ = await repo.end(engine, RUN, "s2", "failed", "data_plane_failed")
+    row, _ = await repo.end(engine, RUN, "s2", "failed", "data_plane_failed", fence=await owner_fence(engine), expected=SnapshotPhase.data_plane)
     assert row.outcome == "failed" and row.cut_at is not None
     for table in ("snapshot_cut_groups", "snapshot_groups", "snapshot_attempts"):
         per = await _rows(engine, f"SELECT snapshot_id, count(*) FROM {table} WHERE run_id = :r GROUP BY 1 ORDER BY 1")
@@ -239,3 +241,24 @@ async def test_cut_refused_after_newer_train_step(engine: Any) -> None:
     assert n[0][0] == 0
     n = await _rows(engine, "SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r")
     assert n[0][0] == 0
+
+
+async def owner_fence(engine: Any) -> leases.Fence:
+    """The lease of the snapshots' owner (``test``), as its fenced writes need it."""
+    epoch = await leases.acquire(engine, RUN, "test", 600)
+    assert epoch is not None
+    return leases.Fence("test", epoch)
+
+
+async def test_an_end_by_a_replica_that_lost_the_lease_is_refused(engine: Any) -> None:
+    await _data_plane(engine, "s1")
+    stale = await owner_fence(engine)
+    async with engine.begin() as conn:  # another replica took the run over
+        await conn.execute(text("UPDATE ownership_leases SET owner = 'other', epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})
+    with pytest.raises(leases.Fenced):
+        await repo.end(engine, RUN, "s1", "failed", "data_plane_failed", fence=stale, expected=SnapshotPhase.data_plane)
+    with pytest.raises(leases.Fenced):
+        await repo.move(engine, RUN, "s1", stale, SnapshotPhase.data_plane, SnapshotPhase.resume)
+    async with engine.connect() as conn:
+        row = await repo.get(conn, RUN, "s1")
+    assert (row.phase, row.outcome) == ("data_plane", None)

@@ -17,6 +17,9 @@ from sqlalchemy import text
 from checkpoint_coordinator.ledger import snapshots as repo
 
 from . import test_snapshot_cut as cut_tests
+from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
+
+from .test_snapshot_cut import owner_fence
 from .test_snapshot_cut import _ATTEMPT_VIEW_COLS, _GROUP_VIEW_COLS, MANIFEST, RUN, _data_plane, _rows
 
 engine = cut_tests.engine  # the same small ledger: g1 generating, g2 ready, g3 finalized
@@ -84,7 +87,7 @@ async def _same_as_a_whole_run_cut(engine: Any, sid: str, row: Any) -> None:
 async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_whole_run_cut(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 12  # g1, g2, q00-q09 (g3 is finalized)
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12  # g1, g2, q00-q09 (g3 is finalized)
     assert await _stored(engine, "p") == 12
     # Between the pre-cut and the barrier: a seal (attempt and sibling rows), a deleted group
     # (its children go through the trigger), a new group.
@@ -107,12 +110,13 @@ async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_who
 async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_cut(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing(engine, "p")
+    tracked_from = await repo.tracking_horizon(engine)  # what the runner reads as it starts the pre-cut
     # A seal's transaction is open (its write invisible) while the pre-cut copies; it commits after.
     async with engine.begin() as writer:  # commits when the block ends
         await writer.execute(
             text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/late}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
         )
-        assert await repo.pre_cut(engine, RUN, "p") == 12
+        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
     stale = await _rows(engine, "SELECT status FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
     assert stale[0][0] == "reserved"  # the pre-cut did not see it
     await _to_data_plane(engine, "p")
@@ -126,7 +130,7 @@ async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_
 
 async def test_nothing_changed_since_the_pre_cut_copies_nothing(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 2
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
     assert row.counts["cut_recopied_groups"] == 0
@@ -139,7 +143,7 @@ async def test_nothing_changed_since_the_pre_cut_copies_nothing(engine: Any) -> 
 
 async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 2
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
     async with engine.begin() as conn:
         # As if two billion transactions had run since: 32-bit xids no longer compare.
         await conn.execute(text("UPDATE snapshots SET cut_base_xid = cut_base_xid - 2000000000 WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})
@@ -152,7 +156,7 @@ async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: An
 
 async def test_when_most_groups_changed_the_barrier_copies_the_whole_run(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 2
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE attempts SET refusals = refusals + 1 WHERE run_id = :r AND generation_index = 0"), {"r": RUN})
     await _to_data_plane(engine, "p")
@@ -161,25 +165,38 @@ async def test_when_most_groups_changed_the_barrier_copies_the_whole_run(engine:
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 
+async def test_a_write_open_when_tracking_began_holds_the_pre_cut_back(engine: Any) -> None:
+    # This writer may have written before it could see the tracking phase (so recorded nothing):
+    # the pre-cut waits for it, and gives up (the barrier copies the whole run) while it stays open.
+    await _quiet_groups(engine)
+    async with engine.begin() as writer:
+        await writer.execute(text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/early}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN})
+        await _committing(engine, "p")
+        tracked_from = await repo.tracking_horizon(engine)
+        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) is None
+    assert await _stored(engine, "p") == 0
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
+
+
 async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> None:
     await _committing(engine, "p")
-    await repo.end(engine, RUN, "p", "aborted", "train_step_committed")
-    assert await repo.pre_cut(engine, RUN, "p") is None
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=await owner_fence(engine), expected=SnapshotPhase.commit)
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) is None
     assert await _stored(engine, "p") == 0
     async with engine.connect() as conn:
         assert (await repo.get(conn, RUN, "p")).counts == {"candidates": 3}
     # At the barrier (the runner never pre-cuts then) and twice: refused, nothing written.
     await _data_plane(engine, "b")
-    assert await repo.pre_cut(engine, RUN, "b") is None
+    assert await repo.pre_cut(engine, RUN, "b", await owner_fence(engine)) is None
     assert await _stored(engine, "b") == 0
 
 
 async def test_a_snapshot_that_does_not_publish_takes_its_pre_cut_with_it(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 2
-    assert await repo.pre_cut(engine, RUN, "p") is None  # once per snapshot
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) is None  # once per snapshot
     assert await _stored(engine, "p") == 2
-    await repo.end(engine, RUN, "p", "aborted", "train_step_committed")
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=await owner_fence(engine), expected=SnapshotPhase.commit)
     assert await _stored(engine, "p") == 0
 
 
@@ -189,7 +206,7 @@ async def test_the_barrier_records_the_xid_basis_a_restore_compares_rows_with(en
     cluster."""
     await _quiet_groups(engine)
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p") == 12
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12
     await _to_data_plane(engine, "p")
     await repo.take_cut(engine, RUN, "p")
     async with engine.begin() as conn:

@@ -110,7 +110,7 @@ def test_fresh_registry_has_the_same_shape() -> None:
 def test_observe_snapshot_phase_records_and_rejects_unknown_phase() -> None:
     before = sample("ckptc_snapshot_phase_seconds_count", phase="gym_parked")
     before_sum = sample("ckptc_snapshot_phase_seconds_sum", phase="gym_parked")
-    m.observe_snapshot_phase(m.SnapshotPhase.GYM_PARKED, 12.5)
+    m.observe_snapshot_phase(m.SnapshotPhase.gym_parked, 12.5)
     m.observe_snapshot_phase("gym_parked", 0.5)
     assert sample("ckptc_snapshot_phase_seconds_count", phase="gym_parked") == before + 2
     assert sample("ckptc_snapshot_phase_seconds_sum", phase="gym_parked") == pytest.approx(before_sum + 13.0)
@@ -132,7 +132,7 @@ def test_snapshot_phase_timer_records_even_on_error() -> None:
 
 def test_snapshot_outcome_pairs_are_validated() -> None:
     before = sample("ckptc_snapshots_total", outcome="aborted", reason="train_step_committed")
-    m.record_snapshot_outcome("aborted", m.SnapshotReason.TRAIN_STEP_COMMITTED)
+    m.record_snapshot_outcome("aborted", m.SnapshotReason.train_step_committed)
     assert sample("ckptc_snapshots_total", outcome="aborted", reason="train_step_committed") == before + 1
     with pytest.raises(m.MetricLabelError):
         m.record_snapshot_outcome("published", "drain_timeout")

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path as FsPath
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field
 
-from ..ledger import leases
 from ..ledger import snapshots as repo
-from ..ledger.runs import get_run
+from ..snapshots import service as snapshot_service
 from .auth import Caller, require_run_access
 from .common import BIGINT_MAX, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
 
@@ -56,18 +54,9 @@ class TrainStepIn(Strict):
 async def request_snapshot(body: SnapshotRequest, request: Request, response: Response, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Request a snapshot anchored on train step S. Idempotent by snapshot id; runs in the background."""
     app = request.app
-    settings = app.state.settings
-    engine = app.state.engine
-    async with engine.connect() as conn:
-        run = await get_run(conn, caller.run_id)
-    snapshot_dir = str(FsPath(run.checkpoint_root) / "snapshots" / body.snapshot_id)
-    # The replica holding the run's lease drives it; any replica may take the request.
-    epoch = await leases.acquire(engine, caller.run_id, settings.coordinator_id, settings.ownership_lease_s)
-    async with engine.connect() as conn:
-        owner = settings.coordinator_id if epoch is not None else (await repo.lease_owner(conn, caller.run_id) or settings.coordinator_id)
-    row, created = await repo.request(engine, caller.run_id, body.snapshot_id, body.anchor_step, owner, snapshot_dir)
-    if created and owner == settings.coordinator_id:
-        app.state.snapshots.start(caller.run_id, body.snapshot_id)
+    row, created = await snapshot_service.request_snapshot(
+        app.state.engine, app.state.snapshots, caller.run_id, body.snapshot_id, body.anchor_step, lease_ttl_s=app.state.settings.ownership_lease_s
+    )
     if not created:
         response.status_code = 200
     return row.public()

@@ -48,7 +48,7 @@ back to ``generating``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Generic, Iterable, Mapping, TypeVar
 
@@ -58,6 +58,8 @@ __all__ = [
     "SnapshotPhase",
     "SnapshotOutcome",
     "SnapshotReason",
+    "SnapshotTiming",
+    "FailureClass",
     "REASON_OUTCOME",
     "TRANSIENT_REASONS",
     "GYM_FAILURE_CLASS_REASON",
@@ -77,13 +79,10 @@ __all__ = [
 ]
 
 
-class _StrEnum(str, Enum):
+class _StrEnum(StrEnum):
     """A string enum whose members hash and compare like their values."""
 
     __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class SnapshotPhase(_StrEnum):
@@ -121,9 +120,22 @@ _GYM_PHASES = frozenset(
     }
 )
 
-#: Phases with a duration metric (``ckptc_snapshot_phase_seconds{phase}``), besides
-#: ``total`` and ``gym_parked`` which span several phases.
-METRIC_PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total", "gym_parked")
+class SnapshotTiming(_StrEnum):
+    """The durations a snapshot records (``phase_timings`` and ``ckptc_snapshot_phase_seconds{phase}``):
+    phases, plus ``total`` and ``gym_parked`` (first prepare sent until resume answered), which
+    span several phases."""
+
+    gate = "gate"
+    prepare = "prepare"
+    commit = "commit"
+    drain = "drain"
+    data_plane = "data_plane"
+    resume = "resume"
+    total = "total"
+    gym_parked = "gym_parked"
+
+
+METRIC_PHASES = tuple(t.value for t in SnapshotTiming)
 
 
 class SnapshotOutcome(_StrEnum):
@@ -188,18 +200,32 @@ TRANSIENT_REASONS = frozenset(
     }
 )
 
+class FailureClass(_StrEnum):
+    """The control failure class of a Gym call (gym-control-protocol.md section 9)."""
+
+    NOT_READY = "not_ready"
+    UNAVAILABLE = "unavailable"
+    LEASE_LOST = "lease_lost"
+    DRAIN_TIMEOUT = "drain_timeout"
+    PROTOCOL_ERROR = "protocol_error"
+    TOPOLOGY_MISMATCH = "topology_mismatch"
+    CONFIG_ERROR = "config_error"
+    CONFLICT = "conflict"
+    CHECKPOINT_STATE = "checkpoint_state"
+
+
 #: Control failure class of the protocol (section 9) -> snapshot reason.
-GYM_FAILURE_CLASS_REASON: Mapping[str, SnapshotReason] = MappingProxyType(
+GYM_FAILURE_CLASS_REASON: Mapping[FailureClass, SnapshotReason] = MappingProxyType(
     {
-        "not_ready": SnapshotReason.gym_not_ready,
-        "unavailable": SnapshotReason.gym_unavailable,
-        "lease_lost": SnapshotReason.lease_lost,
-        "drain_timeout": SnapshotReason.drain_timeout,
-        "protocol_error": SnapshotReason.gym_invariant,
-        "topology_mismatch": SnapshotReason.gym_invariant,
-        "config_error": SnapshotReason.gym_invariant,
-        "conflict": SnapshotReason.gym_invariant,
-        "checkpoint_state": SnapshotReason.gym_invariant,
+        FailureClass.NOT_READY: SnapshotReason.gym_not_ready,
+        FailureClass.UNAVAILABLE: SnapshotReason.gym_unavailable,
+        FailureClass.LEASE_LOST: SnapshotReason.lease_lost,
+        FailureClass.DRAIN_TIMEOUT: SnapshotReason.drain_timeout,
+        FailureClass.PROTOCOL_ERROR: SnapshotReason.gym_invariant,
+        FailureClass.TOPOLOGY_MISMATCH: SnapshotReason.gym_invariant,
+        FailureClass.CONFIG_ERROR: SnapshotReason.gym_invariant,
+        FailureClass.CONFLICT: SnapshotReason.gym_invariant,
+        FailureClass.CHECKPOINT_STATE: SnapshotReason.gym_invariant,
     }
 )
 

@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Any
 
+from ..domain.snapshot_state import FailureClass
+
 __all__ = [
     "DETAIL_LIMIT_BYTES",
     "FailureClass",
@@ -33,17 +35,6 @@ DETAIL_LIMIT_BYTES = 4096
 # How many sample ids a failure or a warning names at most.
 SAMPLE = 10
 
-
-class FailureClass(StrEnum):
-    NOT_READY = "not_ready"
-    UNAVAILABLE = "unavailable"
-    LEASE_LOST = "lease_lost"
-    DRAIN_TIMEOUT = "drain_timeout"
-    PROTOCOL_ERROR = "protocol_error"
-    TOPOLOGY_MISMATCH = "topology_mismatch"
-    CONFIG_ERROR = "config_error"
-    CONFLICT = "conflict"
-    CHECKPOINT_STATE = "checkpoint_state"
 
 
 TRANSIENT_CLASSES = frozenset(

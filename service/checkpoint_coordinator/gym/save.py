@@ -1,8 +1,12 @@
-"""The Gym side of the save choreography (spec 5.0), with the caller's steps as hooks.
+"""The Gym side of the save choreography (spec 5.0), as steps a caller sequences.
 
-prepare -> renew -> commit -> drain (caller) -> Gym manifest -> capture (caller) -> resume.
-Resume comes before the caller publishes, so new rollouts wait only for the Gym commit and the
-capture. Any failure before the cut resumes everyone and re-raises the original failure.
+prepare -> (leases renewed) -> commit -> drain -> Gym manifest -> cut -> finish (resume, or leave
+parked when stopping). Before the cut, ``resume_before_cut`` is the abort; ``abandon`` stops
+driving the checkpoint without a Gym call (its owner was fenced: another coordinator drives it).
+
+The pending snapshot (``snapshots/``) calls the steps one by one, with its own phase writes
+between them. :meth:`GymSave.run` runs the same steps in order for a caller without a ledger (the
+conformance suite): a drain waiter and a capture step are its only arguments.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ class GymSaveAborted(Exception):
 
 
 class GymSave:
-    """One save attempt. ``await run()`` once; ``abort()`` may be called from another task."""
+    """One save attempt on Gym. Steps: :meth:`prepare`, :meth:`commit`, :meth:`drain`,
+    :meth:`manifest`, :meth:`cut`, :meth:`finish`; or :meth:`resume_before_cut` /
+    :meth:`abandon` to end it before the cut."""
 
     def __init__(
         self,
@@ -63,209 +69,121 @@ class GymSave:
         topology: Topology,
         *,
         snapshot_dir: str,
-        candidates: Mapping[str, Iterable[Episode]],
-        drain_hook: DrainHook,
-        capture_hook: CaptureHook,
         drain_timeout_s: float,
+        candidates: Mapping[str, Iterable[Episode]] | None = None,
+        drain_hook: DrainHook | None = None,
+        capture_hook: CaptureHook | None = None,
         checkpoint_id: str | None = None,
         snapshot_id: str | int | None = None,
-        before_prepare_hook: Callable[[], Awaitable[None]] | None = None,
-        candidates_hook: Callable[[], Awaitable[Mapping[str, Iterable[Episode]]]] | None = None,
         stop: bool = False,
         write_manifest_file: bool = False,
     ) -> None:
         self.client = client
         self.topology = topology
         self.snapshot_dir = snapshot_dir
-        self._set_candidates(candidates)
-        # When given, awaited once prepare answered (the candidates are first needed for the
-        # commit scopes) and its answer replaces ``candidates``: the caller's query then runs
-        # while the prepare calls are in flight.
-        self.candidates_hook = candidates_hook
+        self.candidates = self._checked(candidates or {})
         self.drain_hook = drain_hook
         self.capture_hook = capture_hook
         self.drain_timeout_s = drain_timeout_s
         self.checkpoint_id = checkpoint_id or client.new_checkpoint_id(snapshot_id)
-        self.before_prepare_hook = before_prepare_hook
         self.stop = stop
         self.write_manifest_file = write_manifest_file
         self.timings: dict[str, float] = {}
         self.warnings: list[str] = []
         self.gym_parked_seconds: float | None = None
+        self.commit_result: CommitResult | None = None
+        self._manifest: dict[str, Any] | None = None
+        self._renewer: LeaseRenewer | None = None
+        self._prepared: Any = None
         self._cut_done = False
         self._parked_since: float | None = None
+        self._ended = False
         self._aborted = asyncio.Event()
         self._abort_reason = ""
         self._started = False
+        self._mark = 0.0
         self._run_started = 0.0
 
-    def _set_candidates(self, candidates: Mapping[str, Iterable[Episode]]) -> None:
+    def _checked(self, candidates: Mapping[str, Iterable[Episode]]) -> dict[str, list[Episode]]:
         unknown = set(candidates) - set(self.topology)
         if unknown:
             raise ValueError(f"candidates name instances outside the topology: {sorted(unknown)}")
-        self.candidates = {iid: sorted(set(candidates.get(iid, ()))) for iid in self.topology}
+        return {iid: sorted(set(candidates.get(iid, ()))) for iid in self.topology}
 
     @property
     def cut_done(self) -> bool:
         return self._cut_done
 
-    def abort(self, reason: str = "train_step_committed") -> bool:
-        """Abort before the cut: the Gym phase is resumed at once and ``run`` raises
-        :class:`GymSaveAborted`. Returns False when the cut has already happened."""
-        if self._cut_done:
-            return False
-        self._abort_reason = reason
-        self._aborted.set()
-        return True
+    @property
+    def parked(self) -> bool:
+        """Whether a prepare was sent and nothing has resumed (or released) Gym since."""
+        return self._parked_since is not None and not self._ended
 
-    async def run(self) -> SaveResult:
-        if self._started:
-            raise RuntimeError("a GymSave runs once; make a new one (with a new checkpoint id)")
-        self._started = True
-        self._run_started = started = self.client.clock.time()
-        work = asyncio.create_task(self._choreography(), name=f"gym-save-{self.checkpoint_id}")
-        aborted = asyncio.create_task(self._aborted.wait())
-        try:
-            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done() or self._cut_done:
-                return await work
-            # Abort before the cut: stop whatever step runs, then resume, since resume is also
-            # the abort. A prepare still waiting on a participant then replies idle.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            report = await self._resume_before_cut() if self._parked_since is not None else None
-            raise GymSaveAborted(self._abort_reason, report.failure if report else None)
-        except asyncio.CancelledError:
-            # The caller's own task was cancelled: treat it as an abort so Gym is not left parked.
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
-            if self._parked_since is not None and not self._cut_done:
-                await asyncio.shield(self._resume_before_cut())
-            raise
-        finally:
-            aborted.cancel()
-            self.timings.setdefault("total", self.client.clock.time() - started)
+    def _lap(self, name: str) -> None:
+        now = self.client.clock.time()
+        self.timings[name] = now - self._mark
+        self._mark = now
 
-    async def _choreography(self) -> SaveResult:
+    # --- the steps ------------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Park Gym (prepare every instance) and start renewing its leases. A failure raised here
+        has already resumed everyone (prepare's own failure path)."""
         clock = self.client.clock
-        cid = self.checkpoint_id
-        mark = clock.time()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            now = clock.time()
-            self.timings[name] = now - mark
-            mark = now
-
-        if self.before_prepare_hook is not None:
-            # Queued retires and forgets go first: Gym refuses them once a checkpoint is open.
-            await self.before_prepare_hook()
-        lap("gate")
+        self._run_started = self._run_started or clock.time()
+        self._mark = clock.time()
         self._parked_since = clock.time()
         try:
-            prepared = await self.client.prepare(cid, self.topology)
+            prepared = await self.client.prepare(self.checkpoint_id, self.topology)
         except GymControlError as exc:
-            # prepare already resumed everyone; its failure carries that resume's outcome.
+            self._ended = True
             self._note_parked(clock.time())
             exc.extra.setdefault("timings", dict(self.timings))
             raise
-        lap("prepare")
-        renewer = LeaseRenewer(self.client, cid, self.topology, prepare=prepared)
-        try:
-            await renewer.start()
-            renewer.check()
-            if self.candidates_hook is not None:
-                self._set_candidates(await _race(self.candidates_hook(), renewer))
-                renewer.check()
-            lap("renew")
-            scopes: dict[str, list[Episode]] = {}
-            restarted: dict[str, list[Episode]] = {}
-            for iid in self.topology:
-                scopes[iid], restarted[iid] = compute_scope(
-                    iid, self.candidates[iid], prepared.restarts.get(iid, frozenset())
-                )
-            commit = await _race(
-                self.client.commit(
-                    cid,
-                    self.topology,
-                    {iid: instance_checkpoint_dir(self.snapshot_dir, iid) for iid in self.topology},
-                    scopes,
-                    stop=self.stop,
-                    restarts=restarted,
-                ),
-                renewer,
-            )
-            renewer.check()
-            lap("commit")
-            await self._drain(commit, renewer)
-            renewer.check()
-            lap("drain")
-            manifest = build_gym_manifest(cid, commit)
-            if self.write_manifest_file:
-                await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, manifest)
-            lap("manifest")
-            await _race(self.capture_hook(manifest), renewer)
-            # A lease lost during the capture means Gym moved past the state just captured.
-            renewer.check()
-            self._cut_done = True
-            lap("capture")
-        except asyncio.CancelledError:
-            # Aborted by the caller: run() resumes everyone.
-            await renewer.stop()
-            raise
-        except BaseException as exc:
-            await renewer.stop()
-            report = await self._resume_before_cut()
-            if isinstance(exc, GymControlError):
-                if report.failure is not None:
-                    exc.resume_failure = report.failure
-                exc.extra.setdefault("timings", dict(self.timings))
-                exc.extra.setdefault("gym_parked_seconds", self.gym_parked_seconds)
-            elif report.failure is not None:
-                exc.add_note(f"Gym resume after this failure also failed: {report.failure}")
-                exc.resume_failure = report.failure  # type: ignore[attr-defined]
-            raise
-        await renewer.stop()
-        self.warnings.extend(renewer.warnings)
-        resume: ResumeReport | None = None
-        to_resume = self.topology
-        if self.stop:
-            # A stopping snapshot leaves Gym parked, except on instances that refused `stop`
-            # (section 13 P4): those resume as usual.
-            parked = [iid for iid, ic in commit.instances.items() if ic.stop_supported]
-            self.client.release(cid, parked)
-            to_resume = {iid: inst for iid, inst in self.topology.items() if iid not in parked}
-            if to_resume:
-                self.warnings.append(
-                    "stop not honoured by " + ", ".join(sorted(to_resume)) + ": those instances were resumed"
-                )
-        if to_resume:
-            # After the cut a resume failure is reported, not raised: the snapshot is kept and
-            # the leases reopen Gym.
-            resume = await self.client.resume(cid, to_resume, raise_on_failure=False)
-            self._note_parked(resume.answered_at)
-            lap("resume")
-        self.timings["total"] = clock.time() - self._run_started
-        return SaveResult(
-            checkpoint_id=cid,
-            manifest=manifest,
-            commit=commit,
-            restarts={iid: frozenset(ic.restarts) for iid, ic in commit.instances.items()},
-            resume=resume,
-            timings=dict(self.timings),
-            gym_parked_seconds=self.gym_parked_seconds,
-            warnings=tuple(self.warnings),
-        )
+        self._lap("prepare")
+        self._renewer = LeaseRenewer(self.client, self.checkpoint_id, self.topology, prepare=prepared)
+        self._prepared = prepared
+        await self._renewer.start()
+        self._renewer.check()
+        self._lap("renew")
 
-    async def _drain(self, commit: CommitResult, renewer: LeaseRenewer) -> None:
-        pending = {iid: eps for iid, eps in commit.pending().items() if eps}
-        if not pending:
+    async def commit(self, candidates: Mapping[str, Iterable[Episode]] | None = None) -> CommitResult:
+        """Commit every instance; ``candidates`` (when given) replace the constructor's: the
+        caller's candidate query may run while prepare is in flight."""
+        if candidates is not None:
+            self.candidates = self._checked(candidates)
+        scopes: dict[str, list[Episode]] = {}
+        restarted: dict[str, list[Episode]] = {}
+        for iid in self.topology:
+            scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], self._prepared.restarts.get(iid, frozenset()))
+        self.commit_result = await self.within_lease(
+            self.client.commit(
+                self.checkpoint_id,
+                self.topology,
+                {iid: instance_checkpoint_dir(self.snapshot_dir, iid) for iid in self.topology},
+                scopes,
+                stop=self.stop,
+                restarts=restarted,
+            )
+        )
+        self._lap("commit")
+        return self.commit_result
+
+    def pending(self) -> dict[str, set[Episode]]:
+        """The committed candidates whose ``/run`` reply was on the wire, per instance (a copy)."""
+        assert self.commit_result is not None
+        return {iid: set(eps) for iid, eps in self.commit_result.pending().items() if eps}
+
+    async def drain(self, resolved: Awaitable[None] | None, pending: dict[str, set[Episode]]) -> None:
+        """Wait for ``resolved`` (the caller's wait until every pending reply was reported), at most
+        the drain timeout and while the leases hold. The caller discards from ``pending`` what
+        resolved, so that a timeout names only what is still pending. Nothing pending: no wait."""
+        assert self._renewer is not None
+        if resolved is None or not any(pending.values()):
+            self._lap("drain")
             return
-        hook = asyncio.ensure_future(self.drain_hook(pending))
-        lost = asyncio.ensure_future(renewer.lost.wait())
+        hook = asyncio.ensure_future(resolved)
+        lost = asyncio.ensure_future(self._renewer.lost.wait())
         timer = asyncio.ensure_future(self.client.clock.sleep(self.drain_timeout_s))
         try:
             await asyncio.wait({hook, lost, timer}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,12 +196,162 @@ class GymSave:
                     await hook
         if hook.done() and not hook.cancelled():
             hook.result()
+            self._renewer.check()
+            self._lap("drain")
             return
-        renewer.check()
-        remaining = {iid: sorted(eps) for iid, eps in pending.items() if eps}
+        self._renewer.check()
+        raise self._drain_timeout({iid: sorted(eps) for iid, eps in pending.items() if eps})
+
+    async def manifest(self) -> dict[str, Any]:
+        """The Gym manifest of the commit (written beside the snapshot when asked to)."""
+        assert self.commit_result is not None
+        self._manifest = build_gym_manifest(self.checkpoint_id, self.commit_result)
+        if self.write_manifest_file:
+            await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, self._manifest)
+        self._lap("manifest")
+        return self._manifest
+
+    async def within_lease(self, aw: Awaitable[Any]) -> Any:
+        """Await ``aw`` unless a Gym lease is lost first; then cancel it and raise the loss."""
+        assert self._renewer is not None
+        result = await _race(aw, self._renewer)
+        self._renewer.check()
+        return result
+
+    def cut(self) -> None:
+        """The caller's capture is taken. A lease lost before this means Gym moved past the state
+        just captured: raised, and the snapshot fails."""
+        assert self._renewer is not None
+        self._renewer.check()
+        self._cut_done = True
+        self._lap("capture")
+
+    async def finish(self) -> SaveResult:
+        """After the cut: resume Gym, or, when stopping, leave parked every instance that honoured
+        ``stop`` (section 13 P4; one that refused it is resumed as usual). A resume failure is
+        reported, not raised: the snapshot is kept and the leases reopen Gym."""
+        assert self._cut_done and self.commit_result is not None and self._manifest is not None
+        await self._stop_renewer()
+        commit = self.commit_result
+        resume: ResumeReport | None = None
+        to_resume = self.topology
+        if self.stop:
+            parked = [iid for iid, ic in commit.instances.items() if ic.stop_supported]
+            self.client.release(self.checkpoint_id, parked)
+            to_resume = {iid: inst for iid, inst in self.topology.items() if iid not in parked}
+            if to_resume:
+                self.warnings.append("stop not honoured by " + ", ".join(sorted(to_resume)) + ": those instances were resumed")
+        self._ended = True
+        if to_resume:
+            resume = await self.client.resume(self.checkpoint_id, to_resume, raise_on_failure=False)
+            self._note_parked(resume.answered_at)
+            self._lap("resume")
+        self.timings["total"] = self.client.clock.time() - self._run_started
+        return SaveResult(
+            checkpoint_id=self.checkpoint_id,
+            manifest=self._manifest,
+            commit=commit,
+            restarts={iid: frozenset(ic.restarts) for iid, ic in commit.instances.items()},
+            resume=resume,
+            timings=dict(self.timings),
+            gym_parked_seconds=self.gym_parked_seconds,
+            warnings=tuple(self.warnings),
+        )
+
+    async def resume_before_cut(self) -> ResumeReport | None:
+        """The abort: resume every instance (None when Gym was never parked, or is no longer)."""
+        await self._stop_renewer()
+        if not self.parked:
+            return None
+        self._ended = True
+        report = await self.client.resume(self.checkpoint_id, self.topology, raise_on_failure=False)
+        self._note_parked(report.answered_at)
+        return report
+
+    async def abandon(self) -> None:
+        """Stop driving the checkpoint without any Gym call (another coordinator now does)."""
+        await self._stop_renewer()
+        self._ended = True
+
+    async def _stop_renewer(self) -> None:
+        if self._renewer is not None:
+            await self._renewer.stop()
+            self.warnings.extend(w for w in self._renewer.warnings if w not in self.warnings)
+
+    # --- the whole sequence, for callers without a ledger --------------------------------------
+
+    def abort(self, reason: str = "train_step_committed") -> bool:
+        """Abort :meth:`run` before the cut: Gym is resumed at once and ``run`` raises
+        :class:`GymSaveAborted`. Returns False when the cut has already happened."""
+        if self._cut_done:
+            return False
+        self._abort_reason = reason
+        self._aborted.set()
+        return True
+
+    async def run(self) -> SaveResult:
+        """prepare, commit (the constructor's candidates), drain (``drain_hook``), manifest,
+        capture (``capture_hook``), cut, finish. Any failure before the cut resumes everyone and
+        re-raises the original failure."""
+        if self._started:
+            raise RuntimeError("a GymSave runs once; make a new one (with a new checkpoint id)")
+        self._started = True
+        self._run_started = self.client.clock.time()
+        work = asyncio.create_task(self._steps(), name=f"gym-save-{self.checkpoint_id}")
+        aborted = asyncio.create_task(self._aborted.wait())
+        try:
+            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            if work.done() or self._cut_done:
+                return await work
+            # A prepare still waiting on a participant replies idle once resumed.
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+            report = await self.resume_before_cut()
+            raise GymSaveAborted(self._abort_reason, report.failure if report else None)
+        except asyncio.CancelledError:
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+            if not self._cut_done:
+                await asyncio.shield(self.resume_before_cut())
+            raise
+        finally:
+            aborted.cancel()
+            self.timings.setdefault("total", self.client.clock.time() - self._run_started)
+
+    async def _steps(self) -> SaveResult:
+        await self.prepare()
+        try:
+            await self.commit()
+            pending = self.pending()
+            await self.drain(self.drain_hook(pending) if self.drain_hook and pending else None, pending)
+            manifest = await self.manifest()
+            if self.capture_hook is not None:
+                await self.within_lease(self.capture_hook(manifest))
+            self.cut()
+        except asyncio.CancelledError:
+            await self._stop_renewer()  # run() resumes everyone
+            raise
+        except BaseException as exc:
+            report = await self.resume_before_cut()
+            failure = report.failure if report is not None else None
+            if isinstance(exc, GymControlError):
+                if failure is not None:
+                    exc.resume_failure = failure
+                exc.extra.setdefault("timings", dict(self.timings))
+                exc.extra.setdefault("gym_parked_seconds", self.gym_parked_seconds)
+            elif failure is not None:
+                exc.add_note(f"Gym resume after this failure also failed: {failure}")
+                exc.resume_failure = failure  # type: ignore[attr-defined]
+            raise
+        return await self.finish()
+
+    def _drain_timeout(self, remaining: dict[str, list[Episode]]) -> GymControlError:
         count = sum(len(eps) for eps in remaining.values())
         samples = sorted(ep.capture_key for eps in remaining.values() for ep in eps)[:SAMPLE]
-        raise GymControlError(
+        return GymControlError(
             FailureClass.DRAIN_TIMEOUT,
             f"drain of {self.checkpoint_id} timed out after {self.drain_timeout_s:g}s: "
             f"{count} /run reply(ies) still pending, e.g. {', '.join(samples)}",
@@ -301,11 +369,6 @@ class GymSave:
             },
             extra={"pending_count": count, "pending_samples": samples},
         )
-
-    async def _resume_before_cut(self) -> ResumeReport:
-        report = await self.client.resume(self.checkpoint_id, self.topology, raise_on_failure=False)
-        self._note_parked(report.answered_at)
-        return report
 
     def _note_parked(self, answered_at: float) -> None:
         if self._parked_since is not None:

@@ -1,12 +1,19 @@
 """Ownership of a run's background work (snapshots, outbox), section 2.
 
 One row per run: owner, epoch, expiry. Taking the lease from another owner (only once it
-expired) bumps the epoch, so a replica that lost it can tell and stops writing.
+expired) bumps the epoch, so a replica that lost it can tell and stops writing: every background
+write (a snapshot's phase, an outbox claim or acknowledgement) carries ``fence_sql`` in its own
+statement and raises :class:`Fenced` when it matched nothing.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from sqlalchemy import text
+
+from .. import errors
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 
@@ -34,14 +41,38 @@ async def acquire_in(conn: AsyncConnection, run_id: str, owner: str, ttl_s: floa
     return None if row is None else int(row[0])
 
 
-async def holds(conn: AsyncConnection, run_id: str, owner: str, epoch: int) -> bool:
-    """Inside a write transaction: does ``owner`` still hold the lease at ``epoch``? (row-locked)"""
-    row = (
-        await conn.execute(
-            text("SELECT owner, epoch, expires_at > now() AS live FROM ownership_leases WHERE run_id = :r FOR SHARE"), {"r": run_id}
-        )
-    ).first()
-    return row is not None and row.owner == owner and int(row.epoch) == epoch and bool(row.live)
+@dataclass(frozen=True)
+class Fence:
+    """The lease a background write must still hold: its owner at its epoch, unexpired."""
+
+    owner: str
+    epoch: int
+
+    def params(self) -> dict[str, Any]:
+        return {"fence_owner": self.owner, "fence_epoch": self.epoch}
+
+
+class Fenced(errors.Fenced):
+    """A background write found its lease gone (taken over, or expired unrenewed): the writer
+    stops driving the run's work; whoever holds the lease now finishes it."""
+
+    title = "Run lease lost by this replica"
+
+    def __init__(self, run_id: str, what: str, fence: Fence) -> None:
+        super().__init__(f"run {run_id}: {what} refused: {fence.owner} no longer holds the run's lease at epoch {fence.epoch}")
+        self.run_id = run_id
+        self.what = what
+        self.fence = fence
+
+
+def fence_sql(run: str = ":r") -> str:
+    """A condition for the WHERE of a background write: the writer still holds the run's lease.
+    FOR SHARE makes a takeover (which updates the lease row) wait for this write, and this write
+    wait for a takeover in flight, so the two never interleave."""
+    return (
+        f"EXISTS (SELECT 1 FROM ownership_leases fl WHERE fl.run_id = {run} AND fl.owner = :fence_owner "
+        "AND fl.epoch = :fence_epoch AND fl.expires_at > now() FOR SHARE)"
+    )
 
 
 async def release(engine: AsyncEngine, run_id: str, owner: str) -> None:

@@ -40,11 +40,13 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
+from ..domain.snapshot_state import SnapshotOutcome, SnapshotPhase
+
 RUN_STATES = ("open", "closed")
 GROUP_STATUSES = ("generating", "ready", "finalized", "abandoned")
 ATTEMPT_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
 RETIREMENT_STATES = ("none", "retire_pending", "retired", "forget_pending", "forgotten")
-SNAPSHOT_OUTCOMES = ("published", "failed", "aborted")
+SNAPSHOT_OUTCOMES = tuple(o.value for o in SnapshotOutcome)
 OUTBOX_OPS = ("retire", "forget")
 OUTBOX_STATES = ("pending", "delivered", "superseded")
 LEVELS = ("turn", "sibling", "prompt_group")
@@ -337,6 +339,19 @@ class SnapshotSiblings(UserDefinedType[Any]):
         return "snapshot_sibling[]"
 
 
+class SnapshotChangedGroup(Base):
+    """The groups of a run written while its pending snapshot may hold a pre-cut (phases
+    ``CHANGE_TRACKING_PHASES``): fed by statement triggers (``CHANGED_GROUPS_TRIGGERS_UP``) on the
+    tables a cut copies, so that the barrier re-copies exactly these groups instead of looking
+    for changes across the whole run. Emptied by the pre-cut before its copy, by the barrier
+    as it re-copies, and when the snapshot ends."""
+
+    __tablename__ = "snapshot_changed_groups"
+    __table_args__ = (PrimaryKeyConstraint("run_id", "group_id"),)
+    run_id: Mapped[str] = mapped_column(Text)
+    group_id: Mapped[str] = mapped_column(Text)
+
+
 class SnapshotCutGroup(Base):
     """Immutable copy of a live prompt group and its siblings (each with its current attempt) at a
     snapshot's ledger cut: one row per group, the siblings in one array of ``snapshot_sibling``.
@@ -497,4 +512,41 @@ GROUP_CHILDREN_TRIGGER_UP = (
 GROUP_CHILDREN_TRIGGER_DOWN = (
     "DROP TRIGGER IF EXISTS prompt_groups_drop_children ON prompt_groups",
     "DROP FUNCTION IF EXISTS prompt_groups_drop_children()",
+)
+
+
+#: Phases in which a pending snapshot's pre-cut may be taken or may wait for its barrier: writes
+#: to the cut's tables are then recorded in ``snapshot_changed_groups``.
+CHANGE_TRACKING_PHASES = (SnapshotPhase.prepare, SnapshotPhase.commit, SnapshotPhase.drain, SnapshotPhase.data_plane)
+_TRACKED = ", ".join(f"'{p.value}'" for p in CHANGE_TRACKING_PHASES)
+# (table, event, transition table): a statement on a cut table that wrote rows of a run whose
+# snapshot is in a tracking phase records their group ids. One open snapshot lookup (a partial
+# index of the open snapshots) per statement; nothing more when none is tracking.
+_CHANGED_GROUPS_EVENTS = tuple(
+    (table, event, "OLD" if event == "DELETE" else "NEW")
+    for table in ("prompt_groups", "siblings", "attempts")
+    for event in ("INSERT", "UPDATE", "DELETE")
+)
+CHANGED_GROUPS_TRIGGERS_UP = (
+    "CREATE FUNCTION ckptc_note_changed_groups() RETURNS trigger LANGUAGE plpgsql AS $$\n"
+    "DECLARE tracked text[];\n"
+    "BEGIN\n"
+    f"    SELECT array_agg(run_id) INTO tracked FROM snapshots WHERE outcome IS NULL AND cut_at IS NULL AND phase IN ({_TRACKED});\n"
+    "    IF tracked IS NOT NULL THEN\n"
+    "        INSERT INTO snapshot_changed_groups (run_id, group_id)\n"
+    "        SELECT DISTINCT c.run_id, c.group_id FROM changed_rows c WHERE c.run_id = ANY(tracked)\n"
+    "        ON CONFLICT DO NOTHING;\n"
+    "    END IF;\n"
+    "    RETURN NULL;\n"
+    "END\n"
+    "$$",
+    *(
+        f"CREATE TRIGGER ckptc_changed_groups_{event.lower()} AFTER {event} ON {table} REFERENCING {which} TABLE AS changed_rows "
+        "FOR EACH STATEMENT EXECUTE FUNCTION ckptc_note_changed_groups()"
+        for table, event, which in _CHANGED_GROUPS_EVENTS
+    ),
+)
+CHANGED_GROUPS_TRIGGERS_DOWN = (
+    *(f"DROP TRIGGER IF EXISTS ckptc_changed_groups_{event.lower()} ON {table}" for table, event, _ in _CHANGED_GROUPS_EVENTS),
+    "DROP FUNCTION IF EXISTS ckptc_note_changed_groups()",
 )

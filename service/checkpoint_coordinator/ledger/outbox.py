@@ -1,7 +1,8 @@
 """Durable retire/forget queue (recovery-ledger.md section 7).
 
 Items are claimed (``FOR UPDATE SKIP LOCKED`` picks them, an owner and expiry keep them), so two
-coordinator replicas never deliver the same item at once. Progress is recorded per participant
+coordinator replicas never deliver the same item at once; every claim and acknowledgement also
+carries the run's lease (``fence_sql``), so a replica that lost it stops at its next write. Progress is recorded per participant
 stage, so a coordinator that dies mid-delivery resumes with the stages still owed instead of
 sending the whole batch again; its claims expire, or are released when it restarts.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from .leases import Fence, Fenced, fence_sql
 
 MAX_BATCH = 1024
 
@@ -50,44 +53,49 @@ async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) ->
 
 
 async def claim(
-    engine: AsyncEngine, run_id: str, instance_id: str, op: str, owner: str, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
+    engine: AsyncEngine, run_id: str, instance_id: str, op: str, fence: Fence, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
 ) -> list[OutboxItem]:
     """Claim up to ``limit`` pending items for delivery by ``owner``; committed at once.
 
     ``FOR UPDATE SKIP LOCKED`` lets replicas claim side by side without waiting on each other;
     the claim itself (owner, expiry) keeps them apart for the whole delivery, and a claim whose
-    owner died expires.
+    owner died expires. Raises :class:`Fenced` when ``fence`` no longer holds the run's lease.
     """
     due = "" if ignore_schedule else "AND next_attempt_at <= now()"
     async with engine.begin() as conn:
+        if not (await conn.execute(text(f"SELECT {fence_sql()}"), {"r": run_id, **fence.params()})).scalar():
+            raise Fenced(run_id, f"claiming {op} items", fence)
         rows = (
             await conn.execute(
                 text(
-                    "UPDATE outbox_items SET claimed_by = :o, claimed_until = now() + make_interval(secs => :ttl) "
-                    "WHERE item_id IN (SELECT item_id FROM outbox_items "
+                    "UPDATE outbox_items SET claimed_by = :fence_owner, claimed_until = now() + make_interval(secs => :ttl) "
+                    f"WHERE {fence_sql()} AND item_id IN (SELECT item_id FROM outbox_items "
                     f"  WHERE run_id = :r AND instance_id = :i AND op = :op AND state = 'pending' {due} "
                     "  AND (claimed_until IS NULL OR claimed_until < now()) "
                     "  ORDER BY item_id LIMIT :lim FOR UPDATE SKIP LOCKED) "
                     "RETURNING item_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id, tries, servers_done"
                 ),
-                {"r": run_id, "i": instance_id, "op": op, "lim": limit, "o": owner, "ttl": claim_s},
+                {"r": run_id, "i": instance_id, "op": op, "lim": limit, "ttl": claim_s, **fence.params()},
             )
         ).all()
     return sorted((OutboxItem(**dict(r._mapping)) for r in rows), key=lambda x: x.item_id)
 
 
-async def record_progress(engine: AsyncEngine, items: Sequence[OutboxItem], servers: Sequence[str], owner: str) -> None:
+async def record_progress(engine: AsyncEngine, run_id: str, items: Sequence[OutboxItem], servers: Sequence[str], fence: Fence) -> None:
     """These participants acknowledged these items: durable before the next stage is sent."""
     if not items or not servers:
         return
     async with engine.begin() as conn:
-        await conn.execute(
-            text(
-                "UPDATE outbox_items SET servers_done = ARRAY(SELECT DISTINCT x FROM unnest(servers_done || CAST(:s AS text[])) AS x ORDER BY x) "
-                "WHERE item_id = ANY(:ids) AND claimed_by = :o"
-            ),
-            {"ids": [i.item_id for i in items], "s": list(servers), "o": owner},
-        )
+        n = (
+            await conn.execute(
+                text(
+                    "UPDATE outbox_items SET servers_done = ARRAY(SELECT DISTINCT x FROM unnest(servers_done || CAST(:s AS text[])) AS x ORDER BY x) "
+                    f"WHERE item_id = ANY(:ids) AND claimed_by = :fence_owner AND {fence_sql()}"
+                ),
+                {"r": run_id, "ids": [i.item_id for i in items], "s": list(servers), **fence.params()},
+            )
+        ).rowcount
+        _acknowledged(run_id, n, items, "recording delivery progress", fence)
 
 
 async def release_claims(engine: AsyncEngine, owner: str) -> int:
@@ -98,29 +106,44 @@ async def release_claims(engine: AsyncEngine, owner: str) -> int:
         ).rowcount
 
 
-async def mark_delivered(conn: AsyncConnection, items: Sequence[OutboxItem]) -> None:
-    if not items:
-        return
-    await conn.execute(
-        text(
-            "UPDATE outbox_items SET state = 'delivered', delivered_at = now(), tries = tries + 1, last_error = NULL, "
-            "claimed_by = NULL, claimed_until = NULL WHERE item_id = ANY(:ids)"
-        ),
-        {"ids": [i.item_id for i in items]},
-    )
+def _acknowledged(run_id: str, n: int, items: Sequence[OutboxItem], what: str, fence: Fence) -> None:
+    """Every item is still claimed by ``fence``'s owner under its lease, or the write is refused
+    (the caller's transaction rolls back with it)."""
+    if n != len(items):
+        raise Fenced(run_id, what, fence)
 
 
-async def mark_failed(conn: AsyncConnection, items: Sequence[OutboxItem], error: str, *, base_backoff_s: float, max_backoff_s: float) -> None:
+async def mark_delivered(conn: AsyncConnection, run_id: str, items: Sequence[OutboxItem], fence: Fence) -> None:
     if not items:
         return
-    await conn.execute(
-        text(
-            "UPDATE outbox_items SET tries = tries + 1, last_error = :err, claimed_by = NULL, claimed_until = NULL, "
-            "next_attempt_at = now() + make_interval(secs => LEAST(:cap, :base * power(2, LEAST(tries, 16)))) "
-            "WHERE item_id = ANY(:ids)"
-        ),
-        {"ids": [i.item_id for i in items], "err": error[:4096], "base": base_backoff_s, "cap": max_backoff_s},
-    )
+    n = (
+        await conn.execute(
+            text(
+                "UPDATE outbox_items SET state = 'delivered', delivered_at = now(), tries = tries + 1, last_error = NULL, "
+                f"claimed_by = NULL, claimed_until = NULL WHERE item_id = ANY(:ids) AND claimed_by = :fence_owner AND {fence_sql()}"
+            ),
+            {"r": run_id, "ids": [i.item_id for i in items], **fence.params()},
+        )
+    ).rowcount
+    _acknowledged(run_id, n, items, "acknowledging delivered items", fence)
+
+
+async def mark_failed(
+    conn: AsyncConnection, run_id: str, items: Sequence[OutboxItem], fence: Fence, error: str, *, base_backoff_s: float, max_backoff_s: float
+) -> None:
+    if not items:
+        return
+    n = (
+        await conn.execute(
+            text(
+                "UPDATE outbox_items SET tries = tries + 1, last_error = :err, claimed_by = NULL, claimed_until = NULL, "
+                "next_attempt_at = now() + make_interval(secs => LEAST(:cap, :base * power(2, LEAST(tries, 16)))) "
+                f"WHERE item_id = ANY(:ids) AND claimed_by = :fence_owner AND {fence_sql()}"
+            ),
+            {"r": run_id, "ids": [i.item_id for i in items], "err": error[:4096], "base": base_backoff_s, "cap": max_backoff_s, **fence.params()},
+        )
+    ).rowcount
+    _acknowledged(run_id, n, items, "recording failed deliveries", fence)
 
 
 async def set_retirement(conn: AsyncConnection, attempt_ids: Sequence[int], state: str) -> None:

@@ -16,12 +16,38 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..errors import Conflict, CoordinatorError, NotFound
+from ..domain.snapshot_state import AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
+from ..errors import Conflict, NotFound
 from .db import dump_json, read_rows
+from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
+from .rollouts import close_gate as _close_gate_of_run
+from .rollouts import open_gate as _open_gate_of_run
 from .runs import lock_run
 
-TERMINAL = ("published", "failed", "aborted")
+P = SnapshotPhase
+TERMINAL = tuple(o.value for o in SnapshotOutcome)
+
+#: The channel a trainer handshake (barrier, capture, abort, train-step announce) notifies in the
+#: transaction that records it; the owner of the snapshot LISTENs on it, on whichever replica.
+NOTIFY_CHANNEL = "ckptc_snapshot"
+
+
+def notify_payload(run_id: str, snapshot_id: str) -> str:
+    return f"{run_id}/{snapshot_id}"
+
+
+async def notify_created(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
+    """A snapshot created here for an owner on another replica: its listener starts it."""
+    await _notify(conn, run_id, [snapshot_id])
+
+
+async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
+    if snapshot_ids:
+        await conn.execute(
+            text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
+            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s) for s in snapshot_ids]},
+        )
 
 
 class SnapshotNotAwaiting(Conflict):
@@ -37,7 +63,7 @@ _BASE_COLS = (
 # when they are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``),
 # the manifest on request. Reading them on every status read cost ~120 ms of decoding each.
 _KEYS_WHEN_AWAITING_CAPTURE = (
-    "CASE WHEN outcome IS NULL AND phase = 'data_plane' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
+    f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
     "THEN cut_staging_keys END AS cut_staging_keys"
 )
 _COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
@@ -78,7 +104,7 @@ class SnapshotRow:
 
     @property
     def awaiting(self) -> str | None:
-        if self.outcome is not None or self.phase != "data_plane":
+        if self.outcome is not None or self.phase != P.data_plane:
             return None
         if self.cut_at is None:
             return "barrier"
@@ -138,79 +164,116 @@ async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
     return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL"), {"r": run_id})).scalar()
 
 
-async def request(engine: AsyncEngine, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str) -> tuple[SnapshotRow, bool]:
-    """Create the snapshot record (phase ``requested``); (row, created). Idempotent by id."""
-    async with engine.begin() as conn:
-        await lock_run(conn, run_id, for_update=True)
-        existing = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})).first()
-        if existing is not None:
-            row = SnapshotRow(**dict(existing._mapping))
-            if row.anchor_step != anchor_step:
-                raise Conflict(f"snapshot {snapshot_id!r} was requested at step {row.anchor_step}", code="snapshot_conflict")
-            return row, False
-        newest = await newest_train_step(conn, run_id)
-        if newest is not None and anchor_step < newest:
-            raise Conflict(
-                f"anchor step {anchor_step} is older than the newest announced train step {newest}",
-                code="snapshot_anchor_stale", newest_train_step=newest,
-            )
-        restoring = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
-        if restoring is not None:
-            # A snapshot taken while the ledger is being rewound would cut a half-restored run.
-            raise Conflict(f"restore {restoring!r} of this run is in progress", code="restore_in_progress", restore_id=restoring)
-        other = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
-        if other is not None:
-            raise Conflict(f"snapshot {other!r} of this run is still in progress", code="snapshot_in_progress", snapshot_id=other)
-        try:
+async def create_in(conn: AsyncConnection, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str) -> tuple[SnapshotRow, bool]:
+    """Create the snapshot record (phase ``requested``) in the caller's transaction; (row,
+    created). Idempotent by id."""
+    await lock_run(conn, run_id, for_update=True)
+    existing = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})).first()
+    if existing is not None:
+        row = SnapshotRow(**dict(existing._mapping))
+        if row.anchor_step != anchor_step:
+            raise Conflict(f"snapshot {snapshot_id!r} was requested at step {row.anchor_step}", code="snapshot_conflict")
+        return row, False
+    newest = await newest_train_step(conn, run_id)
+    if newest is not None and anchor_step < newest:
+        raise Conflict(
+            f"anchor step {anchor_step} is older than the newest announced train step {newest}",
+            code="snapshot_anchor_stale", newest_train_step=newest,
+        )
+    restoring = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
+    if restoring is not None:
+        # A snapshot taken while the ledger is being rewound would cut a half-restored run.
+        raise Conflict(f"restore {restoring!r} of this run is in progress", code="restore_in_progress", restore_id=restoring)
+    other = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
+    if other is not None:
+        raise Conflict(f"snapshot {other!r} of this run is still in progress", code="snapshot_in_progress", snapshot_id=other)
+    try:
+        async with conn.begin_nested():
             r = (
                 await conn.execute(
                     text(
                         "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) "
-                        f"VALUES (:r, :s, :a, 'requested', :o, :d) RETURNING {_COLS}"
+                        f"VALUES (:r, :s, :a, :ph, :o, :d) RETURNING {_COLS}"
                     ),
-                    {"r": run_id, "s": snapshot_id, "a": anchor_step, "o": owner, "d": snapshot_dir},
+                    {"r": run_id, "s": snapshot_id, "a": anchor_step, "ph": P.requested.value, "o": owner, "d": snapshot_dir},
                 )
             ).one()
-        except IntegrityError as e:  # the one-open-snapshot index, under a race
-            raise Conflict("another snapshot of this run is in progress", code="snapshot_in_progress") from e
-        return SnapshotRow(**dict(r._mapping)), True
+    except IntegrityError as e:  # the one-open-snapshot index, under a race
+        raise Conflict("another snapshot of this run is in progress", code="snapshot_in_progress") from e
+    return SnapshotRow(**dict(r._mapping)), True
 
 
-async def set_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, phase: str, **fields: Any) -> None:
-    sets = ["phase = :phase"]
-    params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "phase": phase}
+# A phase write of the snapshot's owner: the row is still in the phase the owner last wrote, not
+# ended, still the owner's, and the owner still holds the run's lease at its epoch.
+_FENCED_MOVE = f"run_id = :r AND snapshot_id = :s AND phase = :expected AND outcome IS NULL AND owner = :fence_owner AND {fence_sql()}"
+_JSON_FIELDS = frozenset({"gym_manifest", "counts", "phase_timings", "detail", "data_plane_ref", "resume_failure"})
+_MOVE_FIELDS = _JSON_FIELDS | {"gym_checkpoint_id", "snapshot_dir"}
+
+
+async def move_in(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any
+) -> None:
+    """Move the snapshot ``expected -> to`` (with ``fields``) in one fenced statement, in the
+    caller's transaction; :class:`Fenced` when it matched no row."""
+    sets = ["phase = :to"]
+    params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "to": to.value, "expected": expected.value, **fence.params()}
     for k, v in fields.items():
-        if k in ("gym_manifest", "counts", "phase_timings", "detail", "data_plane_ref", "resume_failure"):
+        if k not in _MOVE_FIELDS:
+            raise ValueError(f"a phase move does not write {k!r}")
+        if k == "counts":  # other writers (the pre-cut) add their counts too
+            sets.append("counts = COALESCE(counts, '{}'::jsonb) || CAST(:counts AS jsonb)")
+            params[k] = _j(v)
+        elif k in _JSON_FIELDS:
             sets.append(f"{k} = CAST(:{k} AS jsonb)")
             params[k] = _j(v)
         else:
             sets.append(f"{k} = :{k}")
             params[k] = v
-    async with engine.begin() as conn:
-        await conn.execute(text(f"UPDATE snapshots SET {', '.join(sets)} WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL"), params)
+    n = (await conn.execute(text(f"UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE}"), params)).rowcount
+    if n != 1:
+        raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {to}", fence)
 
 
-async def set_owner(engine: AsyncEngine, run_id: str, snapshot_id: str, owner: str) -> None:
+async def move(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any) -> None:
     async with engine.begin() as conn:
-        await conn.execute(text("UPDATE snapshots SET owner = :o WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL"), {"r": run_id, "s": snapshot_id, "o": owner})
+        await move_in(conn, run_id, snapshot_id, fence, expected, to, **fields)
+
+
+async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase) -> None:
+    """Make ``fence``'s owner (which holds the run's lease now) the snapshot's owner, so that its
+    fenced writes may end it; :class:`Fenced` when the lease or the phase moved meanwhile."""
+    async with engine.begin() as conn:
+        n = (
+            await conn.execute(
+                text(
+                    "UPDATE snapshots SET owner = :fence_owner WHERE run_id = :r AND snapshot_id = :s AND phase = :expected "
+                    f"AND outcome IS NULL AND {fence_sql()}"
+                ),
+                {"r": run_id, "s": snapshot_id, "expected": expected.value, **fence.params()},
+            )
+        ).rowcount
+    if n != 1:
+        raise Fenced(run_id, f"snapshot {snapshot_id}: taking it over in phase {expected}", fence)
 
 
 async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
     return (await conn.execute(text("SELECT owner FROM ownership_leases WHERE run_id = :r AND expires_at > now()"), {"r": run_id})).scalar()
 
 
-async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str) -> None:
-    """Phase ``gate``: persisted together with the gate itself. FOR UPDATE on the run waits for
+async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> None:
+    """Phase ``gate``, persisted together with the gate itself. FOR UPDATE on the run waits for
     in-flight dispatch transactions (they hold it FOR SHARE), so none lands after the close."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
-        await conn.execute(text("UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r"), {"r": run_id, "s": snapshot_id})
-        await conn.execute(text("UPDATE snapshots SET phase = 'gate' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+        await move_in(conn, run_id, snapshot_id, fence, P.requested, P.gate)
+        await _close_gate_of_run(conn, run_id, snapshot_id)
 
 
-async def open_gate(engine: AsyncEngine, run_id: str, snapshot_id: str) -> None:
+async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> None:
+    """Phase ``publish``, with the gate reopened in the same transaction (before the publish)."""
     async with engine.begin() as conn:
-        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r AND gate_snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+        await move_in(conn, run_id, snapshot_id, fence, P.resume, P.publish)
+        await _open_gate_of_run(conn, run_id, snapshot_id)
 
 
 async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[str, int]]]:
@@ -221,9 +284,9 @@ async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[s
                 text(
                     "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g "
                     "ON g.run_id = a.run_id AND g.group_id = a.group_id "
-                    "WHERE a.run_id = :r AND a.is_current AND g.restore_level = 'turn' AND g.status = 'generating' "
+                    f"WHERE a.run_id = :r AND a.is_current AND g.restore_level = 'turn' AND g.status = '{GroupStatus.generating}' "
                     "AND a.gym_instance_id IS NOT NULL "
-                    "AND (a.status = 'dispatched' OR (a.status = 'reserved' AND (a.gym_owned OR a.gym_attempt > 0)))"
+                    f"AND (a.status = '{AttemptStatus.dispatched}' OR (a.status = '{AttemptStatus.reserved}' AND (a.gym_owned OR a.gym_attempt > 0)))"
                 ),
                 {"r": run_id},
             )
@@ -254,7 +317,7 @@ async def still_pending(engine: AsyncEngine, run_id: str, keys: list[tuple[str, 
 @dataclass(frozen=True)
 class SnapshotProgress:
     """The few columns the runner polls; the full row carries the manifest and staging keys
-    (megabytes at 10 000 episodes), too heavy to read every 50 ms."""
+    (megabytes at 10 000 episodes), too heavy to read on every event and every fallback poll."""
 
     phase: str
     outcome: str | None
@@ -264,7 +327,7 @@ class SnapshotProgress:
 
     @property
     def awaiting(self) -> str | None:
-        if self.outcome is not None or self.phase != "data_plane":
+        if self.outcome is not None or self.phase != P.data_plane:
             return None
         if not self.cut_taken:
             return "barrier"
@@ -292,16 +355,18 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
     transaction, and answer the staging keys that must exist. Idempotent.
 
     When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
-    groups written since its base are copied again (``_CHANGED_GROUPS_SQL``); otherwise the whole
-    run is copied (one row per group, its siblings in an array). Then one statement answers the
-    staging keys (the cut's and the Gym manifest's, unnested in the database) and updates the
-    snapshot row. ``counts`` says which way it went (``cut_recopied_groups``)."""
+    groups written since are copied again: those ``snapshot_changed_groups`` recorded as they
+    were written; otherwise the whole run is copied (one row per group, its siblings in an array).
+    Then one statement answers the staging keys (the cut's and the Gym manifest's, unnested in the
+    database) and updates the snapshot row. ``counts`` says which way it went
+    (``cut_recopied_groups``). The run is locked FOR UPDATE: no report lands between the reading
+    of the changed groups and their copy."""
     async with engine.begin() as conn:
-        await lock_run(conn, run_id)
+        await lock_run(conn, run_id, for_update=True)
         snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
         if snap.cut_at is not None and snap.outcome is None:
             return snap
-        if snap.outcome is not None or snap.phase != "data_plane":
+        if snap.outcome is not None or snap.phase != P.data_plane:
             raise SnapshotNotAwaiting(
                 f"snapshot {snapshot_id!r} is in phase {snap.phase}" + (f" ({snap.outcome}: {snap.reason})" if snap.outcome else "") + "; not awaiting the barrier",
                 phase=snap.phase, outcome=snap.outcome, reason=snap.reason,
@@ -312,15 +377,15 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         if newest is not None and newest > snap.anchor_step:
             # Train step wins: it was announced before this cut.
             await conn.execute(
-                text("UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+                text("UPDATE snapshots SET abort_requested = :why WHERE run_id = :r AND snapshot_id = :s"),
+                {"r": run_id, "s": snapshot_id, "why": SnapshotReason.train_step_committed.value},
             )
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
         base = (
             await conn.execute(
                 text(
-                    f"SELECT cut_base_xid, {NEXT_XID_SQL} AS next_xid, "
-                    f"{CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-                    "(SELECT count(*) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) AS pre_cut_groups "
+                    f"SELECT cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
+                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups "
                     "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
                 ),
                 {"r": run_id, "s": snapshot_id},
@@ -328,10 +393,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         ).one()
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
-        if xid_base_usable(base.cut_base_xid, base.next_xid) and base.pre_cut_groups > 0:
-            changed = list(
-                (await conn.execute(text(_CHANGED_GROUPS_SQL), {"r": run_id, "s": snapshot_id, "bx": str(base.cut_base_xid % 2**32)})).scalar() or []
-            )
+        recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), {"r": run_id})).scalars())
+        if base.cut_base_xid is not None and base.pre_cut_groups > 0:
+            changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base.pre_cut_groups:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
         if changed is not None:
@@ -346,13 +410,13 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
         else:
             if base.pre_cut_groups:
-                # A pre-cut whose base cannot be trusted (the xid counter moved too far), or one
-                # that most groups changed since: copy everything.
+                # A pre-cut that most groups changed since: copy everything.
                 await delete_cut_rows(conn, run_id, [snapshot_id])
                 extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})
         r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id})).one()
+        await _notify(conn, run_id, [snapshot_id])
         return SnapshotRow(**dict(r._mapping))
 
 
@@ -369,11 +433,11 @@ def _cut_insert(*, only_named_groups: bool) -> str:
         f"INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings, staging_keys) "
         f"SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, "
         f"COALESCE(array_agg({_SIBLING}) FILTER (WHERE a.attempt_id IS NOT NULL), '{{}}'), "
-        "ckptc_text_cat(a.staging_keys) FILTER (WHERE a.status IN ('sealed', 'returned')) "
+        f"ckptc_text_cat(a.staging_keys) FILTER (WHERE a.status IN ('{AttemptStatus.sealed}', '{AttemptStatus.returned}')) "
         "FROM prompt_groups g LEFT JOIN (SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s "
         "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
         f"WHERE a.run_id = :r AND a.is_current{named_a}) a ON a.group_id = g.group_id "
-        f"WHERE g.run_id = :r AND g.status IN ('generating', 'ready'){named_g} GROUP BY g.run_id, g.group_id"
+        f"WHERE g.run_id = :r AND g.status IN ('{GroupStatus.generating}', '{GroupStatus.ready}'){named_g} GROUP BY g.run_id, g.group_id"
     )
 
 
@@ -428,27 +492,6 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-# The groups whose cut row the pre-cut may have copied stale: every group with a row (group,
-# sibling or attempt) written by a transaction whose xid is at or after the pre-cut's snapshot
-# xmin (age() relative to this transaction: a smaller age is a newer xid), and every copied group
-# that is gone. A row whose xmin is older than that xmin was committed before the pre-cut's
-# snapshot, so the pre-cut copied this very version. Conservative: a transaction committed just
-# before the pre-cut but after its xmin makes its groups count as changed, which only costs a copy.
-# Rows are deleted only with their group (trigger ``prompt_groups_drop_children``) or by a restore,
-# which cannot run while a snapshot is open.
-# The run's groups are read once (``live``): the gone ones are a hash anti join against it, not
-# 25 000 index probes.
-_CHANGED_GROUPS_SQL = (
-    "WITH b AS MATERIALIZED (SELECT age(CAST(CAST(:bx AS text) AS xid)) AS b), "
-    "live AS MATERIALIZED (SELECT g.group_id, age(g.xmin) <= (SELECT b FROM b) AS changed FROM prompt_groups g WHERE g.run_id = :r) "
-    "SELECT array_agg(group_id) FROM ("
-    " SELECT a.group_id FROM attempts a WHERE a.run_id = :r AND age(a.xmin) <= (SELECT b FROM b) "
-    " UNION SELECT s.group_id FROM siblings s WHERE s.run_id = :r AND age(s.xmin) <= (SELECT b FROM b) "
-    " UNION SELECT l.group_id FROM live l WHERE l.changed "
-    " UNION SELECT c.group_id FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
-    " AND NOT EXISTS (SELECT 1 FROM live l WHERE l.group_id = c.group_id)) AS x"
-)
-
 # The barrier's answer and the snapshot row: the staging keys (the cut's, those of the Gym
 # manifest unnested in the database) and the counts.
 _FINISH_CUT_SQL = (
@@ -473,7 +516,7 @@ class _PreCutVoid(Exception):
     """The snapshot moved on during the pre-cut: roll its copy back."""
 
 
-async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
+async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> int | None:
     """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
     this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
     the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
@@ -483,39 +526,79 @@ async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | N
     No lock on the run or the snapshot row is held during the copy (the runner's phase updates
     must not wait for it); the closing conditional update decides, and a snapshot that ended
     meanwhile rolls the copy back (``end`` deletes the cut rows of every snapshot it does not
-    publish, after waiting for this update's row lock)."""
+    publish, after waiting for this update's row lock). That update is fenced like a phase move:
+    a copy by an owner that lost the run's lease rolls back.
+
+    ``tracked_from`` is ``tracking_horizon`` read once the snapshot's tracking phase was
+    committed (the runner starts the pre-cut right then; by default it is read now)."""
     try:
-        return await _pre_cut(engine, run_id, snapshot_id)
+        return await _pre_cut(engine, run_id, snapshot_id, fence, tracked_from)
     except _PreCutVoid:
         return None
 
 
-async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> int | None:
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> int | None:
+    if not await _writers_see_the_tracking(engine, tracked_from):
+        return None
     async with engine.begin() as conn:
         st = (
             await conn.execute(
                 text("SELECT outcome, phase, cut_at, cut_base_xid FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
             )
         ).first()
-        if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == "data_plane":
+        if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == P.data_plane:
             return None
         # Taken before the copy's own statement snapshot: anything the copy saw that this base
         # does not is counted as changed at the barrier, never the other way round.
         base = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar()
+        # What was recorded before this point is in the copy below; what is written after it is
+        # recorded (the snapshot is in a tracking phase) and re-copied at the barrier.
+        await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         await _cut_settings(conn)
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
         done = (
             await conn.execute(
                 text(
-                    "UPDATE snapshots SET cut_base_xid = :b WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
-                    "AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> 'data_plane'"
+                    "UPDATE snapshots SET cut_base_xid = :b, counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_pre_cut_groups', CAST(:n AS bigint)) "
+                    "WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
+                    f"AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> :dp AND owner = :fence_owner AND {fence_sql()}"
                 ),
-                {"r": run_id, "s": snapshot_id, "b": base},
+                {"r": run_id, "s": snapshot_id, "b": base, "n": n, "dp": P.data_plane.value, **fence.params()},
             )
         ).rowcount
         if done != 1:
             raise _PreCutVoid()
         return int(n)
+
+
+# How long the pre-cut waits for the transactions that were writing when the snapshot entered a
+# tracking phase; past it no pre-cut is taken (the barrier copies the whole run).
+PRE_CUT_WAIT_S = 2.0
+
+
+async def tracking_horizon(engine: AsyncEngine) -> int:
+    """The next transaction id: read after a snapshot's tracking phase was committed, every
+    transaction below it may have written without seeing that phase."""
+    async with engine.connect() as conn:
+        return int((await conn.execute(text(f"SELECT {NEXT_XID_SQL}"))).scalar())
+
+
+async def _writers_see_the_tracking(engine: AsyncEngine, horizon: int | None) -> bool:
+    """Wait until every transaction below ``horizon`` has ended: a statement of one of them may
+    have written without seeing the tracking phase (and recorded nothing). Every later statement
+    records its groups."""
+    import asyncio
+    import time
+
+    async with engine.connect() as conn:
+        if horizon is None:
+            horizon = (await conn.execute(text(f"SELECT {NEXT_XID_SQL}"))).scalar()
+        deadline = time.monotonic() + PRE_CUT_WAIT_S
+        while (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar() < horizon:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.005)
+    return True
 
 
 async def insert_cut_rows(conn: AsyncConnection, run_id: str, snapshot_id: str, groups_sql: str, attempts_sql: str, params: dict[str, Any]) -> int:
@@ -558,6 +641,7 @@ async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reas
                 {"r": run_id, "s": snapshot_id, "a": reason, "d": _j(d)},
             )
         ).one()
+        await _notify(conn, run_id, [snapshot_id])
         return SnapshotRow(**dict(r._mapping))
 
 
@@ -581,6 +665,7 @@ async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference
                 {"r": run_id, "s": snapshot_id, "ref": _j(reference)},
             )
         ).one()
+        await _notify(conn, run_id, [snapshot_id])
         return SnapshotRow(**dict(r._mapping))
 
 
@@ -588,9 +673,11 @@ async def end(
     engine: AsyncEngine,
     run_id: str,
     snapshot_id: str,
-    outcome: str,
-    reason: str,
+    outcome: SnapshotOutcome | str,
+    reason: SnapshotReason | str,
     *,
+    fence: Fence,
+    expected: SnapshotPhase,
     detail: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
     gym_parked_seconds: float | None = None,
@@ -600,48 +687,48 @@ async def end(
 ) -> tuple[SnapshotRow, int]:
     """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
     reopen the gate if still held, count consecutive losses, apply retention on publish.
-    Returns (row, consecutive losses after this)."""
+    Fenced like every phase move (from ``expected``). Returns (row, consecutive losses after this)."""
+    outcome, reason = SnapshotOutcome(outcome), SnapshotReason(reason)
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True, allow_closed=True)
-        phase = outcome
+        phase = SnapshotPhase(outcome.value)
         r = (
             await conn.execute(
                 text(
                     "UPDATE snapshots SET phase = :ph, outcome = :o, reason = :rs, detail = COALESCE(CAST(:d AS jsonb), detail), "
                     "phase_timings = COALESCE(CAST(:t AS jsonb), phase_timings), gym_parked_seconds = COALESCE(:gp, gym_parked_seconds), "
                     "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
-                    "ended_at = now(), published_at = CASE WHEN :o = 'published' THEN now() ELSE NULL END "
-                    f"WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL RETURNING {_COLS}"
+                    "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END "
+                    f"WHERE {_FENCED_MOVE} RETURNING {_COLS}"
                 ),
                 {
-                    "r": run_id, "s": snapshot_id, "ph": phase, "o": outcome, "rs": reason, "d": _j(detail), "t": _j(timings),
+                    "r": run_id, "s": snapshot_id, "ph": phase.value, "o": outcome.value, "rs": reason.value, "d": _j(detail), "t": _j(timings),
                     "gp": gym_parked_seconds, "gr": gym_restarted_episodes, "rf": _j(resume_failure),
+                    "published": outcome is SnapshotOutcome.published, "expected": expected.value, **fence.params(),
                 },
             )
         ).first()
         if r is None:
-            snap = await get(conn, run_id, snapshot_id)
-            losses = (await conn.execute(text("SELECT consecutive_snapshot_losses FROM runs WHERE run_id = :r"), {"r": run_id})).scalar()
-            return snap, int(losses or 0)
-        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r AND gate_snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
-        if outcome == "published":
+            raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {outcome}/{reason}", fence)
+        await _open_gate_of_run(conn, run_id, snapshot_id)
+        if outcome is SnapshotOutcome.published:
             losses_sql = "0"
-        elif reason == "train_step_committed":
+        elif reason is SnapshotReason.train_step_committed:
             losses_sql = "consecutive_snapshot_losses + 1"
         else:
             losses_sql = "consecutive_snapshot_losses"
         losses = (
             await conn.execute(text(f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql} WHERE run_id = :r RETURNING consecutive_snapshot_losses"), {"r": run_id})
         ).scalar()
-        if outcome == "published":
+        if outcome is SnapshotOutcome.published:
             gone = (
                 await conn.execute(
                     text(
-                        "DELETE FROM snapshots WHERE run_id = :r AND outcome = 'published' AND snapshot_id NOT IN ("
-                        " SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome = 'published' ORDER BY published_at DESC, snapshot_id DESC LIMIT :k) "
+                        "DELETE FROM snapshots WHERE run_id = :r AND outcome = :pub AND snapshot_id NOT IN ("
+                        " SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome = :pub ORDER BY published_at DESC, snapshot_id DESC LIMIT :k) "
                         "RETURNING snapshot_id"
                     ),
-                    {"r": run_id, "k": keep_latest_k},
+                    {"r": run_id, "k": keep_latest_k, "pub": SnapshotOutcome.published.value},
                 )
             ).scalars().all()
             if gone:
@@ -653,6 +740,7 @@ async def end(
             # step during commit) would otherwise stay forever, a copy of every live row per loss.
             # The snapshot row stays, for history.
             await delete_cut_rows(conn, run_id, [snapshot_id])
+        await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 
@@ -688,12 +776,13 @@ async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, check
         aborted = (
             await conn.execute(
                 text(
-                    "UPDATE snapshots SET abort_requested = 'train_step_committed' WHERE run_id = :r AND outcome IS NULL AND cut_at IS NULL "
+                    "UPDATE snapshots SET abort_requested = :why WHERE run_id = :r AND outcome IS NULL AND cut_at IS NULL "
                     "AND anchor_step < :s AND abort_requested IS NULL RETURNING snapshot_id"
                 ),
-                {"r": run_id, "s": step},
+                {"r": run_id, "s": step, "why": SnapshotReason.train_step_committed.value},
             )
         ).scalars().all()
+        await _notify(conn, run_id, list(aborted))
         return {"step": r.step, "checkpoint_ref": r.checkpoint_ref, "announced_at": r.announced_at.isoformat(), "created": created}, list(aborted)
 
 
@@ -750,7 +839,3 @@ async def unfinished(engine: AsyncEngine) -> list[tuple[str, str, str, str | Non
             )
         ).all()
     return [tuple(r) for r in rows]  # type: ignore[misc]
-
-
-class DataPlaneTimeout(CoordinatorError):
-    code, status, title = "data_plane_timeout", 504, "Data-plane capture timed out"

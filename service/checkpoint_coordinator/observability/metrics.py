@@ -29,6 +29,8 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
+from ..domain.snapshot_state import REASON_OUTCOME, FailureClass, SnapshotOutcome, SnapshotReason, SnapshotTiming
+
 __all__ = [
     "REGISTRY",
     "METRIC_SPECS",
@@ -45,6 +47,7 @@ __all__ = [
     "GymParticipantKind",
     "GymCallOutcome",
     "OutboxOp",
+    "FencedWork",
     "LedgerState",
     "HttpMethod",
     "HELPER_METRICS",
@@ -57,68 +60,9 @@ __all__ = [
 # --------------------------------------------------------------------------- label value sets
 
 
-class SnapshotPhase(StrEnum):
-    """Phases whose durations a snapshot records (spec section 5)."""
-
-    GATE = "gate"
-    PREPARE = "prepare"
-    COMMIT = "commit"
-    DRAIN = "drain"
-    DATA_PLANE = "data_plane"
-    RESUME = "resume"
-    TOTAL = "total"
-    # First prepare sent until resume answered: how long Gym admission was closed.
-    GYM_PARKED = "gym_parked"
-
-
-class SnapshotOutcome(StrEnum):
-    PUBLISHED = "published"
-    FAILED = "failed"
-    ABORTED = "aborted"
-
-
-class SnapshotReason(StrEnum):
-    """The closed enum of snapshot end reasons (``ok`` for a published snapshot).
-
-    Mirrors ``domain.snapshot_state.SnapshotReason``; the contract test compares
-    the two whenever the domain module is importable.
-    """
-
-    OK = "ok"
-    # failed
-    GYM_NOT_READY = "gym_not_ready"
-    GYM_UNAVAILABLE = "gym_unavailable"
-    GYM_INVARIANT = "gym_invariant"
-    LEASE_LOST = "lease_lost"
-    DRAIN_TIMEOUT = "drain_timeout"
-    DATA_PLANE_TIMEOUT = "data_plane_timeout"
-    DATA_PLANE_FAILED = "data_plane_failed"
-    DATABASE_UNAVAILABLE = "database_unavailable"
-    # aborted
-    TRAIN_STEP_COMMITTED = "train_step_committed"
-    COORDINATOR_RESTART = "coordinator_restart"
-    SUPERSEDED = "superseded"
-    CANCELLED = "cancelled"
-    RESTORED = "restored"
-
-
-#: The outcome each reason belongs to; a snapshot is counted only under its own outcome.
-REASON_OUTCOME: Final[Mapping[str, str]] = {
-    SnapshotReason.OK: SnapshotOutcome.PUBLISHED,
-    SnapshotReason.GYM_NOT_READY: SnapshotOutcome.FAILED,
-    SnapshotReason.GYM_UNAVAILABLE: SnapshotOutcome.FAILED,
-    SnapshotReason.GYM_INVARIANT: SnapshotOutcome.FAILED,
-    SnapshotReason.LEASE_LOST: SnapshotOutcome.FAILED,
-    SnapshotReason.DRAIN_TIMEOUT: SnapshotOutcome.FAILED,
-    SnapshotReason.DATA_PLANE_TIMEOUT: SnapshotOutcome.FAILED,
-    SnapshotReason.DATA_PLANE_FAILED: SnapshotOutcome.FAILED,
-    SnapshotReason.DATABASE_UNAVAILABLE: SnapshotOutcome.FAILED,
-    SnapshotReason.TRAIN_STEP_COMMITTED: SnapshotOutcome.ABORTED,
-    SnapshotReason.COORDINATOR_RESTART: SnapshotOutcome.ABORTED,
-    SnapshotReason.SUPERSEDED: SnapshotOutcome.ABORTED,
-    SnapshotReason.CANCELLED: SnapshotOutcome.ABORTED,
-    SnapshotReason.RESTORED: SnapshotOutcome.ABORTED,
-}
+# The snapshot vocabulary is the domain's: phases timed, outcomes, reasons and which outcome each
+# reason belongs to.
+SnapshotPhase = SnapshotTiming
 
 
 class RestoreDisposition(StrEnum):
@@ -154,19 +98,15 @@ class GymParticipantKind(StrEnum):
     UNKNOWN = "unknown"
 
 
-class GymCallOutcome(StrEnum):
-    """``ok`` or the control failure class of the call (protocol section 9)."""
+#: ``ok`` or the control failure class of the call (protocol section 9), built from the one enum.
+GymCallOutcome = StrEnum("GymCallOutcome", {"OK": "ok", **{c.name: c.value for c in FailureClass}})  # type: ignore[misc]
 
-    OK = "ok"
-    NOT_READY = "not_ready"
-    UNAVAILABLE = "unavailable"
-    LEASE_LOST = "lease_lost"
-    DRAIN_TIMEOUT = "drain_timeout"
-    PROTOCOL_ERROR = "protocol_error"
-    TOPOLOGY_MISMATCH = "topology_mismatch"
-    CONFIG_ERROR = "config_error"
-    CONFLICT = "conflict"
-    CHECKPOINT_STATE = "checkpoint_state"
+
+class FencedWork(StrEnum):
+    """Background work a write of which was refused because its replica lost the run's lease."""
+
+    SNAPSHOT = "snapshot"
+    OUTBOX = "outbox"
 
 
 class OutboxOp(StrEnum):
@@ -393,6 +333,16 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         in_spec_table=False,
     ),
     MetricSpec(
+        name="ckptc_fenced_writes_total",
+        type=MetricType.COUNTER,
+        help="Background writes refused because this replica no longer held the run's lease "
+        "(another replica took the run over); the work stopped here, in writes, by the work.",
+        unit="writes",
+        attr="FENCED_WRITES_TOTAL",
+        labels={"work": _values(FencedWork)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
         name="ckptc_snapshot_resume_failures_total",
         type=MetricType.COUNTER,
         help="Snapshots whose Gym resume still failed after a successful cut (the snapshot "
@@ -489,6 +439,7 @@ LEDGER_TRANSITIONS_TOTAL: Final[Counter] = _OBJECTS["ckptc_ledger_transitions_to
 HTTP_REQUEST_SECONDS: Final[Histogram] = _OBJECTS["ckptc_http_request_seconds"]  # type: ignore[assignment]
 RESTORE_DURATION_SECONDS: Final[Histogram] = _OBJECTS["ckptc_restore_duration_seconds"]  # type: ignore[assignment]
 GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_gym_exported_outside_scope_total"]  # type: ignore[assignment]
+FENCED_WRITES_TOTAL: Final[Counter] = _OBJECTS["ckptc_fenced_writes_total"]  # type: ignore[assignment]
 SNAPSHOT_RESUME_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_snapshot_resume_failures_total"]  # type: ignore[assignment]
 SNAPSHOT_LOSSES_WARNING: Final[Gauge] = _OBJECTS["ckptc_snapshot_losses_warning"]  # type: ignore[assignment]
 RUN_LEASES_HELD: Final[Gauge] = _OBJECTS["ckptc_run_leases_held"]  # type: ignore[assignment]
@@ -514,6 +465,8 @@ def _initialize_series() -> None:
         RESTORE_DURATION_SECONDS.labels(outcome=restore_outcome.value)
     for state in LedgerState:
         LEDGER_TRANSITIONS_TOTAL.labels(to=state.value)
+    for work in FencedWork:
+        FENCED_WRITES_TOTAL.labels(work=work.value)
 
 
 _initialize_series()
@@ -696,6 +649,10 @@ def record_ledger_transition(to: LedgerState | str, count: int = 1) -> None:
     LEDGER_TRANSITIONS_TOTAL.labels(to=_closed(to, LedgerState, "to")).inc(_count(count, "count"))
 
 
+def record_fenced_write(work: FencedWork | str) -> None:
+    FENCED_WRITES_TOTAL.labels(work=_closed(work, FencedWork, "work")).inc()
+
+
 def set_run_leases_held(count: int) -> None:
     RUN_LEASES_HELD.set(_count(count, "count"))
 
@@ -765,6 +722,7 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "set_outbox_backlog": ("ckptc_outbox_pending", "ckptc_outbox_oldest_age_seconds"),
     "record_ledger_transition": ("ckptc_ledger_transitions_total",),
     "set_run_leases_held": ("ckptc_run_leases_held",),
+    "record_fenced_write": ("ckptc_fenced_writes_total",),
     "set_ready": ("ckptc_ready",),
     "observe_http_request": ("ckptc_http_request_seconds",),
     "set_build_info": ("ckptc_build_info",),

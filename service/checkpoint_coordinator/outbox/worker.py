@@ -21,6 +21,7 @@ from ..gym.client import GymControlClient, callers_first
 from ..gym.models import Episode, InstanceTopology
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import outbox as repo
+from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 
 log = logging.getLogger(__name__)
@@ -40,12 +41,18 @@ class OutboxDeliverer:
         # pre-prepare delivery would otherwise split one run's items between two passes.
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def deliver_run(self, run_id: str, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None) -> dict[str, int]:
+    async def deliver_run(
+        self, run_id: str, epoch: int, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None
+    ) -> dict[str, int]:
+        """Deliver under the run's lease held at ``epoch``; raises :class:`Fenced` at the first
+        claim or acknowledgement once the lease is gone."""
         lock = self._locks.setdefault(run_id, asyncio.Lock())
         async with lock:
-            return await self._deliver_run(run_id, ignore_schedule=ignore_schedule, instance_ids=instance_ids)
+            return await self._deliver_run(run_id, Fence(self.owner, epoch), ignore_schedule=ignore_schedule, instance_ids=instance_ids)
 
-    async def _deliver_run(self, run_id: str, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None) -> dict[str, int]:
+    async def _deliver_run(
+        self, run_id: str, fence: Fence, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None
+    ) -> dict[str, int]:
         """Deliver everything owed for one run (retires, then forgets). Returns counts delivered.
 
         ``ignore_schedule`` sends items still in backoff too: before a prepare, every queued retire
@@ -60,16 +67,17 @@ class OutboxDeliverer:
             inst = topology.get(iid)
             if inst is None:
                 continue  # items for an unregistered instance wait until it is registered
-            delivered["retire"] += await self._drain(run_id, inst, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, items))
-            delivered["forget"] += await self._drain(run_id, inst, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, items))
+            delivered["retire"] += await self._drain(run_id, inst, fence, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, fence, items))
+            delivered["forget"] += await self._drain(run_id, inst, fence, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, fence, items))
         return delivered
 
     async def _drain(
-        self, run_id: str, inst: InstanceTopology, op: str, ignore_schedule: bool, send: Callable[[list[repo.OutboxItem]], Awaitable[tuple[int, bool]]]
+        self, run_id: str, inst: InstanceTopology, fence: Fence, op: str, ignore_schedule: bool,
+        send: Callable[[list[repo.OutboxItem]], Awaitable[tuple[int, bool]]],
     ) -> int:
         total = 0
         while True:
-            items = await repo.claim(self.engine, run_id, inst.instance_id, op, self.owner, self.claim_s, ignore_schedule=ignore_schedule)
+            items = await repo.claim(self.engine, run_id, inst.instance_id, op, fence, self.claim_s, ignore_schedule=ignore_schedule)
             if not items:
                 return total
             done, failed = await send(items)
@@ -77,14 +85,18 @@ class OutboxDeliverer:
             if failed or len(items) < repo.MAX_BATCH:
                 return total
 
-    async def _retire(self, run_id: str, inst: InstanceTopology, client: GymControlClient, items: list[repo.OutboxItem]) -> tuple[int, bool]:
+    async def _retire(
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.OutboxItem]
+    ) -> tuple[int, bool]:
         everyone = {p.server_name for p in inst.participants}
         errors: list[str] = []
         stopped: set[int] = set()
         for stage in callers_first(inst):
             # Participants of a stage are sent their retires side by side, each acknowledgement
             # recorded as it arrives, so a crash re-sends only to those that had not answered.
-            results = await asyncio.gather(*(self._retire_on(inst, client, p, [it for it in items if it.item_id not in stopped]) for p in stage))
+            results = await asyncio.gather(
+                *(self._retire_on(run_id, inst, client, fence, p, [it for it in items if it.item_id not in stopped]) for p in stage)
+            )
             for errs in results:
                 errors.extend(errs)
             names = {p.server_name for p in stage}
@@ -93,15 +105,19 @@ class OutboxDeliverer:
         done = [it for it in items if everyone <= set(it.servers_done)]
         rest = [it for it in items if it not in done]
         async with self.engine.begin() as conn:
-            await repo.mark_delivered(conn, done)
+            await repo.mark_delivered(conn, run_id, done, fence)
             await repo.set_retirement(conn, [it.attempt_id for it in done], "forget_pending")
             await repo.enqueue_forgets(conn, run_id, inst.instance_id, [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in done])
-            await repo.mark_failed(conn, rest, "; ".join(errors) or "retire not acknowledged", base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
+            await repo.mark_failed(
+                conn, run_id, rest, fence, "; ".join(errors) or "retire not acknowledged", base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s
+            )
         if rest:
             log.warning("retire on %s failed for %d episode(s); kept queued: %s", inst.instance_id, len(rest), "; ".join(errors)[:500])
         return len(done), bool(rest)
 
-    async def _retire_on(self, inst: InstanceTopology, client: GymControlClient, p: Any, items: list[repo.OutboxItem]) -> list[str]:
+    async def _retire_on(
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, p: Any, items: list[repo.OutboxItem]
+    ) -> list[str]:
         errors: list[str] = []
         sub = dataclasses.replace(inst, participants=(p,))
         for cid in sorted({it.checkpoint_id for it in items}):
@@ -114,45 +130,59 @@ class OutboxDeliverer:
             for b in await client.retire(sub, list(by_ep), cid):
                 if b.ok:
                     its = [it for ep in b.episodes for it in by_ep[ep]]
-                    await repo.record_progress(self.engine, its, [p.server_name], self.owner)
+                    await repo.record_progress(self.engine, run_id, its, [p.server_name], fence)
                     for it in its:
                         it.servers_done.append(p.server_name)
                 else:
                     errors.append(str(b.failure))
         return errors
 
-    async def _forget(self, run_id: str, inst: InstanceTopology, client: GymControlClient, items: list[repo.OutboxItem]) -> tuple[int, bool]:
+    async def _forget(
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.OutboxItem]
+    ) -> tuple[int, bool]:
         last_retired = {it.rollout_id: Episode(it.rollout_id, int(it.gym_attempt or 0)) for it in items}
         settle = await client.forget_settling_refusals(inst, last_retired)
         forgotten = set(settle.forgotten) - set(settle.owed_forgets)
         done = [it for it in items if it.rollout_id in forgotten]
         still = [it for it in items if it.rollout_id not in forgotten]
         async with self.engine.begin() as conn:
-            await repo.mark_delivered(conn, done)
+            await repo.mark_delivered(conn, run_id, done, fence)
             await repo.set_retirement(conn, [it.attempt_id for it in done], "forgotten")
             errs = "; ".join(str(b.failure) for b in settle.batches if b.failure is not None) or "forget not acknowledged"
-            await repo.mark_failed(conn, still, errs, base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
+            await repo.mark_failed(conn, run_id, still, fence, errs, base_backoff_s=self.base_backoff_s, max_backoff_s=self.max_backoff_s)
         if still:
             log.warning("forget on %s refused for %d rollout(s); kept queued with their retire", inst.instance_id, len(still))
         return len(done), bool(still)
 
 
-async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s: float, owns_run: Callable[[str], Awaitable[bool]]) -> None:
-    """Background loop: deliver due items of every run this process may drive."""
+async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s: float, lease_of: Callable[[str], Awaitable[int | None]]) -> None:
+    """Background loop: deliver due items of every run this process holds the lease of
+    (``lease_of`` takes or renews it and answers its epoch, or None)."""
     await repo.release_claims(engine, deliverer.owner)
     while True:
         try:
             work = await repo.due_work(engine)
             for run_id in sorted({r for r, _ in work}):
-                if not await owns_run(run_id):
+                epoch = await lease_of(run_id)
+                if epoch is None:
                     continue
-                await deliverer.deliver_run(run_id, instance_ids=[i for r, i in work if r == run_id])
+                try:
+                    await deliverer.deliver_run(run_id, epoch, instance_ids=[i for r, i in work if r == run_id])
+                except Fenced as e:
+                    record_fenced("outbox")
+                    log.warning("outbox delivery stopped, fenced: %s", e)
             await _publish_backlog(engine)
         except asyncio.CancelledError:
             raise
         except Exception:
             log.exception("outbox delivery pass failed; retrying")
         await asyncio.sleep(poll_s)
+
+
+def record_fenced(what: str) -> None:
+    from ..observability import metrics
+
+    metrics.record_fenced_write(what)
 
 
 async def _publish_backlog(engine: AsyncEngine) -> None:

@@ -1,0 +1,469 @@
+"""One pending snapshot as a state machine (recovery-ledger.md section 5), owned by one replica.
+
+requested -> gate -> retire -> prepare -> commit -> drain -> data_plane -> resume -> publish
+-> published; before the cut, any failure or abort goes through resume (Gym's abort) to failed or
+aborted.
+
+The object owns its phases, its Gym calls (the steps of :class:`~..gym.save.GymSave`), its timers
+and its abort. Every transition is one write, fenced by the phase it leaves and the owner's lease
+epoch (``ledger.snapshots.move_in``); a write that matches nothing raises ``Fenced`` and the
+object stops at once, with no further Gym call: whoever holds the run's lease now ends it.
+
+Trainer handshakes (barrier, capture, abort, a train step announced) reach it as events: the
+transaction that records one notifies, the replica's listener calls :meth:`wake`, and the object
+reads its few progress columns. A timer reads them too, as the fallback for a lost notification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..domain.snapshot_state import (
+    REASON_OUTCOME,
+    SnapshotOutcome,
+    SnapshotPhase,
+    SnapshotReason,
+    SnapshotTiming,
+    check_snapshot_transition,
+    reason_for_gym_failure,
+)
+from ..gym.errors import GymControlError
+from ..gym.models import Episode
+from ..gym.save import GymSave
+from ..gym_runtime import GymClients, load_topology
+from ..ledger import snapshots as repo
+from ..ledger.db import classify_database_error
+from ..ledger.leases import Fence, Fenced
+from ..ledger.runs import get_run
+from ..observability import metrics
+from ..outbox.worker import OutboxDeliverer
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+P = SnapshotPhase
+
+# The drain waits for trainer reports on the pending attempts themselves (not on this snapshot's
+# row), a few index lookups per pass.
+DRAIN_POLL_S = 0.05
+# While the database is away, a write that must happen (the snapshot's end, the writes after its
+# cut) is tried again this often, so the snapshot ends within a moment of the database's return.
+DB_RETRY_S = 0.25
+
+
+def database_away(error: BaseException) -> str | None:
+    verdict = classify_database_error(error)
+    return verdict[1] if verdict is not None and verdict[0] == "unavailable" else None
+
+
+async def until_database_answers(write: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run ``write`` until the database takes it; any other failure is raised at once."""
+    warned = False
+    while True:
+        try:
+            return await write()
+        except Exception as e:
+            why = database_away(e)
+            if why is None:
+                raise
+            if not warned:
+                log.warning("%s: %s; trying again until the database answers", what, why)
+                warned = True
+            await asyncio.sleep(DB_RETRY_S)
+
+
+def outcome_of(reason: SnapshotReason | str) -> SnapshotOutcome:
+    return REASON_OUTCOME[SnapshotReason(reason)]
+
+
+class _Failed(Exception):
+    def __init__(self, reason: SnapshotReason, detail: dict[str, Any]) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+        self.detail = detail
+
+
+class _Aborted(Exception):
+    def __init__(self, reason: SnapshotReason) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SnapshotContext:
+    """What every pending snapshot of a replica shares."""
+
+    engine: AsyncEngine
+    gym: GymClients
+    outbox: OutboxDeliverer
+    owner: str
+    poll_s: float
+
+
+class PendingSnapshot:
+    def __init__(self, ctx: SnapshotContext, run_id: str, snapshot_id: str, epoch: int) -> None:
+        self.ctx = ctx
+        self.engine = ctx.engine
+        self.run_id = run_id
+        self.snapshot_id = snapshot_id
+        self.fence = Fence(ctx.owner, epoch)
+        self.phase = P.requested
+        self.cut_taken = False
+        self.save: GymSave | None = None
+        self.progress: repo.SnapshotProgress | None = None
+        self.abort_reason: SnapshotReason | None = None
+        self.fenced: Fenced | None = None
+        self.timings: dict[str, float] = {}
+        self.done = asyncio.Event()
+        self._interrupt = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._progressed = asyncio.Event()
+        self._pre_cut: asyncio.Task[None] | None = None
+        self._candidates: asyncio.Task[dict[str, list[tuple[str, int]]]] | None = None
+        self._started = time.monotonic()
+        self._config: dict[str, Any] = {}
+
+    # --- events from outside -------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """A handshake for this snapshot was recorded (possibly on another replica)."""
+        self._wake.set()
+
+    def abort(self, reason: SnapshotReason | str) -> None:
+        """Abort before the cut (train step, the trainer, a restore): Gym is resumed and the
+        snapshot ends under the reason's outcome. Ignored once the cut is taken."""
+        if self.cut_taken or self.abort_reason is not None:
+            return
+        self.abort_reason = SnapshotReason(reason)
+        self._interrupt.set()
+
+    def lease_lost(self, fenced: Fenced) -> None:
+        """The run's lease is no longer this replica's: stop at once, no Gym call, no write."""
+        if self.fenced is None:
+            self.fenced = fenced
+            self._interrupt.set()
+
+    # --- the machine ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        metrics.SNAPSHOTS_IN_PROGRESS.inc()
+        watcher = asyncio.create_task(self._watch(), name=f"snapshot-watch-{self.run_id}-{self.snapshot_id}")
+        try:
+            await self._drive()
+        except Fenced as e:
+            await self._stop_fenced(e)
+        except asyncio.CancelledError:
+            # Shutdown: resume Gym and end the record, so the gate does not stay closed until the
+            # next start.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._end_before_cut(SnapshotReason.cancelled, {"why": "coordinator shutting down"}))
+            raise
+        except _Aborted as e:
+            await self._ending(self._end_before_cut(e.reason, {}))
+        except _Failed as e:
+            await self._ending(self._end_before_cut(e.reason, e.detail))
+        except GymControlError as e:
+            await self._ending(self._end_before_cut(reason_for_gym_failure(e.failure_class), _gym_detail(e)))
+        except Exception as e:  # neither a database outage nor a bug may leave the gate closed
+            why = database_away(e)
+            if why is not None:
+                log.warning("snapshot %s of run %s: a write failed in phase %s (%s); it ends when the database answers",
+                            self.snapshot_id, self.run_id, self.phase, why)
+                await self._ending(self._end_before_cut(SnapshotReason.database_unavailable, {"phase": self.phase.value, "why": why}, write_resume=False))
+            else:
+                log.exception("snapshot %s of run %s crashed", self.snapshot_id, self.run_id)
+                await self._ending(self._end_before_cut(SnapshotReason.gym_invariant, {"error": type(e).__name__, "message": str(e)[:2000]}))
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+            metrics.SNAPSHOTS_IN_PROGRESS.dec()
+            self.done.set()
+
+    async def _ending(self, end: Awaitable[None]) -> None:
+        try:
+            await end
+        except Fenced as e:
+            await self._stop_fenced(e)
+
+    async def _drive(self) -> None:
+        async with self.engine.connect() as conn:
+            run = await get_run(conn, self.run_id)
+            snap = await repo.get(conn, self.run_id, self.snapshot_id)
+            topology = await load_topology(conn, self.run_id)
+        cfg = self._config = dict(run.config)
+        await self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence))
+        if not topology:
+            raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
+        await self._move(P.retire)
+        client = self.ctx.gym.for_run(self.run_id, cfg)
+        # The gate is closed, no dispatch adds to the candidates: their query runs beside the
+        # retire delivery and the prepare calls (the commit scopes are their first use).
+        self._candidates = asyncio.create_task(repo.candidates(self.engine, self.run_id))
+        checkpoint_id = client.new_checkpoint_id(self.snapshot_id)
+        snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
+        save = self.save = GymSave(
+            client, topology, snapshot_dir=snapshot_dir, drain_timeout_s=float(cfg.get("drain_timeout_s", 120)),
+            checkpoint_id=checkpoint_id, write_manifest_file=True,
+        )
+        # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
+        await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
+        await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
+        self.timings[SnapshotTiming.gate] = time.monotonic() - self._started
+        # Copy the ledger now, beside Gym's prepare and commit, so that the barrier (while Gym and
+        # the trainer wait) copies only the groups written since.
+        self._pre_cut = asyncio.create_task(self._take_pre_cut())
+        await self._step(save.prepare())
+        found = await self._step(self._candidates)
+        unknown = sorted(set(found) - set(topology))
+        candidates = {iid: [Episode(r, a) for r, a in found.get(iid, [])] for iid in topology}
+        counts = {"candidates": sum(len(v) for v in candidates.values()), "unknown_instances": unknown}
+        await self._move(P.commit, counts=counts)
+        commit = await self._step(save.commit(candidates))
+        await self._move(P.drain)
+        pending = save.pending()
+        drained = sum(len(v) for v in pending.values())
+        await self._step(save.drain(self._drained(pending) if pending else None, pending))
+        manifest = await save.manifest()
+        await self._settle_pre_cut()  # the barrier must find it done (or never started)
+        await self._move(P.data_plane, gym_manifest=manifest)
+        await self._step(save.within_lease(self._captured(float(cfg.get("data_plane_timeout_s", 600)))))
+        save.cut()
+        self.cut_taken = True
+        await self._move(P.resume)
+        result = await save.finish()
+        # The cut is taken: a database outage from here on delays the publish, it does not lose it.
+        await until_database_answers(
+            lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence)),
+            f"snapshot {self.snapshot_id}: publishing",
+        )
+        resume_failure = None
+        if result.resume is not None and result.resume.failure is not None:
+            resume_failure = result.resume.failure.to_dict()
+            metrics.record_snapshot_resume_failure()
+            log.warning("snapshot %s: Gym resume failed after the cut; leases will reopen Gym: %s", self.snapshot_id, result.resume.failure)
+        detail: dict[str, Any] = {
+            "warnings": list(result.warnings),
+            "drained": drained,
+            "gym": {iid: ic.figures() for iid, ic in sorted(commit.instances.items())},
+        }
+        for ic in commit.instances.values():
+            for kind, n in ic.outside_scope.items():
+                metrics.record_exported_outside_scope(kind, n)
+        if unknown:
+            detail["unregistered_instances"] = unknown
+        await self._end(SnapshotReason.ok, detail, restarted=result.gym_restarted_episodes, resume_failure=resume_failure)
+
+    # --- transitions: one fenced write each ----------------------------------------------------
+
+    async def _move(self, to: SnapshotPhase, **fields: Any) -> None:
+        await self._write(to, lambda: repo.move(self.engine, self.run_id, self.snapshot_id, self.fence, self.phase, to, **fields))
+
+    async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[None]]) -> None:
+        """Apply one transition. A cancellation (shutdown) waits for the write in flight, so that
+        ``phase`` always says what the row holds."""
+        check_snapshot_transition(self.phase, to, cut_taken=self.cut_taken)
+        task = asyncio.ensure_future(write())
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await task
+            if task.done() and not task.cancelled() and task.exception() is None:
+                self.phase = to
+            raise
+        self.phase = to
+
+    async def _end(
+        self, reason: SnapshotReason, detail: dict[str, Any], *, restarted: int | None = None, resume_failure: dict[str, Any] | None = None
+    ) -> None:
+        outcome = outcome_of(reason)
+        check_snapshot_transition(self.phase, P(outcome.value), cut_taken=self.cut_taken, reason=reason)
+        await self._settle_pre_cut()
+        if self._candidates is not None:
+            self._candidates.cancel()  # a no-op once it has its answer
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._candidates
+        timings = self._timings()
+        save = self.save
+        _, losses = await until_database_answers(
+            lambda: repo.end(
+                self.engine, self.run_id, self.snapshot_id, outcome, reason, fence=self.fence, expected=self.phase,
+                detail=detail, timings=timings, gym_parked_seconds=save.gym_parked_seconds if save else None,
+                gym_restarted_episodes=restarted, resume_failure=resume_failure, keep_latest_k=int(self._config.get("keep_latest_k", 2)),
+            ),
+            f"snapshot {self.snapshot_id} of run {self.run_id}: ending it {outcome}/{reason}",
+        )
+        self.phase = P(outcome.value)
+        metrics.record_snapshot_outcome(outcome, reason)
+        for name, secs in timings.items():
+            if name in _TIMED:
+                metrics.observe_snapshot_phase(name, max(0.0, secs))
+        if restarted is not None:
+            metrics.observe_gym_restarted_episodes(restarted)
+        warn_after = int(self._config.get("snapshot_loss_warn_after", 3))
+        metrics.set_snapshot_losses(self.run_id, losses, warn_after)
+        if reason is SnapshotReason.train_step_committed and losses >= warn_after:
+            log.warning("run %s: %d consecutive snapshots lost to train steps; snapshot more often or earlier in the step", self.run_id, losses)
+        log.info("snapshot %s of run %s ended %s/%s", self.snapshot_id, self.run_id, outcome, reason)
+
+    async def _end_before_cut(self, reason: SnapshotReason, detail: dict[str, Any], *, write_resume: bool = True) -> None:
+        """Resume Gym (the abort) when it is parked, phase ``resume`` written first, then end.
+        ``write_resume=False``: the database is away, Gym is resumed without waiting for it."""
+        save = self.save
+        if save is not None and save.parked:
+            if write_resume and self.phase is not P.resume:
+                await self._move(P.resume)
+            report = await save.resume_before_cut()
+            if report is not None and report.failure is not None:
+                detail = {**detail, "resume_failure": report.failure.to_dict()}
+        elif save is not None:
+            await save.abandon()
+        await self._end(reason, detail)
+
+    async def _stop_fenced(self, e: Fenced) -> None:
+        metrics.record_fenced_write(metrics.FencedWork.SNAPSHOT)
+        log.warning("snapshot %s of run %s: fenced in phase %s (%s); this replica stops driving it", self.snapshot_id, self.run_id, self.phase, e)
+        if self.save is not None:
+            await self.save.abandon()
+        if self._pre_cut is not None:
+            self._pre_cut.cancel()
+        if self._candidates is not None:
+            self._candidates.cancel()
+
+    # --- waiting ------------------------------------------------------------------------------
+
+    async def _step(self, aw: Awaitable[T]) -> T:
+        """Await one step (a Gym call, a wait) unless an abort or a lost lease comes first; then
+        cancel it and raise that. Writes are never raced: they are one transition each."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._interrupt.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._raise_interrupt()
+        return task.result()
+
+    def _raise_interrupt(self) -> None:
+        if self.fenced is not None:
+            raise self.fenced
+        if self.abort_reason is not None and not self.cut_taken:
+            raise _Aborted(self.abort_reason)
+
+    async def _watch(self) -> None:
+        """Read the progress columns on every event and every ``poll_s`` (the fallback)."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.ctx.poll_s)
+            self._wake.clear()
+            try:
+                progress = await repo.poll(self.engine, self.run_id, self.snapshot_id)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # no news yet; the phase's own deadline bounds the wait
+                if database_away(e) is None:
+                    log.warning("snapshot %s: reading its progress failed: %s", self.snapshot_id, e)
+                continue
+            self.progress = progress
+            if progress.outcome is not None and self.phase.value != progress.outcome:
+                # Ended by another replica (it took the run over): nothing here may touch it.
+                self.lease_lost(Fenced(self.run_id, f"snapshot {self.snapshot_id}: ended elsewhere ({progress.outcome})", self.fence))
+            if progress.abort_requested and not self.cut_taken:
+                self.abort(progress.abort_requested)
+            self._progressed.set()
+
+    async def _captured(self, timeout_s: float) -> None:
+        """Until the trainer reported its capture (after its barrier took the cut)."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()  # read once now: the barrier may have come before this phase was written
+        while True:
+            p = self.progress
+            if p is not None and p.phase == P.data_plane:
+                if p.captured:
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                awaiting = p.awaiting if p is not None and p.phase == P.data_plane else "barrier"
+                raise _Failed(SnapshotReason.data_plane_timeout, {"awaiting": awaiting, "timeout_s": timeout_s})
+            self._progressed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._progressed.wait(), left)
+
+    async def _drained(self, pending: dict[str, set[Episode]]) -> None:
+        """Until the trainer reported every pending attempt (discarding each one as it resolves)."""
+        while any(pending.values()):
+            keys = [(e.rollout_id, e.attempt) for eps in pending.values() for e in eps]
+            try:
+                still = await repo.still_pending(self.engine, self.run_id, keys)
+            except Exception as e:
+                if database_away(e) is None:
+                    raise
+                still = None
+            if still is not None:
+                for eps in pending.values():
+                    for e in list(eps):
+                        if (e.rollout_id, e.attempt) not in still:
+                            eps.discard(e)
+            if any(pending.values()):
+                await asyncio.sleep(DRAIN_POLL_S)
+
+    # --- the pre-cut ----------------------------------------------------------------------------
+
+    async def _take_pre_cut(self) -> None:
+        t = time.monotonic()
+        try:
+            groups = await repo.pre_cut(self.engine, self.run_id, self.snapshot_id, self.fence)
+        except Exception as e:  # the barrier then copies the whole run: slower, not wrong
+            log.warning("snapshot %s of run %s: pre-cut failed (%s: %s); the barrier will copy the whole ledger",
+                        self.snapshot_id, self.run_id, type(e).__name__, str(e)[:500])
+            return
+        if groups is not None:
+            self.timings["pre_cut"] = time.monotonic() - t
+
+    async def _settle_pre_cut(self) -> None:
+        # An unfinished pre-cut would otherwise write its copy after ``end`` deleted the cut rows
+        # (it checks the snapshot again before committing; waiting keeps the log and timings clean).
+        if self._pre_cut is not None:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(self._pre_cut)
+
+    def _timings(self) -> dict[str, float]:
+        t = dict(self.timings)
+        save = self.save
+        if save is not None:
+            st = save.timings
+            for out, names in (
+                (SnapshotTiming.prepare, ("prepare", "renew")),
+                (SnapshotTiming.commit, ("commit",)),
+                (SnapshotTiming.drain, ("drain", "manifest")),
+                (SnapshotTiming.data_plane, ("capture",)),
+                (SnapshotTiming.resume, ("resume",)),
+            ):
+                if any(n in st for n in names):
+                    t[out] = sum(st.get(n, 0.0) for n in names)
+            if save.gym_parked_seconds is not None:
+                t[SnapshotTiming.gym_parked] = save.gym_parked_seconds
+        t[SnapshotTiming.total] = time.monotonic() - self._started
+        return {str(k): v for k, v in t.items()}
+
+
+_TIMED = frozenset(t.value for t in SnapshotTiming)
+
+
+def _gym_detail(e: GymControlError) -> dict[str, Any]:
+    d = e.to_dict()
+    d["message"] = str(e)[:4000]
+    return d

@@ -1,0 +1,36 @@
+"""Requesting a snapshot: the one entry point the API calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ..ledger import leases
+from ..ledger import snapshots as repo
+from ..ledger.runs import get_run, lock_run
+from .runner import SnapshotRunner
+
+
+async def request_snapshot(
+    engine: AsyncEngine, runner: SnapshotRunner, run_id: str, snapshot_id: str, anchor_step: int, *, lease_ttl_s: float
+) -> tuple[repo.SnapshotRow, bool]:
+    """Create the snapshot (idempotent by id) and have its owner drive it; (row, created).
+
+    One transaction takes (or renews) the run's lease when no other live replica holds it, picks
+    the owner (the lease holder: any replica may take the request) and creates the row; the
+    owner learns of a row created elsewhere by its notification."""
+    async with engine.connect() as conn:
+        run = await get_run(conn, run_id)
+    snapshot_dir = str(Path(run.checkpoint_root) / "snapshots" / snapshot_id)
+    async with engine.begin() as conn:
+        # The run before the lease, as every fenced write that locks both takes them.
+        await lock_run(conn, run_id, for_update=True)
+        epoch = await leases.acquire_in(conn, run_id, runner.owner, lease_ttl_s)
+        owner = runner.owner if epoch is not None else (await repo.lease_owner(conn, run_id) or runner.owner)
+        row, created = await repo.create_in(conn, run_id, snapshot_id, anchor_step, owner, snapshot_dir)
+        if created and owner != runner.owner:
+            await repo.notify_created(conn, run_id, snapshot_id)
+    if created and epoch is not None:
+        runner.start(run_id, snapshot_id, epoch)
+    return row, created
