@@ -269,7 +269,7 @@ async def test_restore_refusals_before_anything_is_written(client, admin, app) -
 async def test_forget_restored_on_seal_queues_one_forget_per_sealed_continuation(client, admin, app) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy import text
 
-    from checkpoint_coordinator.ledger.restore import forget_restored_on_seal
+    from checkpoint_coordinator.ledger.rollouts import forget_restored_on_seal
 
     api = await new_run(client, admin, target_level="turn")
     rows = (await api.admit(group_body("T", 3)))["groups"][0]["rows"]

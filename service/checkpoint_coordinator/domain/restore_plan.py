@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from enum import Enum
 from operator import itemgetter
 from types import MappingProxyType
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, overload
@@ -69,7 +68,7 @@ from .errors import (
 from .gym_manifest import Episode, GymManifest
 from .identity import MAX_GENERATIONS
 from .levels import RestoreLevel
-from .snapshot_state import GroupStatus
+from .vocabulary import Disposition, GroupDisposition, GroupStatus
 
 __all__ = [
     "Disposition",
@@ -103,26 +102,6 @@ __all__ = [
 NewRolloutId = Callable[[str, int], str]
 
 
-class Disposition(str, Enum):
-    reused = "reused"
-    continued = "continued"
-    restarted = "restarted"
-    gym_restarted = "gym_restarted"
-    rerun = "rerun"
-    dispatch = "dispatch"
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def new_attempt(self) -> bool:
-        """Whether the row is a new attempt under a new rollout id."""
-        return self in _NEW_ATTEMPT
-
-
-_NEW_ATTEMPT = frozenset({Disposition.restarted, Disposition.gym_restarted, Disposition.rerun})
 
 # One byte per row in the plan; 0 marks a row outside the plan (a skipped group).
 _REUSED, _CONTINUED, _RESTARTED, _GYM_RESTARTED, _RERUN, _DISPATCH = 1, 2, 3, 4, 5, 6
@@ -153,21 +132,6 @@ _LIVE_GROUP = frozenset({"generating", "ready"})
 _GROUP_STATUSES = frozenset(s.value for s in GroupStatus)
 
 _MAX_ISSUES = 50
-
-
-class GroupDisposition(str, Enum):
-    """What happens to a group as a whole."""
-
-    reused = "reused"  # prompt_group: the whole cohort was sealed
-    rerun = "rerun"  # prompt_group: the whole cohort reruns at group_attempt + 1
-    dispatch = "dispatch"  # prompt_group: nothing of the cohort was sent yet
-    per_row = "per_row"  # turn / sibling: each sibling on its own
-    skipped = "skipped"  # finalized or abandoned: not part of the plan
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
 
 
 class PlanRow(NamedTuple):

@@ -32,6 +32,8 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.types import UserDefinedType
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ..domain.vocabulary import AttemptStatus, GroupStatus, RetirementState
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -41,9 +43,9 @@ NAMING = {
 }
 
 RUN_STATES = ("open", "closed")
-GROUP_STATUSES = ("generating", "ready", "finalized", "abandoned")
-ATTEMPT_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
-RETIREMENT_STATES = ("none", "retire_pending", "retired", "forget_pending", "forgotten")
+GROUP_STATUSES = tuple(s.value for s in GroupStatus)
+ATTEMPT_STATUSES = tuple(s.value for s in AttemptStatus)
+RETIREMENT_STATES = tuple(s.value for s in RetirementState)
 SNAPSHOT_OUTCOMES = ("published", "failed", "aborted")
 OUTBOX_OPS = ("retire", "forget")
 OUTBOX_STATES = ("pending", "delivered", "superseded")
@@ -140,7 +142,7 @@ class PromptGroup(Base):
     weight_version: Mapped[str | None] = mapped_column(Text)
     group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     data_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
-    status: Mapped[str] = mapped_column(Text, server_default="generating")
+    status: Mapped[str] = mapped_column(Text, server_default=GroupStatus.generating.value)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     ended_at: Mapped[datetime | None] = mapped_column(TS)
 
@@ -202,7 +204,7 @@ class Attempt(Base):
     gym_instance_id: Mapped[str | None] = mapped_column(Text)
     gym_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
-    status: Mapped[str] = mapped_column(Text, server_default="reserved")
+    status: Mapped[str] = mapped_column(Text, server_default=AttemptStatus.reserved.value)
     is_current: Mapped[bool] = mapped_column(Boolean, server_default="true")
     refusals: Mapped[int] = mapped_column(Integer, server_default="0")
     receipt: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
@@ -210,7 +212,7 @@ class Attempt(Base):
     mask_sample: Mapped[bool | None] = mapped_column(Boolean)
     staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     failure_class: Mapped[str | None] = mapped_column(Text)
-    retirement: Mapped[str] = mapped_column(Text, server_default="none")
+    retirement: Mapped[str] = mapped_column(Text, server_default=RetirementState.none.value)
     # Set when Gym holds restored state for this attempt (a continuation at gym_attempt).
     gym_owned: Mapped[bool] = mapped_column(Boolean, server_default="false")
     # The trainer's dispatch this attempt went out in, so "stream ended" can name the missing rows.
