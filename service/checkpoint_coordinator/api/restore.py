@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import Field
 
 from ..domain.errors import ManifestError
-from ..ledger import restore as repo
+from ..ledger import restore_reads as reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service
@@ -127,7 +127,7 @@ async def get_snapshot_gym_manifest(
     """The snapshot's ``gym_checkpoint.json`` (Gym manifest, schema 2, lists sorted)."""
     async with request.app.state.engine.connect() as conn:
         await get_run(conn, str(caller.run_id))
-        snap = await repo.get_snapshot(conn, str(caller.run_id), snapshot_id)
+        snap = await reads.get_snapshot(conn, str(caller.run_id), snapshot_id)
     if snap is None:
         raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found", snapshot_id=snapshot_id)
     if snap.gym_manifest is None:

@@ -78,7 +78,7 @@ from .cut import Cut, CutAttempt, CutGroup, PromptRef
 from .errors import FieldIssue, LegacyLedgerError, LegacyLedgerVersionError
 from .identity import GROUP_ID, INSTANCE_ID, ROLLOUT_ID, SERVER_NAME, TASK_SOURCE
 from .levels import PREFIX_REFUSAL, RestoreLevel
-from .restore_plan import cut_issues
+from .cut_checks import cut_issues
 from .snapshot_state import AttemptStatus, GroupStatus
 
 __all__ = [

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..domain.cut import Cut
 from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym, retire_items
-from ..ledger.restore import answer_row_json
+from ..ledger.restore_records import answer_row_json
 
 # Dispositions that are sent to Gym, in the order the answer lists them.
 SEND_DISPOSITIONS = (

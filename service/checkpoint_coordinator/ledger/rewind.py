@@ -1,435 +1,30 @@
-"""Restore in the ledger (recovery-ledger.md sections 6 and 7): snapshots to restore from, their
-ledger cut, the restore records that make ``POST /restores`` idempotent, the rewind of the live
-ledger to a cut with a plan applied, forget-after-seal, and imported snapshots.
+"""The rewind of the live ledger to a snapshot's cut with a restore plan applied
+(recovery-ledger.md sections 6.4 and 7), in one transaction that locks the run (fencing).
 
-Every write is one transaction that locks the run row (fencing, section 2). The rewind is
-set-based: ``INSERT ... SELECT`` / ``UPDATE ... FROM`` over the snapshot tables joined with
-``unnest``-ed plan arrays, and it rewrites only the rows whose live state differs from their
-target, so its cost follows the number of siblings and what changed since the cut.
+Set-based: ``INSERT ... SELECT`` / ``UPDATE ... FROM`` over the snapshot tables joined with
+``unnest``-ed plan arrays. It rewrites only the rows whose live state differs from their target,
+so its cost follows the number of siblings and what changed since the cut.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
-from typing import Any, NamedTuple
+from typing import Any
 
 import psycopg
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
-from ..domain.restore_plan import RetireItem, may_run_in_gym
+from ..domain.restore_plan import RetireItem
 from ..errors import Conflict
-from .db import driver_connection, dump_json, fetch
+from . import outbox
+from .db import dump_json, fetch
 from .db import execute as execute_binary
-from .models import RESTORE_ROW_CHUNK_TEXT_COLUMNS, RESTORE_ROWS_PER_CHUNK
+from .restore_records import AnswerRows, mark_applied, store_answer_rows
 from .runs import RunRow, lock_run
-from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, insert_cut_rows, xid_base_usable
-
-# -------------------------------------------------------------------------------------------
-# Snapshots
-
-
-@dataclass(frozen=True)
-class SnapshotRow:
-    snapshot_id: str
-    anchor_step: int
-    outcome: str | None
-    phase: str
-    gym_manifest: dict[str, Any] | None
-    gym_checkpoint_id: str | None
-    snapshot_dir: str | None
-    data_plane_ref: dict[str, Any] | None
-    published_at: datetime | None
-    detail: dict[str, Any] | None
-
-
-_SNAP_COLS = (
-    "snapshot_id, anchor_step, outcome, phase, gym_manifest, gym_checkpoint_id, snapshot_dir, data_plane_ref, "
-    "published_at, detail"
-)
-
-
-def _snap(r: Any) -> SnapshotRow:
-    return SnapshotRow(**dict(r._mapping))
-
-
-async def get_snapshot(conn: AsyncConnection, run_id: str, snapshot_id: str) -> SnapshotRow | None:
-    r = (
-        await conn.execute(
-            text(f"SELECT {_SNAP_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"),
-            {"r": run_id, "s": snapshot_id},
-        )
-    ).first()
-    return _snap(r) if r is not None else None
-
-
-async def newest_published(conn: AsyncConnection, run_id: str, max_step: int | None) -> SnapshotRow | None:
-    """The newest published snapshot whose anchor step is at most ``max_step`` (any if None)."""
-    r = (
-        await conn.execute(
-            text(
-                f"SELECT {_SNAP_COLS} FROM snapshots WHERE run_id = :r AND outcome = 'published' "
-                "AND (CAST(:step AS bigint) IS NULL OR anchor_step <= :step) "
-                "ORDER BY anchor_step DESC, published_at DESC NULLS LAST, snapshot_id DESC LIMIT 1"
-            ),
-            {"r": run_id, "step": max_step},
-        )
-    ).first()
-    return _snap(r) if r is not None else None
-
-
-# -------------------------------------------------------------------------------------------
-# The cut
-
-
-_GROUP_SQL_FULL = (
-    "SELECT group_id, restore_level, expected_generations, group_attempt, status, task_digest, prompt_ref, "
-    "agent_name, task_source, target_step, weight_version, data_attempts_used "
-    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
-)
-_GROUP_SQL_PLAN = (
-    "SELECT group_id, restore_level, expected_generations, group_attempt, status "
-    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s"
-)
-# A plan reads only the first eight fields of an attempt: fetch those (in the primary key's order,
-# no sort) and pad the rest in Python, which is cheaper than having the driver build them.
-_ATT_SQL_PLAN = (
-    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status "
-    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY attempt_id"
-)
-_ATT_PAD = ((), 0, None, False)
-_ATT_SQL_FULL = (
-    "SELECT group_id, generation_index, attempt_id, rollout_id, gym_instance_id, gym_attempt, group_attempt, status, "
-    "COALESCE(staging_keys, '{}'::text[]), row_attempts_used, reward, COALESCE(mask_sample, false) "
-    "FROM snapshot_attempts WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id, generation_index"
-)
-_NO_PROMPT = PromptRef("", "")
-
-
-class PlanGroup(NamedTuple):
-    """A cut group with only what the plan reads filled in (same attribute names as
-    :class:`CutGroup`); a million-sibling cut has 125 000 of them."""
-
-    group_id: str
-    restore_level: str
-    expected_generations: int
-    group_attempt: int
-    status: str
-    task_digest: str = ""
-    prompt_ref: PromptRef = _NO_PROMPT
-    agent_name: str | None = None
-    task_source: str | None = None
-    target_step: int | None = None
-    weight_version: str | None = None
-
-
-@dataclass(frozen=True)
-class GroupExtra:
-    """Group fields the NeMo RL export needs beyond :class:`CutGroup`."""
-
-    data_attempts_used: int
-    weight_version: str | None
-
-
-async def load_cut(
-    conn: AsyncConnection, run_id: str, snapshot_id: str, *, detailed: bool = False
-) -> tuple[Cut, dict[str, GroupExtra]]:
-    """The cut of a snapshot. ``detailed``: every field (reused rows' staging keys, rewards,
-    prompt locators; the export needs them); otherwise only what the plan reads. Read in text
-    format (``binary=False``): up to a million rows, where binary costs memory and gains nothing."""
-    params = {"r": run_id, "s": snapshot_id}
-    extras: dict[str, GroupExtra] = {}
-    if not detailed:
-        groups: list[Any] = [PlanGroup(*g) for g in await fetch(conn, _GROUP_SQL_PLAN, params, binary=False)]
-        pad = _ATT_PAD
-        attempts: Sequence[Any] = [a + pad for a in await fetch(conn, _ATT_SQL_PLAN, params, binary=False)]
-        return Cut(groups=groups, attempts=attempts), extras
-    groups = []
-    for gid, lvl, n, gatt, st, digest, pref, agent, source, tstep, wv, dau in await fetch(conn, _GROUP_SQL_FULL, params, binary=False):
-        pref = pref or {}
-        groups.append(
-            CutGroup(
-                group_id=gid,
-                restore_level=lvl,
-                expected_generations=n,
-                group_attempt=gatt,
-                status=st,
-                task_digest=digest,
-                prompt_ref=PromptRef(pref.get("sample_id"), pref.get("task_name")),
-                agent_name=agent,
-                task_source=source,
-                target_step=tstep,
-                weight_version=wv,
-            )
-        )
-        extras[gid] = GroupExtra(dau, wv)
-    attempts = [CutAttempt(*a[:8], tuple(a[8]), *a[9:]) for a in await fetch(conn, _ATT_SQL_FULL, params, binary=False)]
-    return Cut(groups=groups, attempts=attempts), extras
-
-
-# -------------------------------------------------------------------------------------------
-# The plan in SQL (the dispositions of ledger spec 6.1, set-based)
-
-# Disposition codes, as ``domain.restore_plan.DISPOSITION_CODES``: 1 reused, 2 continued,
-# 3 restarted, 4 gym_restarted, 5 rerun, 6 dispatch.
-#
-# The plan reads the cut storage itself (``snapshot_cut_groups``: one row per group, its siblings
-# in an array) rather than the views: a group and its rows are one table row, so no statement
-# joins the cut with its groups, and a group's rows are unnested only when the group matters.
-#
-# One pass over the cut's groups checks the cut as the pure plan does and finds the skipped
-# groups, the live rows and the prompt_group cohorts that rerun. Per group (a lateral aggregate
-# over its own array): every row is checked; exactly one row per sibling index holds when the
-# group has N rows, each index is in [0, N) and the indexes' bits cover 0..N-1 (N rows covering N
-# values are all distinct). Groups of more than 62 siblings (``big``, beyond a bigint's bits) are
-# checked by _PLAN_DUPLICATES. Group ids are unique by the table's primary key. A cohort is
-# reused when all its rows are sealed and dispatched as it is when none was sent; anything else
-# reruns.
-_PLAN_SUMMARY = (
-    "SELECT COALESCE(bool_or(bad > 0 OR lvl NOT IN ('turn', 'sibling', 'prompt_group') OR n < 1 OR n >= 65536 OR ga < 0 "
-    "OR gst NOT IN ('generating', 'ready', 'finalized', 'abandoned') OR k <> n "
-    "OR (n <= 62 AND bits IS DISTINCT FROM (1::bigint << n) - 1)), false) AS broken, "
-    "COALESCE(bool_or(n > 62), false) AS big, COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
-    "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped, "
-    "COALESCE(array_agg(group_id) FILTER (WHERE live AND lvl = 'prompt_group' "
-    "AND (smin <> smax OR smin NOT IN ('sealed', 'reserved'))), '{}') AS bumped "
-    "FROM (SELECT c.group_id, c.restore_level AS lvl, c.expected_generations AS n, c.group_attempt AS ga, "
-    "c.status AS gst, c.status IN ('generating', 'ready') AS live, x.* FROM snapshot_cut_groups c CROSS JOIN LATERAL ("
-    "SELECT count(*) AS k, count(*) FILTER (WHERE (s.generation_index < 0 OR s.generation_index >= c.expected_generations "
-    "OR s.group_attempt <> c.group_attempt "
-    "OR s.status NOT IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned') OR s.gym_attempt < 0 "
-    "OR (s.gym_attempt > 0 AND (c.restore_level <> 'turn' OR s.gym_instance_id IS NULL)) "
-    "OR (c.status IN ('generating', 'ready') AND s.status = 'returned' AND c.restore_level <> 'prompt_group')) IS NOT FALSE) AS bad, "
-    "bit_or(1::bigint << s.generation_index) FILTER (WHERE s.generation_index BETWEEN 0 AND 62) AS bits, "
-    "min(s.status) AS smin, max(s.status) AS smax FROM unnest(c.siblings) AS s) AS x "
-    "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s) AS g"
-)
-_PLAN_DUPLICATES = (
-    "SELECT EXISTS (SELECT 1 FROM snapshot_cut_groups c CROSS JOIN LATERAL (SELECT count(DISTINCT s.generation_index) AS d "
-    "FROM unnest(c.siblings) AS s) AS x WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.expected_generations > 62 "
-    "AND x.d <> c.expected_generations)"
-)
-# Every manifest entry must be the current attempt of a live turn-level sibling on that instance
-# at that Gym attempt, and a saved one still running in Gym: the matches, per kind, must number
-# the entries (the manifest's rollout ids are unique, the cut's too).
-_PLAN_MANIFEST = (
-    "SELECT count(*) FILTER (WHERE m.saved), count(*) FILTER (WHERE NOT m.saved) "
-    "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
-    "JOIN (SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
-    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
-    "AND c.restore_level = 'turn' AND c.status IN ('generating', 'ready')) sa "
-    "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
-    "WHERE NOT m.saved OR sa.status = 'dispatched' OR (sa.status = 'reserved' AND sa.gym_attempt > 0)"
-)
-# The rows the plan sends (every live row but reused ones), in cut order, with their code; a
-# turn-level row that is neither sealed nor never sent is ``restarted`` (3) here, and continued
-# or gym_restarted when the manifest lists it (decided by the caller, see plan_in_sql).
-_PLAN_SEND = (
-    "SELECT c.group_id, s.generation_index, s.attempt_id, s.rollout_id, s.gym_instance_id, s.gym_attempt, "
-    "s.group_attempt, s.status, CASE WHEN c.bumped THEN 5 WHEN s.status = 'reserved' AND (c.restore_level <> 'turn' "
-    "OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = 'turn' THEN 3 ELSE 5 END "
-    "FROM (SELECT group_id, restore_level, siblings, group_id = ANY(%(bumped)s::text[]) AS bumped FROM snapshot_cut_groups "
-    "WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('generating', 'ready')) AS c "
-    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.bumped OR s.status <> 'sealed' ORDER BY s.attempt_id"
-)
-_CONTINUED, _RESTARTED, _GYM_RESTARTED = 2, 3, 4
-
-
-@dataclass(frozen=True)
-class SqlPlan:
-    """The plan's dispositions as the ledger computes them (:func:`plan_in_sql`)."""
-
-    rows: list[tuple[Any, ...]]  # CutAttempt's first eight fields of every row sent
-    codes: bytes  # the disposition code of each row
-    reused: int  # live rows left out (sealed, reused)
-    cohort_reruns: list[str]
-    skipped_groups: list[str]
-
-
-async def plan_in_sql(
-    conn: AsyncConnection, run_id: str, snapshot_id: str, manifest: Any | None
-) -> SqlPlan | None:
-    """The restore plan of a snapshot computed from its cut with set-based statements, as the
-    first statements of a transaction (made repeatable-read and read-only): the dispositions of
-    ledger spec 6.1 (``domain.restore_plan.plan_restore`` is the reference, compared on random
-    ledgers by a differential test) for the rows that are sent, and how many live rows are
-    reused. ``manifest`` (a ``GymManifest``, or None when no Gym state
-    is installed) decides continued and gym_restarted turn-level rows.
-
-    The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
-    when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
-    caller then runs the pure function, which names what is wrong."""
-    p: dict[str, Any] = {"r": run_id, "s": snapshot_id}
-    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
-    # read whole or not at all.
-    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-    # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
-    # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
-    for knob in ("enable_nestloop", "enable_mergejoin"):
-        await conn.execute(text(f"SET LOCAL {knob} = off"))
-    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
-    ((broken, big, live_rows, skipped, bumped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
-    if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
-        return None
-    bumped = sorted(bumped)
-    rows = await fetch(conn, _PLAN_SEND, {**p, "bumped": bumped}, binary=False)
-    codes = bytearray(r[8] for r in rows)
-    entries: dict[str, tuple[str, int, bool]] = {}
-    if manifest is not None:
-        for iid, inst in manifest.instances.items():
-            for is_saved, listed in ((True, inst.episodes), (False, inst.restarts)):
-                for rid, n in listed:
-                    entries[rid] = (iid, n, is_saved)
-    if entries:
-        # Manifest entries name live turn-level rows that are running in Gym (saved) or ended
-        # there (restarts): most of them are rows planned ``restarted`` here, checked on the spot
-        # and then continued or restarted from Gym. The others (a restart of a row sealed since,
-        # or of a row never sent; or a wrong entry) are checked by the ledger.
-        left = dict(entries)
-        for m in re.finditer(b"\\x03", codes):
-            a = rows[m.start()]
-            e = left.get(a[3])
-            if e is None or e[0] != a[4] or e[1] != a[5]:
-                continue
-            if e[2]:
-                if not may_run_in_gym(a[7], a[5]):
-                    return None
-                codes[m.start()] = _CONTINUED
-            else:
-                codes[m.start()] = _GYM_RESTARTED
-            del left[a[3]]
-        if left:
-            mi = [e[0] for e in left.values()]
-            mn = [e[1] for e in left.values()]
-            mk = [e[2] for e in left.values()]
-            ((n_saved, n_restarts),) = await fetch(conn, _PLAN_MANIFEST, {**p, "mi": mi, "mr": list(left), "mn": mn, "mk": mk})
-            if n_saved != sum(mk) or n_restarts != len(mk) - sum(mk):
-                return None
-            # Those rows are sealed (reused) or never sent (dispatch): their codes stand.
-    return SqlPlan([r[:8] for r in rows], bytes(codes), int(live_rows) - len(rows), list(bumped), list(skipped))
-
-
-# -------------------------------------------------------------------------------------------
-# Restore records (idempotency per restore id)
-
-
-@dataclass(frozen=True)
-class RestoreRecord:
-    restore_id: str
-    snapshot_id: str
-    state: str
-    with_gym_state: bool
-    gym_restore_id: str | None
-    result: dict[str, Any] | None
-    created_at: datetime
-
-
-_REST_COLS = "restore_id, snapshot_id, state, with_gym_state, gym_restore_id, result, created_at"
-
-
-async def get_restore(conn: AsyncConnection, run_id: str, restore_id: str) -> RestoreRecord | None:
-    r = (
-        await conn.execute(
-            text(f"SELECT {_REST_COLS} FROM restores WHERE run_id = :r AND restore_id = :i"), {"r": run_id, "i": restore_id}
-        )
-    ).first()
-    return RestoreRecord(**dict(r._mapping)) if r is not None else None
-
-
-class RestoreBusy(Conflict):
-    code, title = "restore_in_progress", "A restore of this run is in progress"
-
-
-class SnapshotBusy(Conflict):
-    code, title = "snapshot_in_progress", "A snapshot of this run is in progress"
-
-
-async def claim_restore(
-    engine: AsyncEngine,
-    run_id: str,
-    restore_id: str,
-    snapshot_id: str,
-    with_gym_state: bool,
-    request: dict[str, Any],
-    *,
-    stale_after_s: float,
-) -> RestoreRecord | None:
-    """Record that restore ``restore_id`` starts; the existing record if the id is known.
-
-    One restore runs per run at a time: a second one would find Gym instances mid-restore and
-    could apply a competing plan. A record left ``running`` longer than ``stale_after_s`` (its
-    coordinator died) no longer blocks, and is marked ``abandoned``. A snapshot in progress
-    blocks too: its Gym phase and the restore would fight over the same instances.
-    """
-    async with engine.begin() as conn:
-        await lock_run(conn, run_id, for_update=True)
-        existing = await get_restore(conn, run_id, restore_id)
-        if existing is not None:
-            return existing
-        snap = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
-        if snap is not None:
-            raise SnapshotBusy(f"snapshot {snap} of this run is in progress; restore once it has ended", snapshot_id=snap)
-        await conn.execute(
-            text(
-                "UPDATE restores SET state = 'abandoned', ended_at = now() WHERE run_id = :r AND state = 'running' "
-                "AND created_at < now() - make_interval(secs => :stale)"
-            ),
-            {"r": run_id, "stale": stale_after_s},
-        )
-        busy = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
-        if busy is not None:
-            raise RestoreBusy(f"restore {busy} of this run is still running", restore_id=busy)
-        await conn.execute(
-            text(
-                "INSERT INTO restores (run_id, restore_id, snapshot_id, state, with_gym_state, result) "
-                "VALUES (:r, :i, :s, 'running', :g, CAST(:res AS jsonb))"
-            ),
-            {"r": run_id, "i": restore_id, "s": snapshot_id, "g": with_gym_state, "res": _json({"request": request})},
-        )
-    return None
-
-
-async def release_claim(engine: AsyncEngine, run_id: str, restore_id: str) -> None:
-    """Forget a claim whose restore was refused before Gym was touched (the id may be retried)."""
-    async with engine.begin() as conn:
-        await conn.execute(
-            text("DELETE FROM restores WHERE run_id = :r AND restore_id = :i AND state = 'running'"), {"r": run_id, "i": restore_id}
-        )
-
-
-async def end_restore(
-    engine: AsyncEngine,
-    run_id: str,
-    restore_id: str,
-    state: str,
-    result: dict[str, Any],
-    gym_restore_id: str | None = None,
-    *,
-    only_running: bool = False,
-) -> None:
-    async with engine.begin() as conn:
-        await conn.execute(
-            text(
-                "UPDATE restores SET state = :st, result = CAST(:res AS jsonb), ended_at = COALESCE(ended_at, now()), "
-                "gym_restore_id = COALESCE(:gid, gym_restore_id) WHERE run_id = :r AND restore_id = :i"
-                + (" AND state = 'running'" if only_running else "")
-            ),
-            {"r": run_id, "i": restore_id, "st": state, "res": _json(result), "gid": gym_restore_id},
-        )
-
-
-async def update_restore_result(engine: AsyncEngine, run_id: str, restore_id: str, patch: dict[str, Any]) -> None:
-    async with engine.begin() as conn:
-        await conn.execute(
-            text("UPDATE restores SET result = result || CAST(:p AS jsonb) WHERE run_id = :r AND restore_id = :i"),
-            {"r": run_id, "i": restore_id, "p": _json(patch)},
-        )
-
+from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, xid_base_usable
 
 # -------------------------------------------------------------------------------------------
 # The rewind
@@ -498,136 +93,6 @@ class RewindReport:
 Minter = Callable[[str, int], str]
 
 
-@dataclass
-class AnswerRows:
-    """The rows a restore answers (what the trainer sends next), as columns in answer order;
-    stored in ``restore_row_chunks`` with the rewind and read back by page. The capture key is
-    derived: ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<gym_attempt>``."""
-
-    group_ids: list[str] = field(default_factory=list)
-    generation_indexes: list[int] = field(default_factory=list)
-    dispositions: list[str] = field(default_factory=list)
-    rollout_ids: list[str] = field(default_factory=list)
-    gym_attempts: list[int] = field(default_factory=list)
-    group_attempts: list[int] = field(default_factory=list)
-    instance_ids: list[str | None] = field(default_factory=list)
-    replaces_rollout_ids: list[str | None] = field(default_factory=list)
-
-    def __len__(self) -> int:
-        return len(self.group_ids)
-
-    def append(
-        self, group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
-        instance_id: str | None, replaces: str | None,
-    ) -> None:
-        self.group_ids.append(group_id)
-        self.generation_indexes.append(index)
-        self.dispositions.append(disposition)
-        self.rollout_ids.append(rollout_id)
-        self.gym_attempts.append(gym_attempt)
-        self.group_attempts.append(group_attempt)
-        self.instance_ids.append(instance_id)
-        self.replaces_rollout_ids.append(replaces)
-
-    def page(self, start: int, stop: int) -> list[dict[str, Any]]:
-        """Rows ``start``..``stop - 1`` as the JSON rows of the answer."""
-        return [
-            answer_row_json(*cols)
-            for cols in zip(
-                self.group_ids[start:stop], self.generation_indexes[start:stop], self.dispositions[start:stop],
-                self.rollout_ids[start:stop], self.gym_attempts[start:stop], self.group_attempts[start:stop],
-                self.instance_ids[start:stop], self.replaces_rollout_ids[start:stop],
-            )
-        ]
-
-
-def answer_row_json(
-    group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
-    instance_id: str | None, replaces: str | None,
-) -> dict[str, Any]:
-    return {
-        "group_id": group_id,
-        "generation_index": index,
-        "disposition": disposition,
-        "rollout_id": rollout_id,
-        "capture_key": rollout_id if gym_attempt == 0 else f"{rollout_id}-a{gym_attempt}",
-        "gym_attempt": gym_attempt,
-        "group_attempt": group_attempt,
-        "instance_id": instance_id,
-        "replaces_rollout_id": replaces,
-    }
-
-
-_CHUNK_COLUMNS = (
-    "group_ids", "generation_indexes", "dispositions", "rollout_ids", "gym_attempts", "group_attempts", "instance_ids",
-    "replaces_rollout_ids",
-)
-
-
-# Sent as one string per column and chunk, split by the server: psycopg dumps a list element by
-# element in Python (~0.3 s per 383 330-string column before the server parses it); a join and
-# ``string_to_array`` took 0.15 s for the same column, server included. The separator (unit
-# separator, U+001F) cannot occur in these values (ids and instance names match NAME_PATTERN-like
-# patterns, dispositions are fixed words) and '' stands for NULL (no value is empty); a value
-# that breaks either is refused before anything is sent.
-_SEP = "\x1f"
-
-
-def _joined(col: str, values: Sequence[Any]) -> str:
-    if col not in RESTORE_ROW_CHUNK_TEXT_COLUMNS:
-        return _SEP.join(map(str, values))
-    if "" in values:
-        raise ValueError(f"restore answer column {col} holds an empty value")
-    out = _SEP.join(values) if None not in values else _SEP.join([v or "" for v in values])
-    if out.count(_SEP) != len(values) - 1:
-        raise ValueError(f"restore answer column {col} holds a value with U+001F")
-    return out
-
-
-async def store_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, rows: AnswerRows) -> int:
-    """Write ``rows`` as chunks of ``RESTORE_ROWS_PER_CHUNK`` (one pipelined batch of inserts);
-    returns the number of rows."""
-    n = len(rows)
-    if not n:
-        return 0
-    per = RESTORE_ROWS_PER_CHUNK
-    columns = {col: getattr(rows, col) for col in _CHUNK_COLUMNS}
-    params = [
-        {"r": run_id, "i": restore_id, "c": k, **{col: _joined(col, values[k * per:(k + 1) * per]) for col, values in columns.items()}}
-        for k in range((n + per - 1) // per)
-    ]
-    split = [
-        f"string_to_array(%({c})s, chr(31), '')" + ("" if c in RESTORE_ROW_CHUNK_TEXT_COLUMNS else "::int[]") for c in _CHUNK_COLUMNS
-    ]
-    sql = (
-        f"INSERT INTO restore_row_chunks (run_id, restore_id, chunk, {', '.join(_CHUNK_COLUMNS)}) "
-        f"VALUES (%(r)s, %(i)s, %(c)s, {', '.join(split)})"
-    )
-    cur = (await driver_connection(conn)).cursor()
-    await cur.executemany(sql, params)
-    return n
-
-
-async def read_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, start: int, limit: int) -> list[dict[str, Any]]:
-    """Rows ``start``..``start + limit - 1`` of a stored answer (fewer at its end)."""
-    if limit <= 0:
-        return []
-    per = RESTORE_ROWS_PER_CHUNK
-    first, last = start // per, (start + limit - 1) // per
-    chunks = await fetch(
-        conn,
-        f"SELECT chunk, {', '.join(_CHUNK_COLUMNS)} FROM restore_row_chunks WHERE run_id = %(r)s AND restore_id = %(i)s "
-        "AND chunk BETWEEN %(a)s AND %(b)s ORDER BY chunk",
-        {"r": run_id, "i": restore_id, "a": first, "b": last},
-    )
-    out: list[dict[str, Any]] = []
-    for chunk, *cols in chunks:
-        base = chunk * per
-        lo, hi = max(start - base, 0), min(start + limit - base, len(cols[0]))
-        out.extend(answer_row_json(*row) for row in zip(*(c[lo:hi] for c in cols)))
-    return out
-
-
 async def apply_restore(
     engine: AsyncEngine,
     run_id: str,
@@ -662,13 +127,7 @@ async def apply_restore(
             report.train_steps_retired = await _retire_later_train_steps(conn, run_id, rw.snapshot_id, restore_id)
             result, rows = result_of(report)
             await store_answer_rows(conn, run_id, restore_id, rows)
-            await conn.execute(
-                text(
-                    "UPDATE restores SET state = 'applied', result = CAST(:res AS jsonb), ended_at = now() "
-                    "WHERE run_id = :r AND restore_id = :i"
-                ),
-                {"r": run_id, "i": restore_id, "res": _json(result)},
-            )
+            await mark_applied(conn, run_id, restore_id, result)
         return report
 
 
@@ -922,13 +381,7 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
 
     # 3. Continued rollouts keep their id: an old retire (or the forget that follows it) queued
     #    for them must not reach Gym after the restore installed their continuation.
-    if rw.continued_rollouts:
-        report.outbox_superseded = await execute_binary(
-            conn,
-            "UPDATE outbox_items o SET state = 'superseded' FROM unnest(%(ro)s::text[]) AS c(ro) "
-            "WHERE o.run_id = %(r)s AND o.state = 'pending' AND o.rollout_id = c.ro",
-            {"r": r, "ro": rw.continued_rollouts},
-        )
+    report.outbox_superseded = await outbox.supersede_pending(conn, r, rw.continued_rollouts)
 
     # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade): they were
     #    admitted after it. Groups that had ended (finalized, abandoned) before the cut are not
@@ -1196,6 +649,9 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
     # Through the driver with binary arrays: ``extra`` is every row the cut knows as running when
     # Gym keeps running (~80 000 at a million siblings), which as text parameters psycopg escapes
     # element by element in Python.
+    ins = outbox.insert_items_sql(
+        "SELECT %(r)s, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items", skip_if_pending=True
+    )
     ((queued,),) = await fetch(
         conn,
         (
@@ -1207,12 +663,7 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
             "SELECT x.aid, x.ro, x.ga, COALESCE(x.inst, gi.instance_id) FROM unnest(%(aid)s::bigint[], %(ro)s::text[], "
             "%(ga)s::int[], %(inst)s::text[]) AS x(aid, ro, ga, inst) "
             "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = %(r)s"
-            "), ins AS ("
-            "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT DISTINCT %(r)s, i.instance_id, 'retire', i.rollout_id, i.gym_attempt, i.attempt_id, 'retire' FROM items i "
-            "WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = %(r)s "
-            "AND o.state = 'pending' AND o.op = 'retire' AND o.instance_id = i.instance_id AND o.rollout_id = i.rollout_id "
-            "AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
+            f"), ins AS ({ins}"
             "), upd AS ("
             "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT i.attempt_id FROM ins i "
             "JOIN restore_unknown u ON u.attempt_id = i.attempt_id) i "
@@ -1228,144 +679,6 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
         },
     )
     return int(queued or 0)
-
-
-# -------------------------------------------------------------------------------------------
-# Forget after seal (section 7)
-
-
-async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_attempt_ids: Sequence[int]) -> int:
-    """Queue a forget for every restored rollout whose continued attempt has just ended with a
-    reply (sealed, or failed with a data failure): its restore left a mark at N on its instance
-    that nothing else will drop. Call it inside the seal transaction, after the seal's writes.
-
-    Only Gym-owned attempts (restored continuations) with retirement ``none`` are affected; each
-    gets one ``forget`` outbox item (checkpoint id ``forget``) on its instance and moves to
-    retirement ``forget_pending``. Idempotent: a second call finds nothing left to do. Returns the
-    number of forget items queued.
-    """
-    if not sealed_attempt_ids:
-        return 0
-    res = await conn.execute(
-        text(
-            "WITH f AS (SELECT attempt_id, rollout_id, gym_attempt, gym_instance_id FROM attempts "
-            "WHERE run_id = :r AND attempt_id = ANY(CAST(:ids AS bigint[])) AND gym_owned AND gym_instance_id IS NOT NULL "
-            "AND retirement = 'none' AND (status = 'sealed' OR (status = 'failed' AND failure_class = 'data'))), "
-            "ins AS (INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT :r, gym_instance_id, 'forget', rollout_id, gym_attempt, attempt_id, 'forget' FROM f RETURNING attempt_id), "
-            "upd AS (UPDATE attempts a SET retirement = 'forget_pending' FROM ins WHERE a.attempt_id = ins.attempt_id RETURNING 1) "
-            "SELECT count(*) FROM ins"
-        ),
-        {"r": run_id, "ids": [int(x) for x in sealed_attempt_ids]},
-    )
-    return int(res.scalar() or 0)
-
-
-# -------------------------------------------------------------------------------------------
-# Imported snapshots (NeMo RL ledgers)
-
-
-async def create_imported_snapshot(
-    engine: AsyncEngine,
-    run_id: str,
-    snapshot_id: str,
-    cut: Cut,
-    *,
-    anchor_step: int,
-    detail: dict[str, Any],
-    data_attempts_used: dict[str, int],
-) -> tuple[bool, SnapshotRow]:
-    """Store a published snapshot holding ``cut`` (no Gym manifest). Returns (created, row).
-
-    An identical repeat (same ``detail['document_sha256']``) answers the stored snapshot; a
-    different document under the same id is a conflict.
-    """
-    async with engine.begin() as conn:
-        await lock_run(conn, run_id)
-        existing = await get_snapshot(conn, run_id, snapshot_id)
-        if existing is not None:
-            same = (existing.detail or {}).get("document_sha256") == detail.get("document_sha256")
-            if same and existing.outcome == "published":
-                return False, existing
-            raise Conflict(
-                f"snapshot {snapshot_id!r} already exists in run {run_id!r}"
-                + (" with another ledger document" if (existing.detail or {}).get("imported_from") else ""),
-                code="snapshot_exists",
-                snapshot_id=snapshot_id,
-            )
-        n = len(cut.attempts)
-        ids = list(
-            (
-                await conn.execute(
-                    text("SELECT nextval(pg_get_serial_sequence('attempts', 'attempt_id')) FROM generate_series(1, :n)"), {"n": n}
-                )
-            ).scalars()
-        ) if n else []
-        await conn.execute(
-            text(
-                "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, outcome, reason, detail, owner, counts, "
-                "cut_at, published_at, ended_at) VALUES (:r, :s, :step, 'published', 'published', 'ok', CAST(:detail AS jsonb), "
-                "'ledger-import', CAST(:counts AS jsonb), now(), now(), now())"
-            ),
-            {
-                "r": run_id,
-                "s": snapshot_id,
-                "step": anchor_step,
-                "detail": _json(detail),
-                "counts": _json({"groups": len(cut.groups), "siblings": n}),
-            },
-        )
-        gs = cut.groups
-        at = [CutAttempt(*a) if not isinstance(a, CutAttempt) else a for a in cut.attempts]
-        # The cut tables are views over one row per group (``snapshot_cut_groups``).
-        await insert_cut_rows(
-            conn,
-            run_id,
-            snapshot_id,
-            "SELECT g AS group_id, CAST(pr AS jsonb) AS prompt_ref, td AS task_digest, ts AS task_source, an AS agent_name, "
-            "lv AS restore_level, n AS expected_generations, st AS target_step, wv AS weight_version, ga AS group_attempt, "
-            "du AS data_attempts_used, gs AS status FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
-            "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
-            "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
-            "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)",
-            "SELECT id AS attempt_id, g AS group_id, i AS generation_index, ru AS row_attempts_used, ro AS rollout_id, "
-            "gi AS gym_instance_id, gya AS gym_attempt, aga AS group_attempt, ast AS status, 0 AS refusals, "
-            "CAST(NULL AS jsonb) AS receipt, rw AS reward, ms AS mask_sample, "
-            "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(CAST(sk AS jsonb))) END AS staging_keys, "
-            "false AS gym_owned "
-            "FROM unnest(CAST(:id AS bigint[]), CAST(:ag AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
-            "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:aga AS int[]), CAST(:ast AS text[]), CAST(:rw AS float8[]), "
-            "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, aga, ast, rw, ms, sk)",
-            {
-                "g": [g.group_id for g in gs],
-                "pr": [_json({"sample_id": g.prompt_ref.sample_id, "task_name": g.prompt_ref.task_name}) for g in gs],
-                "td": [g.task_digest for g in gs],
-                "ts": [g.task_source for g in gs],
-                "an": [g.agent_name for g in gs],
-                "lv": [str(g.restore_level) for g in gs],
-                "n": [g.expected_generations for g in gs],
-                "st": [g.target_step for g in gs],
-                "wv": [None if g.weight_version is None else str(g.weight_version) for g in gs],
-                "ga": [g.group_attempt for g in gs],
-                "du": [data_attempts_used.get(g.group_id, 0) for g in gs],
-                "gs": [str(g.status) for g in gs],
-                "id": ids,
-                "ag": [a.group_id for a in at],
-                "i": [a.generation_index for a in at],
-                "ru": [a.row_attempts_used for a in at],
-                "ro": [a.rollout_id for a in at],
-                "gi": [a.gym_instance_id for a in at],
-                "gya": [a.gym_attempt for a in at],
-                "aga": [a.group_attempt for a in at],
-                "ast": [str(a.status) for a in at],
-                "rw": [a.reward for a in at],
-                "ms": [a.mask_sample for a in at],
-                "sk": [_json(list(a.staging_keys)) if a.staging_keys else None for a in at],
-            },
-        )
-        row = await get_snapshot(conn, run_id, snapshot_id)
-        assert row is not None
-        return True, row
 
 
 def _json(v: Any) -> str:
