@@ -429,7 +429,7 @@ def mint_needs_check(new_rollout_id: object) -> bool:
     """Whether the plan must check generated ids for collisions.
 
     Generators made by :func:`~.identity.rollout_id_minter` draw 128 fresh random bits per id
-    (a collision among a million ids has probability ~1e-27, and the ledger's unique
+    (a collision is negligible at any plan size, and the ledger's unique
     constraint on rollout ids is the final guard), so their ids are not re-checked; any other
     generator's ids are (one set over the new ids, one disjointness test against the cut)."""
     return getattr(new_rollout_id, "random_bits", 0) < 128

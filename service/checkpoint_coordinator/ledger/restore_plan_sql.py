@@ -12,6 +12,9 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..domain.restore_plan import may_run_in_gym
+from ..domain.vocabulary import AttemptStatus as A
+from ..domain.vocabulary import GroupStatus as G
+from ..domain.levels import RestoreLevel as L
 from .db import fetch
 
 # -------------------------------------------------------------------------------------------
@@ -33,20 +36,20 @@ from .db import fetch
 # reused when all its rows are sealed and dispatched as it is when none was sent; anything else
 # reruns.
 _PLAN_SUMMARY = (
-    "SELECT COALESCE(bool_or(bad > 0 OR lvl NOT IN ('turn', 'sibling', 'prompt_group') OR n < 1 OR n >= 65536 OR ga < 0 "
-    "OR gst NOT IN ('generating', 'ready', 'finalized', 'abandoned') OR k <> n "
+    f"SELECT COALESCE(bool_or(bad > 0 OR lvl NOT IN ('{L.turn}', '{L.sibling}', '{L.prompt_group}') OR n < 1 OR n >= 65536 OR ga < 0 "
+    f"OR gst NOT IN ('{G.generating}', '{G.ready}', '{G.finalized}', '{G.abandoned}') OR k <> n "
     "OR (n <= 62 AND bits IS DISTINCT FROM (1::bigint << n) - 1)), false) AS broken, "
     "COALESCE(bool_or(n > 62), false) AS big, COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
     "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped, "
-    "COALESCE(array_agg(group_id) FILTER (WHERE live AND lvl = 'prompt_group' "
-    "AND (smin <> smax OR smin NOT IN ('sealed', 'reserved'))), '{}') AS bumped "
+    f"COALESCE(array_agg(group_id) FILTER (WHERE live AND lvl = '{L.prompt_group}' "
+    f"AND (smin <> smax OR smin NOT IN ('{A.sealed}', '{A.reserved}'))), '{{}}') AS bumped "
     "FROM (SELECT c.group_id, c.restore_level AS lvl, c.expected_generations AS n, c.group_attempt AS ga, "
-    "c.status AS gst, c.status IN ('generating', 'ready') AS live, x.* FROM snapshot_cut_groups c CROSS JOIN LATERAL ("
+    f"c.status AS gst, c.status IN ('{G.generating}', '{G.ready}') AS live, x.* FROM snapshot_cut_groups c CROSS JOIN LATERAL ("
     "SELECT count(*) AS k, count(*) FILTER (WHERE (s.generation_index < 0 OR s.generation_index >= c.expected_generations "
     "OR s.group_attempt <> c.group_attempt "
-    "OR s.status NOT IN ('reserved', 'dispatched', 'returned', 'sealed', 'failed', 'abandoned') OR s.gym_attempt < 0 "
-    "OR (s.gym_attempt > 0 AND (c.restore_level <> 'turn' OR s.gym_instance_id IS NULL)) "
-    "OR (c.status IN ('generating', 'ready') AND s.status = 'returned' AND c.restore_level <> 'prompt_group')) IS NOT FALSE) AS bad, "
+    f"OR s.status NOT IN ('{A.reserved}', '{A.dispatched}', '{A.returned}', '{A.sealed}', '{A.failed}', '{A.abandoned}') OR s.gym_attempt < 0 "
+    f"OR (s.gym_attempt > 0 AND (c.restore_level <> '{L.turn}' OR s.gym_instance_id IS NULL)) "
+    f"OR (c.status IN ('{G.generating}', '{G.ready}') AND s.status = '{A.returned}' AND c.restore_level <> '{L.prompt_group}')) IS NOT FALSE) AS bad, "
     "bit_or(1::bigint << s.generation_index) FILTER (WHERE s.generation_index BETWEEN 0 AND 62) AS bits, "
     "min(s.status) AS smin, max(s.status) AS smax FROM unnest(c.siblings) AS s) AS x "
     "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s) AS g"
@@ -64,9 +67,9 @@ _PLAN_MANIFEST = (
     "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
     "JOIN (SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
     "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
-    "AND c.restore_level = 'turn' AND c.status IN ('generating', 'ready')) sa "
+    f"AND c.restore_level = '{L.turn}' AND c.status IN ('{G.generating}', '{G.ready}')) sa "
     "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
-    "WHERE NOT m.saved OR sa.status = 'dispatched' OR (sa.status = 'reserved' AND sa.gym_attempt > 0)"
+    f"WHERE NOT m.saved OR sa.status = '{A.dispatched}' OR (sa.status = '{A.reserved}' AND sa.gym_attempt > 0)"
 )
 # The rows the plan sends (every live row but reused ones; with ``reused`` those too, code 1, with
 # their staging keys), in cut order, with their code; a turn-level row that is neither sealed nor
@@ -77,13 +80,13 @@ def _plan_rows_sql(reused: bool) -> str:
         "SELECT c.group_id, s.generation_index, s.attempt_id, s.rollout_id, s.gym_instance_id, s.gym_attempt, "
         + ("s.group_attempt, s.status, COALESCE(s.staging_keys, '{}'::text[]), " if reused else "s.group_attempt, s.status, ")
         + "CASE WHEN c.bumped THEN 5 "
-        + ("WHEN s.status = 'sealed' THEN 1 " if reused else "")
-        + "WHEN s.status = 'reserved' AND (c.restore_level <> 'turn' "
-        "OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = 'turn' THEN 3 ELSE 5 END "
+        + (f"WHEN s.status = '{A.sealed}' THEN 1 " if reused else "")
+        + f"WHEN s.status = '{A.reserved}' AND (c.restore_level <> '{L.turn}' "
+        f"OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = '{L.turn}' THEN 3 ELSE 5 END "
         "FROM (SELECT group_id, restore_level, siblings, group_id = ANY(%(bumped)s::text[]) AS bumped FROM snapshot_cut_groups "
-        "WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('generating', 'ready')) AS c "
+        f"WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('{G.generating}', '{G.ready}')) AS c "
         "CROSS JOIN LATERAL unnest(c.siblings) AS s"
-        + ("" if reused else " WHERE c.bumped OR s.status <> 'sealed'")
+        + ("" if reused else f" WHERE c.bumped OR s.status <> '{A.sealed}'")
         + " ORDER BY s.attempt_id"
     )
 

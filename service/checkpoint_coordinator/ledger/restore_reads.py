@@ -85,7 +85,7 @@ _NO_PROMPT = PromptRef("", "")
 
 class PlanGroup(NamedTuple):
     """A cut group with only what the plan reads filled in (same attribute names as
-    :class:`CutGroup`); a million-sibling cut has 125 000 of them."""
+    :class:`CutGroup`): a large cut has one per eight siblings or so."""
 
     group_id: str
     restore_level: str

@@ -18,6 +18,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.restore_plan import RetireItem
+from ..domain.vocabulary import AttemptStatus as A
+from ..domain.vocabulary import GroupStatus as G
+from ..domain.vocabulary import RetirementState as R
 from ..errors import Conflict
 from . import outbox
 from .db import dump_json, fetch
@@ -149,7 +152,7 @@ async def _retire_later_train_steps(conn: AsyncConnection, run_id: str, snapshot
 # A live group absent from the cut because it had ended before the cut (the cut holds live
 # groups only): kept as history. Any other group absent from the cut was admitted after it.
 _ENDED_BY_CUT_TIME = (
-    "g.status IN ('finalized', 'abandoned') AND g.ended_at IS NOT NULL AND g.ended_at <= "
+    f"g.status IN ('{G.finalized}', '{G.abandoned}') AND g.ended_at IS NOT NULL AND g.ended_at <= "
     "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
 )
 _ENDED_BEFORE_CUT = (
@@ -161,7 +164,7 @@ _ENDED_BEFORE_CUT = (
 # Gym attempt N+1, reserved, Gym-owned, no result yet).
 _TARGET = (
     "SELECT f.attempt_id, f.group_id, f.generation_index, f.rollout_id, f.cont, "
-    "CASE WHEN f.cont THEN 'reserved' ELSE f.status END AS status, true AS is_current, f.gym_instance_id, "
+    f"CASE WHEN f.cont THEN '{A.reserved}' ELSE f.status END AS status, true AS is_current, f.gym_instance_id, "
     "f.gym_attempt + CASE WHEN f.cont THEN 1 ELSE 0 END AS gym_attempt, f.group_attempt, f.refusals, "
     "CASE WHEN f.cont THEN NULL ELSE f.receipt END AS receipt, "
     "CASE WHEN f.cont THEN NULL ELSE f.reward END AS reward, "
@@ -183,10 +186,10 @@ def _restore_diff_sql(live: str, cut_groups: str = "") -> str:
     return (
         f"CREATE TEMP TABLE restore_diff ON COMMIT DROP AS SELECT {_DIFF_COLS}, c.attempt_id IS NOT NULL AS known, "
         f"c.group_attempt AS cut_group_attempt FROM {live} LEFT JOIN (SELECT attempt_id, group_attempt, "
-        "status = 'reserved' AND gym_attempt = 0 AS unsent FROM snapshot_attempts "
+        f"status = '{A.reserved}' AND gym_attempt = 0 AS unsent FROM snapshot_attempts "
         f"WHERE run_id = %(r)s AND snapshot_id = %(s)s{cut_groups}) c ON c.attempt_id = a.attempt_id "
-        "WHERE CASE WHEN c.attempt_id IS NULL THEN a.is_current OR a.status IN ('reserved', 'dispatched', 'returned') "
-        "ELSE c.unsent AND a.status <> 'reserved' END"
+        f"WHERE CASE WHEN c.attempt_id IS NULL THEN a.is_current OR a.status IN ('{A.reserved}', '{A.dispatched}', '{A.returned}') "
+        f"ELSE c.unsent AND a.status <> '{A.reserved}' END"
     )
 
 
@@ -202,7 +205,7 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
     have left ``reserved`` since. Of the old rows only those the cut does not know are kept: not
     current but in flight, or current in a live group the cut lacks (one that had ended before
     the cut is history, which step 2 drops anyway, so the few others are listed first and no row
-    is probed against the cut's 125 000 group ids). Rows written at or after ``cut_xmin`` (after
+    is probed against every group id of the cut). Rows written at or after ``cut_xmin`` (after
     the cut, or by a transaction still running when the barrier locked the run, which errs on
     the safe side) are compared with the cut rows of their groups, read by the cut's primary
     key. The result equals the full comparison (``tests/integration/test_restore_rewind.py``)."""
@@ -225,7 +228,7 @@ async def _restore_diff_since_cut(conn: AsyncConnection, run_id: str, snapshot_i
         "CREATE TEMP TABLE restore_since_cut ON COMMIT DROP AS SELECT "
         f"{_DIFF_COLS}, a.is_current, age(a.xmin) <= age(CAST(%(cx)s AS xid)) AS recent FROM attempts a "
         "WHERE a.run_id = %(r)s AND (age(a.xmin) <= age(CAST(%(cx)s AS xid)) "
-        "OR NOT a.is_current AND a.status IN ('reserved', 'dispatched', 'returned') "
+        f"OR NOT a.is_current AND a.status IN ('{A.reserved}', '{A.dispatched}', '{A.returned}') "
         "OR a.is_current AND a.group_id = ANY(%(absent)s::text[]))",
         {**p, "absent": absent},
     )
@@ -252,6 +255,28 @@ class _SinceCut:
     recent_groups: list[str]
 
 
+@dataclass
+class _Rewinding:
+    """What the steps of a rewind share: the transaction, the plan, and what earlier steps
+    learnt (the groups touched since the cut, the cohorts that rerun, the retires owed)."""
+
+    conn: AsyncConnection
+    r: str
+    s: str
+    rw: Rewind
+    report: RewindReport
+    minter: Minter
+    compare_every_row: bool
+    bumped: set[str]
+    retire: list[RetireItem]
+    p: dict[str, Any] = field(default_factory=dict)
+    touched: set[str] = field(default_factory=set)
+    since: _SinceCut | None = None
+    everything: bool = False
+    still: Any = None
+    new_groups: Sequence[str] = ()
+
+
 async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter, compare_every_row: bool = False) -> RewindReport:
     """The steps of :func:`apply_restore`.
 
@@ -266,157 +291,179 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     finalize and abandon change the group. A restore applied after the cut breaks that
     reasoning, so then every cut group counts as touched.
     """
-    r, s = run.run_id, rw.snapshot_id
-    p = {"r": r, "s": s}
-    report = RewindReport(epoch=run.epoch + 1)
-    bumped = set(rw.bumped_groups)
-    retire = list(rw.retire)
+    c = _Rewinding(
+        conn, run.run_id, rw.snapshot_id, rw, RewindReport(epoch=run.epoch + 1), minter, compare_every_row,
+        bumped=set(rw.bumped_groups), retire=list(rw.retire),
+    )
+    c.p = {"r": c.r, "s": c.s}
+    for step in _STEPS:
+        await step(c)
+    return c.report
+
+
+async def _check_cut(c: _Rewinding) -> None:
+    """0. The cut is still there (and stays), and whether every row must be compared."""
     # A snapshot's tables are often only moments old when a restore reads them, before any
     # ANALYZE: the planner then takes a million-row join for a one-row one and picks a nested
     # loop, quadratic. Every join here is a bulk join, for which hash and merge joins (linear)
     # are right whatever the estimates say; give them room to stay in memory.
-    await conn.execute(text("SET LOCAL enable_nestloop = off"))
-    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    await c.conn.execute(text("SET LOCAL enable_nestloop = off"))
+    await c.conn.execute(text("SET LOCAL work_mem = '128MB'"))
     # The cut must still be there (retention may delete old snapshots) and stay for the whole
     # transaction: rewinding to a vanished cut would empty the ledger.
-    still = (
-        await conn.execute(
+    c.still = (
+        await c.conn.execute(
             text(
                 "SELECT outcome, cut_xmin, cut_system_id = "
                 f"{SYSTEM_ID_SQL} AS same_cluster, {NEXT_XID_SQL} AS next_xid "
                 "FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR SHARE"
             ),
-            p,
+            c.p,
         )
     ).first()
-    if still is None or still.outcome != "published":
+    if c.still is None or c.still.outcome != "published":
         raise Conflict(
-            f"snapshot {s!r} is no longer a published snapshot of run {r!r} (removed by retention?); restore another one",
+            f"snapshot {c.s!r} is no longer a published snapshot of run {c.r!r} (removed by retention?); restore another one",
             code="snapshot_gone",
-            snapshot_id=s,
+            snapshot_id=c.s,
         )
-    everything = compare_every_row or bool(
+    c.everything = c.compare_every_row or bool(
         (
-            await conn.execute(
+            await c.conn.execute(
                 text(
                     "SELECT EXISTS (SELECT 1 FROM restores x, snapshots sn WHERE x.run_id = :r AND x.state = 'applied' "
                     "AND sn.run_id = :r AND sn.snapshot_id = :s AND x.ended_at >= COALESCE(sn.cut_at, sn.published_at, sn.created_at))"
                 ),
-                p,
+                c.p,
             )
         ).scalar()
     )
 
+
+async def _diff_with_cut(c: _Rewinding) -> None:
     # 1-2. One pass over the run's attempts against the cut (a hash join on attempt ids; an
     #      attempt's group, sibling and rollout id never change, so the live row stands for the
     #      cut's): never-sent cut rows that reached Gym after the cut (``known``), and live
     #      attempts the cut does not know (admitted or replaced after it).
-    since: _SinceCut | None = None
-    if not compare_every_row and still.same_cluster and xid_base_usable(still.cut_xmin, still.next_xid):
-        report.diff_by_xmin = True
-        since = await _restore_diff_since_cut(conn, r, s, still.cut_xmin)
+    c.since = None
+    if not c.compare_every_row and c.still.same_cluster and xid_base_usable(c.still.cut_xmin, c.still.next_xid):
+        c.report.diff_by_xmin = True
+        c.since = await _restore_diff_since_cut(c.conn, c.r, c.s, c.still.cut_xmin)
     else:
-        await execute_binary(conn, _restore_diff_sql("(SELECT * FROM attempts WHERE run_id = %(r)s) a"), p)
+        await execute_binary(c.conn, _restore_diff_sql("(SELECT * FROM attempts WHERE run_id = %(r)s) a"), c.p)
+
+
+async def _after_cut_rows(c: _Rewinding) -> None:
     # 1. Rows sent under their old identity whose attempt reached Gym after the cut.
     rows = (
-        await conn.execute(
+        await c.conn.execute(
             text(
                 "SELECT d.attempt_id, d.group_id, d.generation_index, d.rollout_id, d.cut_group_attempt AS group_attempt, "
                 "g.restore_level, d.status AS live_status, d.gym_instance_id AS live_instance, d.gym_attempt AS live_gym_attempt, "
                 "d.retirement FROM restore_diff d JOIN snapshot_groups g ON g.run_id = :r AND g.snapshot_id = :s "
-                "AND g.group_id = d.group_id WHERE d.known AND g.status IN ('generating', 'ready') AND NOT (d.group_id = ANY(:bumped)) "
+                f"AND g.group_id = d.group_id WHERE d.known AND g.status IN ('{G.generating}', '{G.ready}') AND NOT (d.group_id = ANY(:bumped)) "
                 "ORDER BY d.attempt_id"
             ),
-            {**p, "bumped": sorted(bumped)},
+            {**c.p, "bumped": sorted(c.bumped)},
         )
     ).all()
     cohort_groups: set[str] = set()
-    touched: set[str] = set()
+    c.touched = set()
     for x in rows:
-        touched.add(x.group_id)
+        c.touched.add(x.group_id)
         if x.live_status == "dispatched" and x.retirement == "none":
-            retire.append(RetireItem(x.live_instance, x.rollout_id, x.live_gym_attempt, x.attempt_id))
+            c.retire.append(RetireItem(x.live_instance, x.rollout_id, x.live_gym_attempt, x.attempt_id))
         if x.restore_level == "prompt_group":
             cohort_groups.add(x.group_id)
             continue
-        new = minter(x.group_id, x.generation_index)
+        new = c.minter(x.group_id, x.generation_index)
         disp = "restarted" if x.restore_level == "turn" else "rerun"
-        rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt)
-        report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, disp, new, x.rollout_id, x.group_attempt))
+        c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt)
+        c.report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, disp, new, x.rollout_id, x.group_attempt))
     if cohort_groups:
         # Part of a never-sent cohort went out after the cut: the whole cohort reruns at
         # group_attempt + 1, so a cohort verifier never mixes it with what Gym saw.
         members = (
-            await conn.execute(
+            await c.conn.execute(
                 text(
                     "SELECT attempt_id, group_id, generation_index, rollout_id, group_attempt FROM snapshot_attempts "
                     "WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(:g) ORDER BY group_id, generation_index"
                 ),
-                {**p, "g": sorted(cohort_groups)},
+                {**c.p, "g": sorted(cohort_groups)},
             )
         ).all()
         for x in members:
-            new = minter(x.group_id, x.generation_index)
-            rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt + 1)
-            report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, "rerun", new, x.rollout_id, x.group_attempt + 1))
-        bumped |= cohort_groups
-        report.bumped_after_cut = sorted(cohort_groups)
+            new = c.minter(x.group_id, x.generation_index)
+            c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt + 1)
+            c.report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, "rerun", new, x.rollout_id, x.group_attempt + 1))
+        c.bumped |= cohort_groups
+        c.report.bumped_after_cut = sorted(cohort_groups)
 
+
+async def _unknown_attempts(c: _Rewinding) -> None:
     # 2. Live attempts the cut does not know (admitted or replaced after it), except the
     #    history of groups that had ended before the cut (see step 4).
-    await conn.execute(
+    await c.conn.execute(
         text(
             "CREATE TEMP TABLE restore_unknown ON COMMIT DROP AS SELECT attempt_id, group_id, rollout_id, gym_attempt, "
             "gym_instance_id, status, gym_owned, retirement FROM restore_diff WHERE NOT known"
         )
     )
-    await conn.execute(
+    await c.conn.execute(
         text(f"DELETE FROM restore_unknown u USING prompt_groups g WHERE g.run_id = :r AND g.group_id = u.group_id AND {_ENDED_BEFORE_CUT}"),
-        p,
+        c.p,
     )
-    await conn.execute(text("ANALYZE restore_unknown"))
-    touched.update((await conn.execute(text("SELECT DISTINCT group_id FROM restore_unknown"))).scalars())
+    await c.conn.execute(text("ANALYZE restore_unknown"))
+    c.touched.update((await c.conn.execute(text("SELECT DISTINCT group_id FROM restore_unknown"))).scalars())
     # ... any of them that may still run in Gym is retired first (and the plan's retires).
-    report.retires_queued = await _queue_retires(conn, r, retire)
+    c.report.retires_queued = await _queue_retires(c.conn, c.r, c.retire)
 
+
+async def _supersede_continued(c: _Rewinding) -> None:
     # 3. Continued rollouts keep their id: an old retire (or the forget that follows it) queued
     #    for them must not reach Gym after the restore installed their continuation.
-    report.outbox_superseded = await outbox.supersede_pending(conn, r, rw.continued_rollouts)
+    c.report.outbox_superseded = await outbox.supersede_pending(c.conn, c.r, c.rw.continued_rollouts)
 
+
+async def _remove_later_groups(c: _Rewinding) -> None:
     # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade): they were
     #    admitted after it. Groups that had ended (finalized, abandoned) before the cut are not
     #    in it either; they stay, as history.
-    if since is not None:
+    if c.since is not None:
         # The same groups, listed by _restore_diff_since_cut in this transaction (nothing wrote
         # a group row since, and the run is locked).
-        report.groups_removed = await execute_binary(
-            conn, "DELETE FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s::text[])", {"r": r, "g": since.absent}
-        ) if since.absent else 0
+        c.report.groups_removed = await execute_binary(
+            c.conn, "DELETE FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s::text[])", {"r": c.r, "g": c.since.absent}
+        ) if c.since.absent else 0
     else:
-        report.groups_removed = (
-            await conn.execute(
+        c.report.groups_removed = (
+            await c.conn.execute(
                 text(
                     "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
                     f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
                 ),
-                p,
+                c.p,
             )
         ).rowcount
 
+
+async def _end_unknown_attempts(c: _Rewinding) -> None:
     # 5. The unknown attempts of the remaining groups end (kept as history, no longer current).
-    report.attempts_ended = (
-        await conn.execute(
+    c.report.attempts_ended = (
+        await c.conn.execute(
             text(
                 "UPDATE attempts a SET is_current = false, "
-                "status = CASE WHEN a.status IN ('reserved', 'dispatched', 'returned') THEN 'abandoned' ELSE a.status END, "
+                f"status = CASE WHEN a.status IN ('{A.reserved}', '{A.dispatched}', '{A.returned}') THEN '{A.abandoned}' ELSE a.status END, "
                 "ended_at = COALESCE(a.ended_at, now()) FROM restore_unknown u WHERE a.attempt_id = u.attempt_id"
             ),
         )
     ).rowcount
 
+
+async def _groups_as_in_cut(c: _Rewinding) -> None:
     # 6. Groups as in the cut (cohorts that rerun at group_attempt + 1): changed ones rewritten,
     #    missing ones (removed by an earlier restore, or an imported cut) inserted.
-    gparams: dict[str, Any] = {**p, "bumped": sorted(bumped)}
+    gparams: dict[str, Any] = {**c.p, "bumped": sorted(c.bumped)}
     gsrc = (
         "SELECT sg.*, sg.group_attempt + CASE WHEN b.g IS NULL THEN 0 ELSE 1 END AS target_attempt FROM snapshot_groups sg "
         "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sg.group_id WHERE sg.run_id = :r AND sg.snapshot_id = :s"
@@ -424,14 +471,14 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # Only groups whose live row may differ from the cut's: with ``cut_xmin``, those written since
     # the cut and the rerunning cohorts (by the cut's primary key); otherwise every cut group.
     usrc = gsrc
-    if since is not None:
+    if c.since is not None:
         usrc += " AND sg.group_id = ANY(CAST(:cand AS text[]))"
-        gparams["cand"] = sorted(set(since.recent_groups) | bumped)
+        gparams["cand"] = sorted(set(c.since.recent_groups) | c.bumped)
     changed = (
-        await conn.execute(
+        await c.conn.execute(
             text(
                 "UPDATE prompt_groups g SET group_attempt = t.target_attempt, data_attempts_used = t.data_attempts_used, "
-                "status = t.status, ended_at = CASE WHEN t.status IN ('finalized', 'abandoned') THEN COALESCE(g.ended_at, now()) END "
+                f"status = t.status, ended_at = CASE WHEN t.status IN ('{G.finalized}', '{G.abandoned}') THEN COALESCE(g.ended_at, now()) END "
                 f"FROM ({usrc}) t WHERE g.run_id = :r AND g.group_id = t.group_id AND "
                 "(g.group_attempt, g.data_attempts_used, g.status) IS DISTINCT FROM (t.target_attempt, t.data_attempts_used, t.status) "
                 "RETURNING g.group_id"
@@ -442,33 +489,35 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # Cut groups missing from the live ledger, found on the keys alone (both primary keys), then
     # inserted whole: usually none.
     missing = (
-        await conn.execute(
+        await c.conn.execute(
             text(
                 "SELECT COALESCE(array_agg(c.group_id), '{}') FROM snapshot_cut_groups c WHERE c.run_id = :r AND c.snapshot_id = :s "
                 "AND NOT EXISTS (SELECT 1 FROM prompt_groups g WHERE g.run_id = :r AND g.group_id = c.group_id)"
             ),
-            p,
+            c.p,
         )
     ).scalar()
-    new_groups: Sequence[str] = []
+    c.new_groups = []
     if missing:
-        new_groups = (
-            await conn.execute(
+        c.new_groups = (
+            await c.conn.execute(
                 text(
                     "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
                     "expected_generations, target_step, weight_version, group_attempt, data_attempts_used, status, ended_at) "
                     "SELECT :r, t.group_id, t.prompt_ref, t.task_digest, t.task_source, t.agent_name, t.restore_level, "
                     "t.expected_generations, t.target_step, t.weight_version, t.target_attempt, t.data_attempts_used, t.status, "
-                    f"CASE WHEN t.status IN ('finalized', 'abandoned') THEN now() END FROM ({gsrc} AND sg.group_id = ANY(CAST(:missing AS text[]))) t "
+                    f"CASE WHEN t.status IN ('{G.finalized}', '{G.abandoned}') THEN now() END FROM ({gsrc} AND sg.group_id = ANY(CAST(:missing AS text[]))) t "
                     "RETURNING group_id"
                 ),
                 {**gparams, "missing": list(missing)},
             )
         ).scalars().all()
-    touched.update(changed)
-    touched.update(new_groups)
-    touched |= bumped
+    c.touched.update(changed)
+    c.touched.update(c.new_groups)
+    c.touched |= c.bumped
 
+
+async def _focus_rows(c: _Rewinding) -> None:
     # 7. The cut rows the rest works on, in a small analyzed table so that the steps below look
     #    attempts and siblings up by key instead of scanning the run: continued rows and the
     #    rows of touched groups. A rerunning cohort (``bumped``) needs none of its rows there:
@@ -484,9 +533,9 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
     # The same columns read from the cut storage itself: the group id is the cut row's, the rest
     # the sibling's (``sa`` an element of ``c.siblings``).
     cut_focus_cols = focus_cols.replace("sa.group_id", "c.group_id")
-    bumped_list = sorted(bumped)
-    if everything:
-        await conn.execute(
+    bumped_list = sorted(c.bumped)
+    if c.everything:
+        await c.conn.execute(
             text(
                 f"CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT {focus_cols}, p.id IS NOT NULL AS cont, "
                 "b.g IS NOT NULL AS bumped FROM snapshot_attempts sa "
@@ -494,150 +543,175 @@ async def _rewind(conn: AsyncConnection, run: RunRow, rw: Rewind, minter: Minter
                 "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
                 "WHERE sa.run_id = :r AND sa.snapshot_id = :s"
             ),
-            {**p, "cid": rw.continued_ids, "bumped": bumped_list},
+            {**c.p, "cid": c.rw.continued_ids, "bumped": bumped_list},
         )
-    elif rw.continued_groups or not rw.continued_ids:
+    elif c.rw.continued_groups or not c.rw.continued_ids:
         # The continued rows, read by group key: their groups' cut rows by the primary key of
         # the cut storage (``pk_snapshot_cut_groups``; an attempt's group never changes), then
         # their siblings filtered on the ids. Through the ``snapshot_attempts`` view the same
-        # filter unnests the whole cut (1.1 s at 1M against ~0.1 s).
+        # filter unnests the whole cut.
         await execute_binary(
-            conn,
+            c.conn,
             f"CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT {cut_focus_cols}, true AS cont, "
             "c.group_id = ANY(%(bumped)s::text[]) AS bumped "
             "FROM snapshot_cut_groups c CROSS JOIN LATERAL unnest(c.siblings) AS sa "
             "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.group_id = ANY(%(cg)s::text[]) "
             "AND sa.attempt_id = ANY(%(cid)s::bigint[])",
-            {**p, "cid": rw.continued_ids, "cg": sorted(set(rw.continued_groups)), "bumped": bumped_list},
+            {**c.p, "cid": c.rw.continued_ids, "cg": sorted(set(c.rw.continued_groups)), "bumped": bumped_list},
         )
     else:
         # Continued rows without their groups: by a filter on their ids over the whole cut.
-        await conn.execute(
+        await c.conn.execute(
             text(
                 f"CREATE TEMP TABLE restore_focus ON COMMIT DROP AS SELECT {focus_cols}, true AS cont, "
                 "b.g IS NOT NULL AS bumped FROM snapshot_attempts sa "
                 "LEFT JOIN unnest(CAST(:bumped AS text[])) AS b(g) ON b.g = sa.group_id "
                 "WHERE sa.run_id = :r AND sa.snapshot_id = :s AND sa.attempt_id = ANY(CAST(:cid AS bigint[]))"
             ),
-            {**p, "cid": rw.continued_ids, "bumped": bumped_list},
+            {**c.p, "cid": c.rw.continued_ids, "bumped": bumped_list},
         )
-    if not everything:
-        scan_groups = sorted(touched - bumped)
+    if not c.everything:
+        scan_groups = sorted(c.touched - c.bumped)
         if scan_groups:
             # By group key, as above.
             await execute_binary(
-                conn,
+                c.conn,
                 f"INSERT INTO restore_focus SELECT {cut_focus_cols}, false, false "
                 "FROM snapshot_cut_groups c CROSS JOIN LATERAL unnest(c.siblings) AS sa "
                 "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.group_id = ANY(%(g)s::text[]) "
                 "AND NOT (sa.attempt_id = ANY(%(cid)s::bigint[]))",
-                {**p, "cid": rw.continued_ids, "g": scan_groups},
+                {**c.p, "cid": c.rw.continued_ids, "g": scan_groups},
             )
-    await conn.execute(text("CREATE UNIQUE INDEX ON restore_focus (attempt_id)"))
-    await conn.execute(text("ANALYZE restore_focus"))
+    await c.conn.execute(text("CREATE UNIQUE INDEX ON restore_focus (attempt_id)"))
+    await c.conn.execute(text("ANALYZE restore_focus"))
     # From here every statement starts at restore_focus (whose size the planner now knows) or
     # at the plan's arrays, and looks attempts and siblings up by key.
-    await conn.execute(text("SET LOCAL enable_nestloop = on"))
+    await c.conn.execute(text("SET LOCAL enable_nestloop = on"))
 
+
+async def _siblings_as_in_cut(c: _Rewinding) -> None:
+    bumped_list = sorted(c.bumped)
     # 8. Siblings as in the cut (a rerunning cohort starts its row budgets again).
-    if new_groups:
-        await conn.execute(
+    if c.new_groups:
+        await c.conn.execute(
             text(
                 "INSERT INTO siblings (run_id, group_id, generation_index, row_attempts_used) "
                 "SELECT :r, sa.group_id, sa.generation_index, sa.row_attempts_used FROM snapshot_attempts sa "
                 "WHERE sa.run_id = :r AND sa.snapshot_id = :s AND sa.group_id = ANY(:g) ON CONFLICT DO NOTHING"
             ),
-            {**p, "g": sorted(new_groups)},
+            {**c.p, "g": sorted(c.new_groups)},
         )
-    await conn.execute(
+    await c.conn.execute(
         text(
             "UPDATE siblings sb SET row_attempts_used = t.n FROM (SELECT f.group_id, f.generation_index, "
             "CASE WHEN f.bumped THEN 0 ELSE f.row_attempts_used END AS n FROM restore_focus f) t "
             "WHERE sb.run_id = :r AND sb.group_id = t.group_id AND sb.generation_index = t.generation_index "
             "AND sb.row_attempts_used <> t.n"
         ),
-        p,
+        c.p,
     )
-    if bumped_list and not everything:
-        await conn.execute(
+    if bumped_list and not c.everything:
+        await c.conn.execute(
             text(
                 "UPDATE siblings sb SET row_attempts_used = 0 FROM unnest(CAST(:bumped AS text[])) AS b(g) "
                 "WHERE sb.run_id = :r AND sb.group_id = b.g AND sb.row_attempts_used <> 0"
             ),
-            {"r": r, "bumped": bumped_list},
+            {"r": c.r, "bumped": bumped_list},
         )
 
+
+async def _attempts_as_in_cut(c: _Rewinding) -> None:
     # 9. The cut's attempts. Replaced ones are deleted: their replacement (step 10) is the
     #    sibling's attempt from now on, and a deleted row costs far less than a rewritten one
     #    (their rollout ids live on in the retires queued above and the restore's answer).
     #    Everything from here goes by primary key (a few percent of the run's rows, which a
     #    sequential scan of the whole run would cost more to find).
     for knob in ("enable_seqscan", "enable_hashjoin", "enable_mergejoin"):
-        await conn.execute(text(f"SET LOCAL {knob} = off"))
+        await c.conn.execute(text(f"SET LOCAL {knob} = off"))
     # The plan's arrays go as binary parameters: as text, psycopg escapes every element in
-    # Python (~1 s for the ~96 000 new attempts' four columns at 1M, against ~0.3 s).
-    new_old_ids = sorted(rw.new_old_ids)
+    # Python.
+    new_old_ids = sorted(c.rw.new_old_ids)
     if new_old_ids:
         await execute_binary(
-            conn, "DELETE FROM attempts a WHERE a.attempt_id = ANY(%(nid)s::bigint[]) AND a.run_id = %(r)s", {"r": r, "nid": new_old_ids}
+            c.conn, "DELETE FROM attempts a WHERE a.attempt_id = ANY(%(nid)s::bigint[]) AND a.run_id = %(r)s", {"r": c.r, "nid": new_old_ids}
         )
     # The focus rows back to their target state (only those that differ are written).
-    report.attempts_rewritten = (
-        await conn.execute(
+    c.report.attempts_rewritten = (
+        await c.conn.execute(
             text(
                 "UPDATE attempts a SET status = t.status, is_current = t.is_current, gym_instance_id = t.gym_instance_id, "
                 "gym_attempt = t.gym_attempt, group_attempt = t.group_attempt, refusals = t.refusals, receipt = t.receipt, "
                 "reward = t.reward, mask_sample = t.mask_sample, staging_keys = t.staging_keys, gym_owned = t.gym_owned, "
-                "retirement = CASE WHEN t.cont THEN 'none' ELSE a.retirement END, "
-                "dispatch_id = CASE WHEN t.status = 'reserved' THEN NULL ELSE a.dispatch_id END, "
-                "ended_at = CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN COALESCE(a.ended_at, now()) END "
+                f"retirement = CASE WHEN t.cont THEN '{R.none}' ELSE a.retirement END, "
+                f"dispatch_id = CASE WHEN t.status = '{A.reserved}' THEN NULL ELSE a.dispatch_id END, "
+                f"ended_at = CASE WHEN t.status IN ('{A.sealed}', '{A.failed}', '{A.abandoned}') THEN COALESCE(a.ended_at, now()) END "
                 f"FROM ({_TARGET}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
                 "(a.status, a.is_current, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.refusals, a.receipt, a.reward, "
                 "a.mask_sample, a.staging_keys, a.gym_owned) IS DISTINCT FROM (t.status, t.is_current, t.gym_instance_id, "
                 "t.gym_attempt, t.group_attempt, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, t.gym_owned) "
-                "OR (t.cont AND a.retirement <> 'none') OR (t.status = 'reserved' AND a.dispatch_id IS NOT NULL))"
+                f"OR (t.cont AND a.retirement <> '{R.none}') OR (t.status = '{A.reserved}' AND a.dispatch_id IS NOT NULL))"
             ),
-            p,
+            c.p,
         )
     ).rowcount
     # Cut attempts missing from the live ledger (their group was removed by an earlier restore,
     # or the cut was imported) come back as rows of their own, unless replaced. Only touched
     # groups can miss attempts.
-    report.attempts_inserted = await execute_binary(
-        conn,
+    c.report.attempts_inserted = await execute_binary(
+        c.conn,
         "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, gym_instance_id, gym_attempt, "
         "group_attempt, status, is_current, refusals, receipt, reward, mask_sample, staging_keys, gym_owned, ended_at) "
         "SELECT t.attempt_id, %(r)s, t.group_id, t.generation_index, t.rollout_id, t.gym_instance_id, t.gym_attempt, "
         "t.group_attempt, t.status, t.is_current, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, "
-        "t.gym_owned, CASE WHEN t.status IN ('sealed', 'failed', 'abandoned') THEN now() END "
+        f"t.gym_owned, CASE WHEN t.status IN ('{A.sealed}', '{A.failed}', '{A.abandoned}') THEN now() END "
         f"FROM ({_TARGET}) t LEFT JOIN unnest(%(nid)s::bigint[]) AS n(id) ON n.id = t.attempt_id WHERE n.id IS NULL "
         "AND NOT EXISTS (SELECT 1 FROM attempts a WHERE a.attempt_id = t.attempt_id)",
-        {"r": r, "nid": new_old_ids},
+        {"r": c.r, "nid": new_old_ids},
     )
 
+
+async def _insert_new_attempts(c: _Rewinding) -> None:
     # 10. New attempts (restarted, gym_restarted, rerun) under their new rollout ids, in sibling
     #     order: each index then takes them in one sweep (its pages stay in memory) instead of
     #     one sweep per disposition.
-    if rw.new_old_ids:
+    if c.rw.new_old_ids:
         await execute_binary(
-            conn,
+            c.conn,
             "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
             "SELECT %(r)s, g, i, ro, ga FROM unnest(%(g)s::text[], %(i)s::int[], %(ro)s::text[], %(ga)s::int[]) "
             "AS t(g, i, ro, ga) ORDER BY g, i",
-            {"r": r, "g": rw.new_groups, "i": rw.new_indexes, "ro": rw.new_rollouts, "ga": rw.new_group_attempts},
+            {"r": c.r, "g": c.rw.new_groups, "i": c.rw.new_indexes, "ro": c.rw.new_rollouts, "ga": c.rw.new_group_attempts},
         )
-        report.attempts_inserted += len(rw.new_old_ids)
+        c.report.attempts_inserted += len(c.rw.new_old_ids)
     for knob in ("enable_seqscan", "enable_hashjoin", "enable_mergejoin"):
-        await conn.execute(text(f"SET LOCAL {knob} = on"))
+        await c.conn.execute(text(f"SET LOCAL {knob} = on"))
 
+
+async def _bump_epoch(c: _Rewinding) -> None:
     # 11. Fencing: every writer of the old epoch is refused from now on; the gate reopens.
-    await conn.execute(
+    await c.conn.execute(
         text(
             "UPDATE runs SET epoch = epoch + 1, restored_from_rollout_snapshot = :s, gate_snapshot_id = NULL WHERE run_id = :r"
         ),
-        p,
+        c.p,
     )
-    return report
+
+
+_STEPS = (
+    _check_cut,
+    _diff_with_cut,
+    _after_cut_rows,
+    _unknown_attempts,
+    _supersede_continued,
+    _remove_later_groups,
+    _end_unknown_attempts,
+    _groups_as_in_cut,
+    _focus_rows,
+    _siblings_as_in_cut,
+    _attempts_as_in_cut,
+    _insert_new_attempts,
+    _bump_epoch,
+)
 
 
 async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem]) -> int:
@@ -647,7 +721,7 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
     Only attempts that stay in the ledger (the unknown ones) record ``retire_pending``; the
     others are the cut's, which the rewind deletes (replaced) or resets."""
     # Through the driver with binary arrays: ``extra`` is every row the cut knows as running when
-    # Gym keeps running (~80 000 at a million siblings), which as text parameters psycopg escapes
+    # Gym keeps running (a large share of the cut), which as text parameters psycopg escapes
     # element by element in Python.
     ins = outbox.insert_items_sql(
         "SELECT %(r)s, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items", skip_if_pending=True
@@ -658,16 +732,16 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
             "WITH items AS ("
             "SELECT u.attempt_id, u.rollout_id, u.gym_attempt, COALESCE(u.gym_instance_id, gi.instance_id) AS instance_id "
             "FROM restore_unknown u LEFT JOIN gym_instances gi ON u.gym_instance_id IS NULL AND gi.run_id = %(r)s "
-            "WHERE u.retirement = 'none' AND (u.status = 'dispatched' OR (u.status = 'reserved' AND u.gym_owned AND u.gym_instance_id IS NOT NULL)) "
+            f"WHERE u.retirement = '{R.none}' AND (u.status = '{A.dispatched}' OR (u.status = '{A.reserved}' AND u.gym_owned AND u.gym_instance_id IS NOT NULL)) "
             "UNION ALL "
             "SELECT x.aid, x.ro, x.ga, COALESCE(x.inst, gi.instance_id) FROM unnest(%(aid)s::bigint[], %(ro)s::text[], "
             "%(ga)s::int[], %(inst)s::text[]) AS x(aid, ro, ga, inst) "
             "LEFT JOIN gym_instances gi ON x.inst IS NULL AND gi.run_id = %(r)s"
             f"), ins AS ({ins}"
             "), upd AS ("
-            "UPDATE attempts a SET retirement = 'retire_pending' FROM (SELECT DISTINCT i.attempt_id FROM ins i "
+            f"UPDATE attempts a SET retirement = '{R.retire_pending}' FROM (SELECT DISTINCT i.attempt_id FROM ins i "
             "JOIN restore_unknown u ON u.attempt_id = i.attempt_id) i "
-            "WHERE a.attempt_id = i.attempt_id AND a.run_id = %(r)s AND a.retirement = 'none' RETURNING 1"
+            f"WHERE a.attempt_id = i.attempt_id AND a.run_id = %(r)s AND a.retirement = '{R.none}' RETURNING 1"
             ") SELECT count(*) FROM ins"
         ),
         {

@@ -662,7 +662,7 @@ class _GymTouchedRefusal(Exception):
 
 
 def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, installed: bool) -> rewind.Rewind:
-    # Columns straight from the plan's columns: a million-sibling plan has ~120 000 such rows,
+    # Columns straight from the plan's columns: a large plan has many such rows,
     # and building a PlanRow for each only to take it apart again cost a second.
     rw = rewind.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
     if installed:
