@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import Field
 
 from ..domain.errors import ManifestError
+from ..domain.vocabulary import Disposition
 from ..ledger import restore_reads as reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
@@ -20,7 +21,7 @@ from .common import BIGINT_MAX, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, Fa
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
 
-Disp = Literal["reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch"]
+Disp = Literal[tuple(d.value for d in Disposition)]  # type: ignore[valid-type]
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
 
 

@@ -79,7 +79,7 @@ from .errors import FieldIssue, LegacyLedgerError, LegacyLedgerVersionError
 from .identity import GROUP_ID, INSTANCE_ID, ROLLOUT_ID, SERVER_NAME, TASK_SOURCE
 from .levels import PREFIX_REFUSAL, RestoreLevel
 from .cut_checks import cut_issues
-from .snapshot_state import AttemptStatus, GroupStatus
+from .vocabulary import AttemptStatus, GroupStatus
 
 __all__ = [
     "SUPPORTED_VERSIONS",

@@ -67,7 +67,6 @@ from .planning import (
     METRIC_DISPOSITIONS,
     NEW_ATTEMPT_DISPOSITIONS,
     counts_json,
-    cut_retire_items,
     live_retire_items,
     row_json,
     rollout_minter,
