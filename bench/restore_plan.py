@@ -190,8 +190,10 @@ class _Breakdown:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
         # The statements that go through the driver directly (binary parameters, plain tuples).
-        for name in ("fetch", "execute_binary"):
-            setattr(repo, name, self._timed(getattr(repo, name)))
+        from checkpoint_coordinator.ledger import restore_plan_sql, rewind
+
+        for module, name in ((restore_plan_sql, "fetch"), (rewind, "fetch"), (rewind, "execute_binary")):
+            setattr(module, name, self._timed(getattr(module, name)))
 
     def _timed(self, inner: Any) -> Any:
         async def timed(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:

@@ -151,7 +151,7 @@ class Sibling(Base):
     __tablename__ = "siblings"
     __table_args__ = (
         PrimaryKeyConstraint("run_id", "group_id", "generation_index"),
-        # No foreign key to ``prompt_groups`` (its per-row check was ~70 % of an admit's
+        # No foreign key to ``prompt_groups`` (its per-row check was most of an admit's
         # ``INSERT siblings``): siblings are inserted only with their group, under its lock, and a
         # deleted group takes its siblings and attempts with it through the statement-level
         # trigger ``prompt_groups_drop_children`` (see ``GROUP_CHILDREN_TRIGGER``).
@@ -191,9 +191,8 @@ class Attempt(Base):
         # through ``dispatch_calls``.
         # Room on each page so a dispatch or a seal (no indexed column) is a HOT update: at 40 %
         # a freshly admitted page keeps room for a second version of each of its rows, so the
-        # dispatch's update stays on the page (PostgreSQL's CPU for the ingest benchmark -8 to
-        # -14 % against 70; a table built by plain inserts is ~1.75x larger, the restore
-        # benchmark did not move beyond its noise, see bench/README.md ledger_ingest).
+        # dispatch's update stays on the page (see bench/README.md ledger_ingest for what it
+        # saves and costs).
         {"postgresql_with": {"fillfactor": "40"}},
     )
     attempt_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
@@ -449,11 +448,10 @@ class RestoreRowChunk(Base):
     """The rows an applied restore answers (what the trainer sends next), in answer order, as
     column arrays of up to ``RESTORE_ROWS_PER_CHUNK`` rows each: written with the rewind in its
     transaction (the idempotent answer commits with the ledger change) and read back by page.
-    A million-sibling restore answers ~400 000 rows; as one JSON document on ``restores.result``
-    they cost ~9 s to build and store (and the answer was ~120 MB); as chunks, ~1 s on the
-    benchmark machine, most of it the server taking ~35 MB of values. Capture keys are not stored:
-    ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored
-    uncompressed (``SET STORAGE EXTERNAL`` in the migration): pglz made the write ~1.6x slower."""
+    A large restore answers hundreds of thousands of rows, far cheaper to store as column chunks
+    than as one JSON document on ``restores.result``. Capture keys are not stored: ``rollout_id``
+    at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored uncompressed
+    (``SET STORAGE EXTERNAL`` in the migration): compression made the write slower."""
 
     __tablename__ = "restore_row_chunks"
     __table_args__ = (
