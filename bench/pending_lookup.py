@@ -243,7 +243,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from checkpoint_coordinator.ledger import rollouts, snapshots
+    from checkpoint_coordinator.ledger import rollout_views, snapshots
     from checkpoint_coordinator.ledger.db import make_async_engine, read_rows, sqlalchemy_url
 
     engine = make_async_engine(pg_url, pool_size=2)
@@ -267,7 +267,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
         expect = sorted(r[0] for r in sample if r[2] == "dispatched")
 
         async def lookup() -> list[str]:
-            return await rollouts.pending_attempts(engine, run_id, ids)
+            return await rollout_views.pending_attempts(engine, run_id, ids)
 
         async def drain() -> set[tuple[str, int]]:
             return await snapshots.still_pending(engine, run_id, keys)

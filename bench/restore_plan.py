@@ -45,7 +45,7 @@ from _common import Postgres  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
 from checkpoint_coordinator.domain.config import load_recovery_config  # noqa: E402
-from checkpoint_coordinator.ledger import restore as repo  # noqa: E402
+from checkpoint_coordinator.ledger import restore_records as records  # noqa: E402
 from checkpoint_coordinator.ledger.db import make_async_engine  # noqa: E402
 from checkpoint_coordinator.ledger.snapshots import cut_xid_basis, insert_cut_rows, set_cut_xid_basis  # noqa: E402
 from checkpoint_coordinator.restore.service import (  # noqa: E402
@@ -190,8 +190,10 @@ class _Breakdown:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
         # The statements that go through the driver directly (binary parameters, plain tuples).
-        for name in ("fetch", "execute_binary"):
-            setattr(repo, name, self._timed(getattr(repo, name)))
+        from checkpoint_coordinator.ledger import restore_plan_sql, rewind
+
+        for module, name in ((restore_plan_sql, "fetch"), (rewind, "fetch"), (rewind, "execute_binary")):
+            setattr(module, name, self._timed(getattr(module, name)))
 
     def _timed(self, inner: Any) -> Any:
         async def timed(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:
@@ -225,7 +227,7 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
     # one transaction that rewinds the ledger and stores the answer (its summary on the record,
     # its rows as chunks), and the first page of the answer.
     req = RestoreRequest("bench-restore", "s1", None, True)
-    claimed = await repo.claim_restore(engine, run_id, req.restore_id, planned.snap.snapshot_id, True, req.stored(), stale_after_s=600)
+    claimed = await records.claim_restore(engine, run_id, req.restore_id, planned.snap.snapshot_id, True, req.stored(), stale_after_s=600)
     assert claimed is None, claimed
     gym = {"installed": True, "restore_id": "bench-gym-restore", "source_checkpoint_id": "snap-s1-00000000"}
     summary, answer_rows, report = await apply_and_record(engine, run_id, req, planned, planned.plan, planned.retire, gym, installed=True)
@@ -366,13 +368,16 @@ async def main_async(sizes: list[int], check: bool, breakdown: bool = False, com
             results.append(res)
             if compare_plan:
                 # After the measurement (the cut is as it was; the run is one epoch on): the plan
-                # computed in SQL against the pure function over the whole cut, alternately.
+                # computed in SQL against the pure oracle (tests/oracles) over the whole cut, alternately.
                 times: dict[str, list[float]] = {"sql": [], "pure": []}
                 for _ in range(2):
                     for name in ("sql", "pure"):
                         gc.collect()
                         t = time.perf_counter()
-                        await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True, in_sql=name == "sql")
+                        if name == "sql":
+                            await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
+                        else:
+                            await _oracle_plan(engine, run_id)
                         times[name].append(time.perf_counter() - t)
                 print(
                     "restore_plan:   plan in SQL " + " / ".join(f"{x:.2f}" for x in times["sql"])
@@ -412,6 +417,21 @@ async def main_async(sizes: list[int], check: bool, breakdown: bool = False, com
     summary = {"results": [{k: v for k, v in r.items()} for r in results], "peak_rss_bytes": rss, "ratio_per_100k": ratio, "calibration_s": {"postgres": pg_s, "python": py_s}}
     print("restore_plan: json " + json.dumps(summary, sort_keys=True))
     return 0 if ok or not check else 1
+
+
+async def _oracle_plan(engine: Any, run_id: str) -> Any:
+    """The pure reference planner of the tests over the whole cut (``--compare-plan``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.oracles.restore_plan import plan_restore
+
+    from checkpoint_coordinator.ledger import restore_reads as reads
+    from checkpoint_coordinator.restore.planning import rollout_minter
+    from checkpoint_coordinator.restore.service import load_manifest
+
+    async with engine.connect() as conn:
+        snap = await reads.get_snapshot(conn, run_id, "s1")
+        cut, _ = await reads.load_cut(conn, run_id, "s1")
+    return plan_restore(cut, load_manifest(snap), rollout_minter(run_id, "s1", 0), verify_unique_rollout_ids=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -207,7 +207,7 @@ async def test_a_wrong_guess_releases_its_locks_and_locks_the_real_group(client,
     back to the savepoint (another transaction can take g1 at once) and imp is locked instead."""
     import psycopg
 
-    from checkpoint_coordinator.ledger import rollouts
+    from checkpoint_coordinator.ledger import rollout_locks
 
     run = await new_run(client, admin)
     await run.admit(group_body("g1", 1))
@@ -215,7 +215,7 @@ async def test_a_wrong_guess_releases_its_locks_and_locks_the_real_group(client,
     await _imported_group(app, "run-1", "imp", [odd])
     engine = app.state.engine
     async with engine.begin() as conn:
-        groups, atts = await rollouts._lock_and_read(conn, "run-1", [odd])
+        groups, atts = await rollout_locks.lock_and_read(conn, "run-1", [odd])
         assert sorted(groups) == ["imp"] and atts[odd].group_id == "imp"
         other = await psycopg.AsyncConnection.connect(engine.url.render_as_string(hide_password=False).replace("postgresql+psycopg", "postgresql"))
         try:

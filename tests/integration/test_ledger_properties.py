@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 
 from checkpoint_coordinator.errors import CoordinatorError
-from checkpoint_coordinator.ledger import rollouts, runs
+from checkpoint_coordinator.ledger import rollout_views, rollouts, runs
 from checkpoint_coordinator.ledger.db import make_async_engine
 
 OPS = st.lists(
@@ -114,7 +114,7 @@ async def _sequence(engine, run_id: str, level: str, ops: list[tuple[str, int, i
     on_wire: set[str] = set()
 
     async def current(gid: str) -> list[dict]:  # type: ignore[type-arg]
-        d = await rollouts.group_detail(engine, run_id, gid)
+        d = await rollout_views.group_detail(engine, run_id, gid)
         return [a for s in d["siblings"] for a in s["attempts"] if a["is_current"]]
 
     for op, gi, k in ops:
@@ -155,7 +155,7 @@ async def _sequence(engine, run_id: str, level: str, ops: list[tuple[str, int, i
             assert 400 <= e.status < 500, e
         await _check_invariants(engine, run_id, on_wire)
     # a late seal of anything no longer current is always refused
-    d = await rollouts.group_detail(engine, run_id, "g0")
+    d = await rollout_views.group_detail(engine, run_id, "g0")
     stale = [a for s in d["siblings"] for a in s["attempts"] if not a["is_current"] and a["status"] in ("abandoned",)]
     if stale:
         with pytest.raises(CoordinatorError):

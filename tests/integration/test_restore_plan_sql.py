@@ -1,8 +1,8 @@
-"""Differential test: the restore plan the ledger computes in SQL (``ledger.restore.plan_in_sql``,
-what ``load_and_plan`` uses) equals the pure domain function's plan (``domain.restore_plan``, the
-reference) on random ledger cuts and Gym manifests, against real PostgreSQL: same dispositions,
-rows, new rollout ids, counts, rerunning cohorts, skipped groups and retires, and on a broken cut
-or a disagreeing manifest the same refusal."""
+"""Differential test: the restore plan the ledger computes in SQL (``ledger.restore_plan_sql.plan_in_sql``,
+what ``load_and_plan`` uses) equals the pure oracle's plan (``tests/oracles/restore_plan.py``) on
+random ledger cuts and Gym manifests, against real PostgreSQL: same dispositions, rows (reused ones
+included), new rollout ids, counts, rerunning cohorts, skipped groups and retires, and on a broken
+cut or a disagreeing manifest the same refusal."""
 
 from __future__ import annotations
 
@@ -19,10 +19,15 @@ from checkpoint_coordinator.domain.config import load_recovery_config
 from checkpoint_coordinator.domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from checkpoint_coordinator.domain.restore_plan import Disposition
 from checkpoint_coordinator.errors import CoordinatorError
-from checkpoint_coordinator.ledger import restore as repo
+from checkpoint_coordinator.ledger import imported_snapshots as imported
 from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.restore.planning import row_json
-from checkpoint_coordinator.restore.service import load_and_plan
+from checkpoint_coordinator.domain.errors import CutError, ManifestLedgerMismatch, PlanError
+from checkpoint_coordinator.domain.gym_manifest import load_gym_manifest
+from checkpoint_coordinator.ledger import restore_reads as reads
+from checkpoint_coordinator.restore.planning import live_retire_items, rollout_minter
+from checkpoint_coordinator.restore.service import load_and_plan, refusal_of
+from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
 
 from .test_restore_support import manifest_doc
 
@@ -120,7 +125,7 @@ def _every_disposition() -> tuple[Cut, dict[str, Any] | None, str | None]:
 
 
 async def _store(engine: Any, run_id: str, snapshot_id: str, cut: Cut, manifest: dict[str, Any] | None) -> None:
-    await repo.create_imported_snapshot(
+    await imported.create_imported_snapshot(
         engine, run_id, snapshot_id, cut, anchor_step=1, detail={"document_sha256": snapshot_id}, data_attempts_used={}
     )
     if manifest is not None:
@@ -131,30 +136,52 @@ async def _store(engine: Any, run_id: str, snapshot_id: str, cut: Cut, manifest:
             )
 
 
+def _oracle(cut: Cut, manifest: Any, snapshot_id: str, with_gym_state: bool) -> tuple[Any, list[Any]]:
+    minter = rollout_minter("diff", snapshot_id, 1)
+    if not with_gym_state:
+        plan = restore_without_gym_state(cut, minter)
+        return plan, list(plan.retire)
+    return plan_restore(cut, manifest, minter), []
+
+
+def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ...]:
+    return (
+        "planned",
+        plan.total,
+        dict(plan.counts),
+        sorted(plan.cohort_reruns),
+        sorted(plan.skipped_groups),
+        [row_json(r, include_staging_keys=True) for r in plan.rows],
+        sorted(plan.continued_by_instance().items()),
+        sorted(retire, key=repr),
+        sorted(candidates, key=repr),
+        gym,
+    )
+
+
 async def _both(engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool) -> tuple[Any, Any]:
-    out = []
-    for in_sql in (False, True):
-        try:
-            p = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=with_gym_state, in_sql=in_sql)
-        except CoordinatorError as e:
-            out.append(("refused", type(e).__name__, e.problem()))
-            continue
-        plan = p.plan
-        out.append(
-            (
-                "planned",
-                plan.total,
-                dict(plan.counts),
-                sorted(plan.cohort_reruns),
-                sorted(plan.skipped_groups),
-                [row_json(r) for r in plan.rows if r.disposition is not Disposition.reused],
-                sorted(plan.continued_by_instance().items()),
-                sorted(p.retire, key=repr),
-                sorted(p.retire_candidates(), key=repr),
-                (p.install, p.no_gym_reason),
-            )
-        )
-    return out[0], out[1]
+    async with engine.connect() as conn:
+        detailed, _ = await reads.load_cut(conn, run_id, snapshot_id, detailed=True)
+        snap = await reads.get_snapshot(conn, run_id, snapshot_id)
+    manifest = load_gym_manifest(snap.gym_manifest) if snap.gym_manifest is not None else None
+    # In the cut's order (attempt ids), as the planner reads it, with every field.
+    cut = Cut(groups=detailed.groups, attempts=sorted(detailed.attempts, key=lambda a: a[2]))
+    try:
+        plan, retire = _oracle(cut, manifest, snapshot_id, with_gym_state)
+        live = {g.group_id for g in cut.groups if g.status in ("generating", "ready")}
+        candidates = live_retire_items(a for a in cut.attempts if a[0] in live)
+        gym = (with_gym_state and manifest is not None, None if with_gym_state and manifest is not None else
+               ("with_gym_state is false" if not with_gym_state else "the snapshot holds no Gym state"))
+        ref = _summary(plan, candidates if with_gym_state and manifest is None else retire, candidates, gym)
+    except (CutError, ManifestLedgerMismatch, PlanError) as e:
+        err = refusal_of(e, snapshot_id)
+        ref = ("refused", type(err).__name__, err.problem())
+    try:
+        p = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=with_gym_state, include_reused=True)
+        got = _summary(p.plan, p.retire, p.retire_candidates(), (p.install, p.no_gym_reason))
+    except CoordinatorError as e:
+        got = ("refused", type(e).__name__, e.problem())
+    return ref, got
 
 
 def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:

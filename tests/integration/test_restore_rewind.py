@@ -1,4 +1,4 @@
-"""The ledger rewind of a restore (ledger spec 6.4) at the level of ``ledger.restore.apply_restore``:
+"""The ledger rewind of a restore (ledger spec 6.4) at the level of ``ledger.rewind.apply_restore``:
 all or nothing, and looking only at what changed since the cut gives the same ledger as comparing
 every row of the cut."""
 
@@ -12,7 +12,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
 from checkpoint_coordinator.errors import Conflict
-from checkpoint_coordinator.ledger import restore as repo
+from checkpoint_coordinator.ledger import restore_records as records, rewind
 from checkpoint_coordinator.restore.planning import rollout_minter
 from checkpoint_coordinator.restore.service import _rewind_of, load_and_plan
 
@@ -86,14 +86,14 @@ async def _edge_rows_before_cut(app: Any, api: RunApi, rows: dict[str, list[dict
     )
 
 
-async def _rewind(app: Any, run_id: str, snapshot_id: str = "s1", **kw: Any) -> repo.RewindReport:
+async def _rewind(app: Any, run_id: str, snapshot_id: str = "s1", **kw: Any) -> rewind.RewindReport:
     engine = app.state.engine
     planned = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=True)
     rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
     tamper = kw.pop("tamper", None)
     if tamper is not None:
         tamper(rw)
-    return await repo.apply_restore(
+    return await rewind.apply_restore(
         engine, run_id, rw, after_cut_minter=rollout_minter(run_id, snapshot_id, planned.run.epoch, "after-cut"), expect_epoch=planned.run.epoch, **kw
     )
 
@@ -117,7 +117,7 @@ async def test_a_failing_rewind_leaves_the_ledger_untouched(client, admin, app) 
     before = await _ledger(app, api.run_id)
     kept = rows["T"][0]["rollout_id"]  # sealed in the cut: reused, stays in the ledger
 
-    def collide(rw: repo.Rewind) -> None:
+    def collide(rw: rewind.Rewind) -> None:
         # The last statement of the rewind (the new attempts) breaks a constraint, after every
         # other step has written its rows.
         rw.new_rollouts[-1] = kept
@@ -134,10 +134,10 @@ async def test_a_failing_rewind_leaves_the_ledger_untouched(client, admin, app) 
 async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admin, app) -> None:  # type: ignore[no-untyped-def]
     api, _ = await _scenario(client, admin, app, "run-rows")
     before = await _ledger(app, api.run_id)
-    rows = repo.AnswerRows()
+    rows = records.AnswerRows()
     rows.append("T", 1, "restarted", "T_g1_a" + "e" * 32, 0, 0, None, "T_g1_a" + "f" * 32)
 
-    def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
+    def result_of(report: rewind.RewindReport) -> tuple[dict[str, Any], records.AnswerRows]:
         return {"answer": {"rows_total": len(rows)}}, rows
 
     # The rows are written after every rewind step, in the same transaction: when they cannot be
@@ -151,11 +151,11 @@ async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admi
             {"r": api.run_id},
         )
     # A value the chunk encoding cannot carry is refused before anything is sent.
-    bad = repo.AnswerRows()
+    bad = records.AnswerRows()
     bad.append("T", 1, "restarted", "T_g1_a\x1f", 0, 0, None, None)
     async with app.state.engine.begin() as conn:
         with pytest.raises(ValueError, match="rollout_ids"):
-            await repo.store_answer_rows(conn, api.run_id, "claimed", bad)
+            await records.store_answer_rows(conn, api.run_id, "claimed", bad)
     report = await _rewind(app, api.run_id, record=("claimed", result_of))
     stored = await fetch(app.state.engine, "SELECT chunk, rollout_ids, replaces_rollout_ids FROM restore_row_chunks WHERE run_id = :r", r=api.run_id)
     assert stored == [{"chunk": 0, "rollout_ids": rows.rollout_ids, "replaces_rollout_ids": rows.replaces_rollout_ids}]
@@ -189,7 +189,7 @@ def _normalized(ledger: dict[str, Any], old_ids: set[str]) -> dict[str, Any]:
 
 
 async def test_looking_only_at_what_changed_gives_the_ledger_of_a_full_comparison(client, admin, app) -> None:  # type: ignore[no-untyped-def]
-    def by_ids(rw: repo.Rewind) -> None:
+    def by_ids(rw: rewind.Rewind) -> None:
         # A rewind that does not know its continued rows' groups finds them by id in the whole cut.
         assert rw.continued_groups
         rw.continued_groups = []

@@ -234,17 +234,17 @@ async def test_turn_level_needs_instance(client, admin) -> None:  # type: ignore
 
 
 async def test_gate_closed_refuses_dispatch_with_snapshot_and_retry_after(client, admin, app) -> None:  # type: ignore[no-untyped-def]
-    from checkpoint_coordinator.ledger import rollouts
+    from checkpoint_coordinator.ledger import gate
 
     run = await new_run(client, admin)
     rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]
     async with app.state.engine.begin() as conn:
-        await rollouts.close_gate(conn, "run-1", "snap-7")
+        await gate.close_gate(conn, "run-1", "snap-7")
     r = await client.post("/v1/runs/run-1/attempts/dispatch", json={"dispatch_id": "d", "rollout_ids": [rows[0]["rollout_id"]]}, headers=run.h)
     assert r.status_code == 409 and r.json()["code"] == "gate_closed"
     assert r.json()["snapshot_id"] == "snap-7" and int(r.headers["retry-after"]) >= 1
     async with app.state.engine.begin() as conn:
-        await rollouts.open_gate(conn, "run-1", "snap-7")
+        await gate.open_gate(conn, "run-1", "snap-7")
     await run.dispatch([rows[0]["rollout_id"]])
 
 

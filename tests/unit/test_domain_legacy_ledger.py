@@ -20,7 +20,7 @@ from checkpoint_coordinator.domain.legacy_ledger import (
     load_legacy_ledger,
 )
 from checkpoint_coordinator.domain.levels import RestoreLevel
-from checkpoint_coordinator.domain.restore_plan import plan_restore, restore_without_gym_state
+from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
 
 # The restore-plan strategies double as a source of valid cuts.
 from tests.unit.test_domain_restore_plan import cuts_with_manifest  # noqa: E402

@@ -17,7 +17,7 @@ import time
 from checkpoint_coordinator.domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from checkpoint_coordinator.domain.gym_manifest import GymManifest, build_gym_manifest
 from checkpoint_coordinator.domain.identity import rollout_id_minter
-from checkpoint_coordinator.domain.restore_plan import plan_restore, restore_without_gym_state
+from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
 
 N_PER_GROUP = 8
 INSTANCES = ("math/replica-0", "math/replica-1")

@@ -21,22 +21,17 @@ from checkpoint_coordinator.domain.errors import (
 )
 from checkpoint_coordinator.domain.gym_manifest import GymManifest, build_gym_manifest
 from checkpoint_coordinator.domain.identity import rollout_id_minter
+from checkpoint_coordinator.domain.cut_checks import check_manifest_against_cut, manifest_disagreements, validate_cut
 from checkpoint_coordinator.domain.restore_plan import (
     Disposition,
     GroupDisposition,
     PlanColumns,
     RestorePlan,
-    check_manifest_against_cut,
-    compare_instance_sets,
     demote_continuations,
-    manifest_disagreements,
-    missing_participants,
-    plan_restore,
-    require_restorable_topology,
-    restore_without_gym_state,
     retire_items,
-    validate_cut,
 )
+from checkpoint_coordinator.domain.restore_topology import compare_instance_sets, missing_participants, require_restorable_topology
+from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
 
 R0, R1 = "math/replica-0", "math/replica-1"
 D = Disposition
@@ -677,7 +672,13 @@ def test_assemble_plan_equals_the_pure_plan_without_its_reused_rows() -> None:
     demoted = demote_continuations(got, mint)
     assert demoted.total == 7 and demoted.counts[D.reused] == ref.counts[D.reused] and demoted.counts[D.continued] == 0
     with pytest.raises(ValueError):
-        assemble_plan(rows, b"\x01" * len(rows), mint, cohort_reruns=(), skipped_groups=(), reused=0, with_gym_state=True)
+        assemble_plan(rows, b"\x00" * len(rows), mint, cohort_reruns=(), skipped_groups=(), reused=0, with_gym_state=True)
+    # With the reused rows carried (a preview that lists them): the whole plan, row for row.
+    whole = assemble_plan(
+        list(cut.attempts), bytes(DISPOSITION_CODES[r.disposition] for r in ref.rows), mint,
+        cohort_reruns=ref.cohort_reruns, skipped_groups=(), reused=0, with_gym_state=True,
+    )
+    assert list(whole.rows) == list(ref.rows) and dict(whole.counts) == dict(ref.counts)
 
 
 def _same_ids(minter: Callable[[str, int], str]) -> Callable[[str, int], str]:

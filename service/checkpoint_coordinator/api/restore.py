@@ -9,7 +9,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import Field
 
 from ..domain.errors import ManifestError
-from ..ledger import restore as repo
+from ..domain.vocabulary import Disposition
+from ..ledger import restore_reads as reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service
@@ -20,7 +21,7 @@ from .common import BIGINT_MAX, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, Fa
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
 
-Disp = Literal["reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch"]
+Disp = Literal[tuple(d.value for d in Disposition)]  # type: ignore[valid-type]
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
 
 
@@ -127,7 +128,7 @@ async def get_snapshot_gym_manifest(
     """The snapshot's ``gym_checkpoint.json`` (Gym manifest, schema 2, lists sorted)."""
     async with request.app.state.engine.connect() as conn:
         await get_run(conn, str(caller.run_id))
-        snap = await repo.get_snapshot(conn, str(caller.run_id), snapshot_id)
+        snap = await reads.get_snapshot(conn, str(caller.run_id), snapshot_id)
     if snap is None:
         raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found", snapshot_id=snapshot_id)
     if snap.gym_manifest is None:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import BadRequest
+from ..ledger import rollout_views as views
 from ..ledger import rollouts as repo
 from .auth import Caller, require_run_access
 from .common import BIGINT_MAX, GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
@@ -194,7 +195,7 @@ async def abandon_groups(body: GroupIdsIn, request: Request, caller: Caller = De
 @router.get("/counts", operation_id="live_counts")
 async def live_counts(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Live groups and attempts by status, and the pending outbox by op."""
-    return await repo.live_counts(request.app.state.engine, caller.run_id)
+    return await views.live_counts(request.app.state.engine, caller.run_id)
 
 
 @router.get("/groups/{group_id}", operation_id="get_group")
@@ -204,14 +205,14 @@ async def get_group(
     caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
     """One group with its siblings and their attempt history."""
-    return await repo.group_detail(request.app.state.engine, caller.run_id, group_id)
+    return await views.group_detail(request.app.state.engine, caller.run_id, group_id)
 
 
 @router.post("/attempts/pending", operation_id="pending_attempts")
 async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Which of these rollouts are still dispatched without a result (index lookups only)."""
     _check_ids(body.rollout_ids)
-    return {"pending": await repo.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)}
+    return {"pending": await views.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)}
 
 
 @router.get("/outbox", operation_id="list_outbox")
@@ -222,4 +223,4 @@ async def list_outbox(
     caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
     """Pending retire/forget items owed to Gym instances."""
-    return await repo.pending_outbox(request.app.state.engine, caller.run_id, limit=limit, after=after)
+    return await views.pending_outbox(request.app.state.engine, caller.run_id, limit=limit, after=after)

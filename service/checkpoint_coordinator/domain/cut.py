@@ -9,7 +9,7 @@ the NeMo RL ledger import/export, and no further:
   because a cut can hold a million of them: a database row converts with ``CutAttempt(*row)``
   and the plan reads it by tuple unpacking. Field order is part of the API.
 
-``status`` fields accept the enums of :mod:`.snapshot_state` or their plain string values (the
+``status`` fields accept the enums of :mod:`.vocabulary` or their plain string values (the
 members hash and compare like their values). ``attempt_id`` is the ledger's key of the attempt
 row, opaque here (an ``int`` or a ``str``).
 
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence, Union
 
 from .levels import RestoreLevel
-from .snapshot_state import AttemptStatus, GroupStatus
+from .vocabulary import AttemptStatus, GroupStatus
 
 __all__ = ["AttemptId", "PromptRef", "CutGroup", "CutAttempt", "Cut"]
 

@@ -78,8 +78,8 @@ from .cut import Cut, CutAttempt, CutGroup, PromptRef
 from .errors import FieldIssue, LegacyLedgerError, LegacyLedgerVersionError
 from .identity import GROUP_ID, INSTANCE_ID, ROLLOUT_ID, SERVER_NAME, TASK_SOURCE
 from .levels import PREFIX_REFUSAL, RestoreLevel
-from .restore_plan import cut_issues
-from .snapshot_state import AttemptStatus, GroupStatus
+from .cut_checks import cut_issues
+from .vocabulary import AttemptStatus, GroupStatus
 
 __all__ = [
     "SUPPORTED_VERSIONS",

@@ -1,9 +1,8 @@
-"""The restore plan (ledger spec section 6.1) as a pure function of a snapshot's cut.
+"""The restore plan (ledger spec section 6.1): its rows, dispositions and counts.
 
-Inputs: a :class:`~.cut.Cut` (groups and the current attempt of every sibling), the snapshot's
-:class:`~.gym_manifest.GymManifest` (or ``None`` when the snapshot has none) and an injected
-``new_rollout_id(group_id, generation_index) -> str`` (see
-:func:`~.identity.rollout_id_minter`).
+The dispositions are decided by the ledger's planner (``ledger.restore_plan_sql``, set-based);
+this module holds the plan it yields (:func:`assemble_plan`) and what is done with it. The pure
+reference planner the differential tests compare it with is ``tests/oracles/restore_plan.py``.
 
 Dispositions, per sibling of every live group (status ``generating`` or ``ready``):
 
@@ -36,40 +35,26 @@ What each row carries (:class:`PlanRow`):
 
 Groups ``finalized`` or ``abandoned`` are not planned (``RestorePlan.skipped_groups``).
 
-The plan refuses (:class:`~.errors.ManifestLedgerMismatch`, naming the instances) a manifest
-that disagrees with the cut: every manifest episode must be the current attempt of a live
-turn-level sibling, on that instance, at that Gym attempt, and (for saved episodes) still a
-Gym candidate (dispatched, or reserved with ``gym_attempt > 0``). An inconsistent cut raises
-:class:`~.errors.CutError`; a generated rollout id that is already taken raises
-:class:`~.errors.PlanError`.
-
-Performance: the plan is two tight passes over the attempts (validation + disposition, then
-prompt_group fix-up and rollout-id minting) and stores its result columnar (one byte of
-disposition per row, new rollout ids in a list); :class:`PlanRow` objects are built only when
-read. See ``RestorePlan.rows``.
+A manifest must agree with the cut: every manifest episode is the current attempt of a live
+turn-level sibling, on that instance, at that Gym attempt, and (for saved episodes) still a Gym
+candidate (dispatched, or reserved with ``gym_attempt > 0``); ``domain.cut_checks`` names what
+disagrees. The plan is stored columnar (one byte of disposition per row, new rollout ids in a
+list); :class:`PlanRow` objects are built only when read.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from enum import Enum
 from operator import itemgetter
 from types import MappingProxyType
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, overload
+from typing import Callable, Iterator, Mapping, NamedTuple, overload
 
 from .cut import AttemptId, Cut, CutAttempt, CutGroup
-from .errors import (
-    CutError,
-    FieldIssue,
-    ManifestLedgerMismatch,
-    PlanError,
-    TopologyMismatch,
-)
+from .errors import FieldIssue, PlanError
 from .gym_manifest import Episode, GymManifest
-from .identity import MAX_GENERATIONS
 from .levels import RestoreLevel
-from .snapshot_state import GroupStatus
+from .vocabulary import LIVE_GROUP_STATUSES, Disposition, GroupDisposition
 
 __all__ = [
     "Disposition",
@@ -81,48 +66,18 @@ __all__ = [
     "PlanRows",
     "PlanColumns",
     "NewRolloutId",
-    "plan_restore",
     "assemble_plan",
     "DISPOSITION_CODES",
-    "restore_without_gym_state",
     "demote_continuations",
-    "validate_cut",
-    "cut_issues",
     "retire_items",
     "may_run_in_gym",
     "mint_needs_check",
     "RetireList",
-    "check_manifest_against_cut",
-    "manifest_disagreements",
-    "InstanceSetDiff",
-    "compare_instance_sets",
-    "missing_participants",
-    "require_restorable_topology",
 ]
 
 NewRolloutId = Callable[[str, int], str]
 
 
-class Disposition(str, Enum):
-    reused = "reused"
-    continued = "continued"
-    restarted = "restarted"
-    gym_restarted = "gym_restarted"
-    rerun = "rerun"
-    dispatch = "dispatch"
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def new_attempt(self) -> bool:
-        """Whether the row is a new attempt under a new rollout id."""
-        return self in _NEW_ATTEMPT
-
-
-_NEW_ATTEMPT = frozenset({Disposition.restarted, Disposition.gym_restarted, Disposition.rerun})
 
 # One byte per row in the plan; 0 marks a row outside the plan (a skipped group).
 _REUSED, _CONTINUED, _RESTARTED, _GYM_RESTARTED, _RERUN, _DISPATCH = 1, 2, 3, 4, 5, 6
@@ -137,37 +92,7 @@ _DISP_BY_CODE = (
 )
 _CODE_BY_DISP = {d: i for i, d in enumerate(_DISP_BY_CODE) if d is not None}
 
-# Attempt status codes for the hot loop.
-_S_RESERVED, _S_DISPATCHED, _S_RETURNED, _S_SEALED, _S_FAILED, _S_ABANDONED = range(6)
-_STATUS_CODE = {
-    "reserved": _S_RESERVED,
-    "dispatched": _S_DISPATCHED,
-    "returned": _S_RETURNED,
-    "sealed": _S_SEALED,
-    "failed": _S_FAILED,
-    "abandoned": _S_ABANDONED,
-}
-_L_TURN, _L_SIBLING, _L_PG = 0, 1, 2
-_LEVEL_CODE = {"turn": _L_TURN, "sibling": _L_SIBLING, "prompt_group": _L_PG}
-_LIVE_GROUP = frozenset({"generating", "ready"})
-_GROUP_STATUSES = frozenset(s.value for s in GroupStatus)
-
-_MAX_ISSUES = 50
-
-
-class GroupDisposition(str, Enum):
-    """What happens to a group as a whole."""
-
-    reused = "reused"  # prompt_group: the whole cohort was sealed
-    rerun = "rerun"  # prompt_group: the whole cohort reruns at group_attempt + 1
-    dispatch = "dispatch"  # prompt_group: nothing of the cohort was sent yet
-    per_row = "per_row"  # turn / sibling: each sibling on its own
-    skipped = "skipped"  # finalized or abandoned: not part of the plan
-
-    __hash__ = str.__hash__
-
-    def __str__(self) -> str:
-        return self.value
+_LIVE_GROUP = frozenset(s.value for s in LIVE_GROUP_STATUSES)
 
 
 class PlanRow(NamedTuple):
@@ -477,42 +402,6 @@ _GDISP_BY_CODE = (
 )
 
 
-# -- the plan ---------------------------------------------------------------------------------
-
-
-def plan_restore(
-    cut: Cut,
-    manifest: GymManifest | None,
-    new_rollout_id: NewRolloutId,
-    *,
-    verify_unique_rollout_ids: bool = True,
-) -> RestorePlan:
-    """The restore plan of a snapshot (section 6.1) with Gym state from ``manifest``.
-
-    ``manifest`` may be ``None`` for a snapshot without Gym state (every turn-level attempt
-    that is not sealed or unsent then restarts).
-
-    ``verify_unique_rollout_ids=False`` skips the check that the cut's rollout ids are unique
-    (one set of every rollout id, the single most expensive step at a million rows); pass it
-    only for a cut read from the ledger, whose unique constraint already guarantees it."""
-    return _plan(
-        cut, manifest, new_rollout_id, with_gym_state=True, verify_ids=verify_unique_rollout_ids
-    )
-
-
-def restore_without_gym_state(
-    cut: Cut, new_rollout_id: NewRolloutId, *, verify_unique_rollout_ids: bool = True
-) -> RestorePlan:
-    """The plan when Gym survived the crash and nothing is installed on it (section 6.6).
-
-    Every continuation becomes ``restarted``; ``plan.retire`` lists every attempt the cut
-    knows as running in Gym (``dispatched``, and reserved Gym-owned continuations, which hold
-    restored state), each on its instance, to retire before anything is dispatched."""
-    return _plan(
-        cut, None, new_rollout_id, with_gym_state=False, verify_ids=verify_unique_rollout_ids
-    )
-
-
 def may_run_in_gym(status: str, gym_attempt: int) -> bool:
     """Whether the cut knows an attempt as possibly running in Gym (ledger spec 6.6): it was
     ``dispatched``, or it is a reserved Gym-owned continuation (``gym_attempt > 0``)."""
@@ -532,144 +421,6 @@ def retire_items(cut: Cut) -> list[RetireItem]:
     return out
 
 
-def validate_cut(cut: Cut) -> None:
-    """Check the invariants of a cut (see :mod:`.cut`); :class:`CutError` lists every
-    broken one."""
-    issues = cut_issues(cut)
-    if issues:
-        raise CutError(issues)
-
-
-class _Issues:
-    __slots__ = ("items", "extra")
-
-    def __init__(self) -> None:
-        self.items: list[FieldIssue] = []
-        self.extra = 0
-
-    def add(self, loc: tuple, message: str) -> None:
-        if len(self.items) < _MAX_ISSUES:
-            self.items.append(FieldIssue(loc, message))
-        else:
-            self.extra += 1
-
-    def done(self) -> list[FieldIssue]:
-        items = list(self.items)
-        if self.extra:
-            items.append(FieldIssue((), f"... and {self.extra} more issues"))
-        return items
-
-
-def cut_issues(cut: Cut) -> list[FieldIssue]:
-    """Every broken invariant of a cut (at most 50, then a count), in input order.
-
-    This is the careful, slow path; the plan's fast path only detects that something is wrong
-    and then asks this function what."""
-    issues = _Issues()
-    gsize: dict[str, int] = {}
-    glevel: dict[str, int] = {}
-    gatt: dict[str, object] = {}
-    gslot: dict[str, bytearray] = {}
-    for k, g in enumerate(cut.groups):
-        gid = g.group_id
-        if not isinstance(gid, str) or not gid:
-            issues.add(("groups", k, "group_id"), f"must be a non-empty string, got {gid!r}")
-        elif gid in gsize:
-            issues.add(("groups", k, "group_id"), f"duplicate group id {gid!r}")
-            continue
-        lvl = _LEVEL_CODE.get(g.restore_level)  # type: ignore[arg-type]
-        if lvl is None:
-            issues.add(("groups", k, "restore_level"), f"unknown restore level {g.restore_level!r}")
-        n = g.expected_generations
-        if type(n) is not int or not 1 <= n < MAX_GENERATIONS:
-            issues.add(
-                ("groups", k, "expected_generations"),
-                f"must be an int in [1, {MAX_GENERATIONS}), got {n!r}",
-            )
-            n = 0
-        ga = g.group_attempt
-        if type(ga) is not int or ga < 0:
-            issues.add(("groups", k, "group_attempt"), f"must be an int >= 0, got {ga!r}")
-        if g.status not in _GROUP_STATUSES:
-            issues.add(("groups", k, "status"), f"unknown group status {g.status!r}")
-        gsize[gid] = n
-        glevel[gid] = _L_SIBLING if lvl is None else lvl
-        gatt[gid] = ga
-        gslot[gid] = bytearray(n)
-    rids: set[str] = set()
-    for pos, a in enumerate(cut.attempts):
-        if not isinstance(a, tuple) or len(a) != _ATTEMPT_FIELDS:
-            issues.add(("attempts", pos), f"must be a CutAttempt ({_ATTEMPT_FIELDS} fields)")
-            continue
-        gid, idx, _aid, rid, inst, gym_att, grp_att, st = a[:8]
-        if gid not in gsize:
-            issues.add(("attempts", pos, "group_id"), f"unknown group {gid!r}")
-            continue
-        n = gsize[gid]
-        if type(idx) is not int or not 0 <= idx < n:
-            issues.add(
-                ("attempts", pos, "generation_index"),
-                f"must be an int in [0, {n}) for group {gid!r}, got {idx!r}",
-            )
-        elif gslot[gid][idx]:
-            issues.add(
-                ("attempts", pos, "generation_index"),
-                f"sibling {gid}_g{idx} has more than one current attempt",
-            )
-        else:
-            gslot[gid][idx] = 1
-        if not isinstance(rid, str) or not rid:
-            issues.add(("attempts", pos, "rollout_id"), f"must be a non-empty string, got {rid!r}")
-        elif rid in rids:
-            issues.add(("attempts", pos, "rollout_id"), f"rollout id {rid!r} is used twice")
-        else:
-            rids.add(rid)
-        if st not in _STATUS_CODE:
-            issues.add(("attempts", pos, "status"), f"unknown attempt status {st!r}")
-        lvl = glevel[gid]
-        if type(gym_att) is not int or gym_att < 0:
-            issues.add(("attempts", pos, "gym_attempt"), f"must be an int >= 0, got {gym_att!r}")
-        elif gym_att > 0:
-            if lvl != _L_TURN:
-                issues.add(
-                    ("attempts", pos, "gym_attempt"),
-                    f"Gym turn state (gym_attempt {gym_att}) on a {_level_name(lvl)}-level group",
-                )
-            elif inst is None:
-                issues.add(
-                    ("attempts", pos, "gym_instance_id"),
-                    "an attempt with Gym turn state needs the instance that owns it",
-                )
-        if inst is not None and (not isinstance(inst, str) or not inst):
-            issues.add(
-                ("attempts", pos, "gym_instance_id"), "must be null or a non-empty string"
-            )
-        if type(grp_att) is not int or grp_att != gatt[gid]:
-            issues.add(
-                ("attempts", pos, "group_attempt"),
-                f"{grp_att!r} differs from its group's group_attempt {gatt[gid]!r}",
-            )
-        if st == "returned" and lvl != _L_PG:
-            issues.add(
-                ("attempts", pos, "status"),
-                f"'returned' exists only under prompt_group recovery; group {gid!r} is "
-                f"{_level_name(lvl)}-level",
-            )
-    for k, g in enumerate(cut.groups):
-        slots = gslot.get(g.group_id)
-        if slots is None or not isinstance(g.group_id, str):
-            continue
-        missing = [i for i, s in enumerate(slots) if not s]
-        if missing:
-            sample = ", ".join(str(i) for i in missing[:10])
-            issues.add(
-                ("groups", k, "expected_generations"),
-                f"group {g.group_id!r} lacks the current attempt of {len(missing)} sibling(s) "
-                f"(generation index {sample}{', ...' if len(missing) > 10 else ''})",
-            )
-    return issues.done()
-
-
 _ATTEMPT_FIELDS = len(CutAttempt._fields)
 _ROLLOUT_ID_OF = itemgetter(3)
 
@@ -678,258 +429,10 @@ def mint_needs_check(new_rollout_id: object) -> bool:
     """Whether the plan must check generated ids for collisions.
 
     Generators made by :func:`~.identity.rollout_id_minter` draw 128 fresh random bits per id
-    (a collision among a million ids has probability ~1e-27, and the ledger's unique
+    (a collision is negligible at any plan size, and the ledger's unique
     constraint on rollout ids is the final guard), so their ids are not re-checked; any other
     generator's ids are (one set over the new ids, one disjointness test against the cut)."""
     return getattr(new_rollout_id, "random_bits", 0) < 128
-
-
-class _Broken(Exception):
-    """The fast path found something wrong; the slow path says what."""
-
-
-def _plan(
-    cut: Cut,
-    manifest: GymManifest | None,
-    new_rollout_id: NewRolloutId,
-    *,
-    with_gym_state: bool,
-    verify_ids: bool,
-) -> RestorePlan:
-    groups = cut.groups
-    attempts = cut.attempts
-    try:
-        return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids)
-    except (_Broken, TypeError, ValueError, LookupError, AttributeError):
-        issues = cut_issues(cut)
-        if issues:
-            raise CutError(issues) from None
-        raise
-
-
-def _plan_fast(
-    groups: Sequence[CutGroup],
-    attempts: Sequence[CutAttempt],
-    manifest: GymManifest | None,
-    new_rollout_id: NewRolloutId,
-    with_gym_state: bool,
-    verify_ids: bool,
-) -> RestorePlan:
-    # -- groups: gid -> (index, level, size, slot offset, group attempt, live) ----------------
-    ginfo: dict[str, tuple[int, int, int, int, int, bool]] = {}
-    pg_groups: list[int] = []
-    total = 0
-    for k, g in enumerate(groups):
-        lvl = _LEVEL_CODE[g.restore_level]  # KeyError -> slow path
-        n = g.expected_generations
-        ga = g.group_attempt
-        if (
-            type(n) is not int
-            or not 1 <= n < MAX_GENERATIONS
-            or type(ga) is not int
-            or ga < 0
-            or g.status not in _GROUP_STATUSES
-            or g.group_id in ginfo
-        ):
-            raise _Broken
-        live = g.status in _LIVE_GROUP
-        ginfo[g.group_id] = (k, lvl, n, total, ga, live)
-        if lvl == _L_PG and live:
-            pg_groups.append(k)
-        total += n
-
-    # -- manifest, indexed per instance -------------------------------------------------------
-    saved_by_inst: dict[str, dict[str, int]] = {}
-    restart_by_inst: dict[str, dict[str, int]] = {}
-    use_manifest = manifest is not None and with_gym_state
-    if use_manifest:
-        for iid, inst in manifest.instances.items():  # type: ignore[union-attr]
-            saved_by_inst[iid] = dict(inst.episodes)
-            restart_by_inst[iid] = dict(inst.restarts)
-    empty: dict[str, int] = {}
-    use_manifest = bool(saved_by_inst)
-    matched_saved = 0
-    matched_restarts = 0
-    mismatch = False
-
-    # -- pass 1: check each row and decide its disposition ------------------------------------
-    # Per-row work is kept to a few local operations: no object is built for a row that keeps
-    # its attempt, and checks that can run in C over the whole cut run after the loop.
-    n_rows = len(attempts)
-    disp = bytearray(n_rows)
-    seen = bytearray(total)
-    slotpos = [0] * total if pg_groups else None  # slot -> row position, prompt_group only
-    pg_state = bytearray(len(groups))  # first code seen, 255 when mixed
-    new_ids: list[str | None] = [None] * n_rows
-    check_minted = mint_needs_check(new_rollout_id)
-    minted: list[str] = []
-    minted_append = minted.append
-    retire_pos: list[int] = []
-    skipped_rows = 0
-    status_code = _STATUS_CODE
-    ginfo_get = ginfo.get
-    mint = new_rollout_id
-    retiring = not with_gym_state
-    last_gid: object = None
-    k = lvl = n = off = ga = 0
-    live = False
-
-    for pos, (gid, idx, aid, rid, inst, gym_att, grp_att, st, _sk, _u, _rw, _ms) in enumerate(
-        attempts
-    ):
-        if gid != last_gid:
-            gi = ginfo_get(gid)
-            if gi is None:
-                raise _Broken
-            k, lvl, n, off, ga, live = gi
-            last_gid = gid
-        if idx.__class__ is not int or not 0 <= idx < n or grp_att != ga:
-            raise _Broken
-        slot = off + idx
-        seen[slot] = 1  # duplicates show up as a slot left unseen (pigeonhole), checked below
-        s = status_code[st]  # KeyError -> slow path
-        if gym_att.__class__ is not int:
-            raise _Broken
-        if gym_att and (gym_att < 0 or lvl != _L_TURN or inst is None):
-            raise _Broken
-        if not live:
-            skipped_rows += 1
-            continue
-        if retiring and (s == _S_DISPATCHED or (s == _S_RESERVED and gym_att)):
-            retire_pos.append(pos)
-
-        if lvl == _L_SIBLING:
-            if s == _S_SEALED:
-                disp[pos] = _REUSED
-            elif s == _S_RESERVED:
-                disp[pos] = _DISPATCH
-            elif s == _S_RETURNED:
-                raise _Broken
-            else:
-                disp[pos] = _RERUN
-                new_ids[pos] = new = mint(gid, idx)
-                if check_minted:
-                    minted_append(new)
-        elif lvl == _L_TURN:
-            if s == _S_RETURNED:
-                raise _Broken
-            if use_manifest and inst is not None:
-                n_saved = saved_by_inst.get(inst, empty).get(rid)
-                if n_saved is not None:
-                    if n_saved != gym_att or not (
-                        s == _S_DISPATCHED or (s == _S_RESERVED and gym_att)
-                    ):
-                        mismatch = True
-                        continue
-                    matched_saved += 1
-                    disp[pos] = _CONTINUED
-                    continue
-                n_restart = restart_by_inst.get(inst, empty).get(rid)
-                if n_restart is not None:
-                    if n_restart != gym_att:
-                        mismatch = True
-                        continue
-                    matched_restarts += 1
-                    if s == _S_SEALED:
-                        disp[pos] = _REUSED
-                    elif s == _S_RESERVED and not gym_att:
-                        disp[pos] = _DISPATCH
-                    else:
-                        disp[pos] = _GYM_RESTARTED
-                        new_ids[pos] = new = mint(gid, idx)
-                        if check_minted:
-                            minted_append(new)
-                    continue
-            if s == _S_SEALED:
-                disp[pos] = _REUSED
-            elif s == _S_RESERVED and not gym_att:
-                disp[pos] = _DISPATCH
-            else:
-                disp[pos] = _RESTARTED
-                new_ids[pos] = new = mint(gid, idx)
-                if check_minted:
-                    minted_append(new)
-        else:
-            code = _REUSED if s == _S_SEALED else _DISPATCH if s == _S_RESERVED else _RERUN
-            disp[pos] = code
-            slotpos[slot] = pos  # type: ignore[index]
-            prev = pg_state[k]
-            if prev != code:
-                pg_state[k] = code if prev == 0 else 255
-
-    # Each sibling has exactly one current attempt: as many rows as slots, and every slot seen.
-    if n_rows != total or seen.count(0):
-        raise _Broken
-    # Rollout ids are unique across the cut (one set, built in C).
-    old_ids: set[str] | None = None
-    if verify_ids:
-        old_ids = set(map(_ROLLOUT_ID_OF, attempts))
-        if len(old_ids) != n_rows:
-            raise _Broken
-
-    if use_manifest and (
-        mismatch
-        or matched_saved != manifest.episode_count  # type: ignore[union-attr]
-        or matched_restarts != manifest.restart_count  # type: ignore[union-attr]
-    ):
-        bad = manifest_disagreements(manifest, Cut(groups, attempts))  # type: ignore[arg-type]
-        raise ManifestLedgerMismatch(
-            [
-                FieldIssue(("instances", iid), "; ".join(reasons))
-                for iid, reasons in sorted(bad.items())
-            ]
-            or [FieldIssue(("instances",), "the manifest disagrees with the ledger cut")],
-            sorted(bad),
-        )
-
-    # -- pass 2: prompt_group cohorts ---------------------------------------------------------
-    gdisp = bytearray(len(groups))
-    bumped: list[str] = []
-    for k in pg_groups:
-        state = pg_state[k]
-        if state == 255 or state == _RERUN:
-            g = groups[k]
-            gid = g.group_id
-            _k, _l, n, off, _ga, _live = ginfo[gid]
-            for idx in range(n):
-                p = slotpos[off + idx]  # type: ignore[index]
-                disp[p] = _RERUN
-                new_ids[p] = new = mint(gid, idx)
-                if check_minted:
-                    minted_append(new)
-            gdisp[k] = _G_RERUN
-            bumped.append(gid)
-        else:
-            gdisp[k] = _G_REUSED if state == _REUSED else _G_DISPATCH
-    if minted:
-        minted_set = set(minted)
-        if old_ids is None:
-            old_ids = set(map(_ROLLOUT_ID_OF, attempts))
-        if len(minted_set) != len(minted) or not minted_set.isdisjoint(old_ids):
-            _raise_collision(attempts, new_ids)
-
-    skipped: list[str] = []
-    if len(ginfo) != len(pg_groups):
-        for k, g in enumerate(groups):
-            if g.status not in _LIVE_GROUP:
-                gdisp[k] = _G_SKIPPED
-                skipped.append(g.group_id)
-
-    positions_kept: list[int] | None = None
-    if skipped_rows:
-        positions_kept = [p for p in range(n_rows) if disp[p]]
-    counts = MappingProxyType({d: disp.count(_CODE_BY_DISP[d]) for d in Disposition})
-    rows = PlanRows(attempts, disp, new_ids, frozenset(bumped), positions_kept)
-    return RestorePlan(
-        rows=rows,
-        counts=counts,
-        cohort_reruns=tuple(bumped),
-        skipped_groups=tuple(skipped),
-        retire=RetireList(attempts, retire_pos),
-        with_gym_state=with_gym_state,
-        groups=groups,
-        gdisp=bytes(gdisp),
-    )
 
 
 def _raise_collision(attempts: Sequence[CutAttempt], new_ids: list[str | None]) -> None:
@@ -1056,16 +559,15 @@ def assemble_plan(
     reused: int,
     with_gym_state: bool,
 ) -> RestorePlan:
-    """A plan whose dispositions were decided elsewhere (the ledger computes them in SQL, with
-    :func:`plan_restore` as the reference it is tested against): ``attempts`` are the rows of
-    live groups that are not ``reused``, in cut order, ``codes`` their disposition codes
-    (:data:`DISPOSITION_CODES`), ``reused`` how many reused rows were left out. New rollout ids
-    are minted here, sibling by sibling, exactly as :func:`plan_restore` mints them; rows of a
-    rerunning cohort carry ``group_attempt + 1``. ``retire`` (without Gym state) lists the rows
-    the cut knows as running in Gym, by the rule of :func:`restore_without_gym_state`."""
+    """The plan of dispositions decided by the ledger's planner (``ledger.restore_plan_sql``):
+    ``attempts`` are the rows of live groups the planner returned, in cut order (reused rows
+    only when asked for), ``codes`` their disposition codes (:data:`DISPOSITION_CODES`),
+    ``reused`` how many reused rows were left out. New rollout ids are minted here, sibling by
+    sibling; rows of a rerunning cohort carry ``group_attempt + 1``. ``retire`` (without Gym
+    state) lists the rows the cut knows as running in Gym (:func:`may_run_in_gym`)."""
     disp = bytearray(codes)
-    if len(disp) != len(attempts) or disp.count(_REUSED) or disp.count(0):
-        raise ValueError("assemble_plan takes one non-reused disposition code per row")
+    if len(disp) != len(attempts) or disp.count(0):
+        raise ValueError("assemble_plan takes one disposition code per row")
     new_ids: list[str | None] = [None] * len(attempts)
     mint = new_rollout_id
     for code in (_RESTARTED, _GYM_RESTARTED, _RERUN):
@@ -1097,115 +599,3 @@ def assemble_plan(
     )
 
 
-# -- checks before Gym is touched (section 6.2) -----------------------------------------------
-
-
-def manifest_disagreements(
-    manifest: GymManifest, cut: Cut, sample: int = 10
-) -> dict[str, list[str]]:
-    """Instances whose manifest disagrees with the cut, each with up to ``sample`` reasons.
-
-    A saved episode ``(r, N)`` of instance ``I`` agrees when ``r`` is the rollout id of the
-    current attempt of a live turn-level sibling whose ``gym_instance_id`` is ``I``, whose
-    ``gym_attempt`` is ``N``, and which is still a Gym candidate (dispatched, or reserved with
-    ``gym_attempt > 0``). A restart agrees on the same terms, whatever its status."""
-    turn_groups = {
-        g.group_id
-        for g in cut.groups
-        if g.restore_level == "turn" and g.status in _LIVE_GROUP
-    }
-    other_groups = {g.group_id: str(g.restore_level) for g in cut.groups}
-    owner: dict[str, CutAttempt] = {}
-    for a in cut.attempts:
-        owner[a[3]] = a
-    out: dict[str, list[str]] = {}
-
-    def bad(iid: str, why: str) -> None:
-        lst = out.setdefault(iid, [])
-        if len(lst) < sample:
-            lst.append(why)
-
-    for iid, inst in manifest.instances.items():
-        for saved, entries in ((True, inst.episodes), (False, inst.restarts)):
-            kind = "saved episode" if saved else "restart"
-            for rid, n in entries:
-                a = owner.get(rid)
-                if a is None:
-                    bad(iid, f"{kind} {rid!r} is not a current attempt in the ledger cut")
-                    continue
-                gid, _idx, _aid, _rid, a_inst, a_gatt, _ga, st = a[:8]
-                if gid not in turn_groups:
-                    bad(
-                        iid,
-                        f"{kind} {rid!r} belongs to group {gid!r}, which is not a live "
-                        f"turn-level group (level {other_groups.get(gid, '?')})",
-                    )
-                elif a_inst != iid:
-                    bad(iid, f"{kind} {rid!r} is owned by instance {a_inst!r} in the ledger")
-                elif a_gatt != n:
-                    bad(iid, f"{kind} {rid!r} is at Gym attempt {n}, the ledger has {a_gatt}")
-                elif saved and not may_run_in_gym(st, a_gatt):
-                    bad(iid, f"saved episode {rid!r} is {st} in the ledger, not a Gym candidate")
-    return out
-
-
-def check_manifest_against_cut(manifest: GymManifest, cut: Cut) -> list[str]:
-    """Sorted ids of the instances whose manifest disagrees with the ledger cut (empty: all
-    agree). :func:`manifest_disagreements` gives the reasons."""
-    return sorted(manifest_disagreements(manifest, cut, sample=1))
-
-
-class InstanceSetDiff(NamedTuple):
-    missing: tuple[str, ...]  # in the manifest, not live
-    unknown: tuple[str, ...]  # live, not in the manifest
-
-    @property
-    def equal(self) -> bool:
-        return not self.missing and not self.unknown
-
-
-def compare_instance_sets(manifest: GymManifest, live_instance_ids: Iterable[str]) -> InstanceSetDiff:
-    live = set(live_instance_ids)
-    have = set(manifest.instances)
-    return InstanceSetDiff(tuple(sorted(have - live)), tuple(sorted(live - have)))
-
-
-def missing_participants(
-    manifest: GymManifest, live_participants: Mapping[str, Iterable[str]]
-) -> dict[str, list[str]]:
-    """Per instance, the manifest participants that are not live on it (extra live
-    participants are fine: they have nothing to restore)."""
-    out: dict[str, list[str]] = {}
-    for iid, inst in manifest.instances.items():
-        live = set(live_participants.get(iid, ()))
-        missing = [p for p in inst.participants if p not in live]
-        if missing:
-            out[iid] = sorted(missing)
-    return out
-
-
-def require_restorable_topology(
-    manifest: GymManifest, live_participants: Mapping[str, Iterable[str]]
-) -> None:
-    """Raise :class:`TopologyMismatch` naming missing/unknown instances and missing
-    participants; ``live_participants`` maps every live instance to its participant names."""
-    diff = compare_instance_sets(manifest, live_participants)
-    issues: list[FieldIssue] = []
-    if diff.missing:
-        issues.append(
-            FieldIssue(("instances",), f"instances in the manifest but not live: {', '.join(diff.missing)}")
-        )
-    if diff.unknown:
-        issues.append(
-            FieldIssue(("instances",), f"live instances unknown to the manifest: {', '.join(diff.unknown)}")
-        )
-    if not issues:
-        for iid, names in sorted(missing_participants(manifest, live_participants).items()):
-            issues.append(
-                FieldIssue(
-                    ("instances", iid, "participants"),
-                    f"participants that committed the instance are not live: {', '.join(names)}",
-                )
-            )
-    if issues:
-        raise TopologyMismatch(issues)

@@ -48,11 +48,12 @@ back to ``generating``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from types import MappingProxyType
 from typing import Generic, Iterable, Mapping, TypeVar
 
 from .errors import TransitionError
+from .vocabulary import AttemptStatus, GroupStatus, RetirementState
+from .vocabulary import StrEnum as _StrEnum
 
 __all__ = [
     "SnapshotPhase",
@@ -79,10 +80,6 @@ __all__ = [
 ]
 
 
-class _StrEnum(StrEnum):
-    """A string enum whose members hash and compare like their values."""
-
-    __hash__ = str.__hash__
 
 
 class SnapshotPhase(_StrEnum):
@@ -242,30 +239,6 @@ def outcome_of_phase(phase: SnapshotPhase) -> SnapshotOutcome | None:
         SnapshotPhase.failed: SnapshotOutcome.failed,
         SnapshotPhase.aborted: SnapshotOutcome.aborted,
     }.get(phase)
-
-
-class AttemptStatus(_StrEnum):
-    reserved = "reserved"
-    dispatched = "dispatched"
-    returned = "returned"
-    sealed = "sealed"
-    failed = "failed"
-    abandoned = "abandoned"
-
-
-class RetirementState(_StrEnum):
-    none = "none"
-    retire_pending = "retire_pending"
-    retired = "retired"
-    forget_pending = "forget_pending"
-    forgotten = "forgotten"
-
-
-class GroupStatus(_StrEnum):
-    generating = "generating"
-    ready = "ready"
-    finalized = "finalized"
-    abandoned = "abandoned"
 
 
 S = TypeVar("S", bound=_StrEnum)

@@ -32,6 +32,9 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.types import UserDefinedType
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ..domain.snapshot_state import SnapshotOutcome, SnapshotPhase
+from ..domain.vocabulary import AttemptStatus, GroupStatus, RetirementState
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -40,12 +43,10 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-from ..domain.snapshot_state import SnapshotOutcome, SnapshotPhase
-
 RUN_STATES = ("open", "closed")
-GROUP_STATUSES = ("generating", "ready", "finalized", "abandoned")
-ATTEMPT_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
-RETIREMENT_STATES = ("none", "retire_pending", "retired", "forget_pending", "forgotten")
+GROUP_STATUSES = tuple(s.value for s in GroupStatus)
+ATTEMPT_STATUSES = tuple(s.value for s in AttemptStatus)
+RETIREMENT_STATES = tuple(s.value for s in RetirementState)
 SNAPSHOT_OUTCOMES = tuple(o.value for o in SnapshotOutcome)
 OUTBOX_OPS = ("retire", "forget")
 OUTBOX_STATES = ("pending", "delivered", "superseded")
@@ -142,7 +143,7 @@ class PromptGroup(Base):
     weight_version: Mapped[str | None] = mapped_column(Text)
     group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     data_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
-    status: Mapped[str] = mapped_column(Text, server_default="generating")
+    status: Mapped[str] = mapped_column(Text, server_default=GroupStatus.generating.value)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     ended_at: Mapped[datetime | None] = mapped_column(TS)
 
@@ -151,7 +152,7 @@ class Sibling(Base):
     __tablename__ = "siblings"
     __table_args__ = (
         PrimaryKeyConstraint("run_id", "group_id", "generation_index"),
-        # No foreign key to ``prompt_groups`` (its per-row check was ~70 % of an admit's
+        # No foreign key to ``prompt_groups`` (its per-row check was most of an admit's
         # ``INSERT siblings``): siblings are inserted only with their group, under its lock, and a
         # deleted group takes its siblings and attempts with it through the statement-level
         # trigger ``prompt_groups_drop_children`` (see ``GROUP_CHILDREN_TRIGGER``).
@@ -191,9 +192,8 @@ class Attempt(Base):
         # through ``dispatch_calls``.
         # Room on each page so a dispatch or a seal (no indexed column) is a HOT update: at 40 %
         # a freshly admitted page keeps room for a second version of each of its rows, so the
-        # dispatch's update stays on the page (PostgreSQL's CPU for the ingest benchmark -8 to
-        # -14 % against 70; a table built by plain inserts is ~1.75x larger, the restore
-        # benchmark did not move beyond its noise, see bench/README.md ledger_ingest).
+        # dispatch's update stays on the page (see bench/README.md ledger_ingest for what it
+        # saves and costs).
         {"postgresql_with": {"fillfactor": "40"}},
     )
     attempt_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
@@ -204,7 +204,7 @@ class Attempt(Base):
     gym_instance_id: Mapped[str | None] = mapped_column(Text)
     gym_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
-    status: Mapped[str] = mapped_column(Text, server_default="reserved")
+    status: Mapped[str] = mapped_column(Text, server_default=AttemptStatus.reserved.value)
     is_current: Mapped[bool] = mapped_column(Boolean, server_default="true")
     refusals: Mapped[int] = mapped_column(Integer, server_default="0")
     receipt: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
@@ -212,7 +212,7 @@ class Attempt(Base):
     mask_sample: Mapped[bool | None] = mapped_column(Boolean)
     staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     failure_class: Mapped[str | None] = mapped_column(Text)
-    retirement: Mapped[str] = mapped_column(Text, server_default="none")
+    retirement: Mapped[str] = mapped_column(Text, server_default=RetirementState.none.value)
     # Set when Gym holds restored state for this attempt (a continuation at gym_attempt).
     gym_owned: Mapped[bool] = mapped_column(Boolean, server_default="false")
     # The trainer's dispatch this attempt went out in, so "stream ended" can name the missing rows.
@@ -462,11 +462,10 @@ class RestoreRowChunk(Base):
     """The rows an applied restore answers (what the trainer sends next), in answer order, as
     column arrays of up to ``RESTORE_ROWS_PER_CHUNK`` rows each: written with the rewind in its
     transaction (the idempotent answer commits with the ledger change) and read back by page.
-    A million-sibling restore answers ~400 000 rows; as one JSON document on ``restores.result``
-    they cost ~9 s to build and store (and the answer was ~120 MB); as chunks, ~1 s on the
-    benchmark machine, most of it the server taking ~35 MB of values. Capture keys are not stored:
-    ``rollout_id`` at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored
-    uncompressed (``SET STORAGE EXTERNAL`` in the migration): pglz made the write ~1.6x slower."""
+    A large restore answers hundreds of thousands of rows, far cheaper to store as column chunks
+    than as one JSON document on ``restores.result``. Capture keys are not stored: ``rollout_id``
+    at ``gym_attempt`` 0, else ``<rollout_id>-a<n>``. The text arrays are stored uncompressed
+    (``SET STORAGE EXTERNAL`` in the migration): compression made the write slower."""
 
     __tablename__ = "restore_row_chunks"
     __table_args__ = (

@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .leases import Fence, Fenced, fence_sql
+from .db import execute
 
 MAX_BATCH = 1024
 
@@ -182,3 +183,59 @@ async def backlog(engine: AsyncEngine) -> dict[str, tuple[int, float]]:
     return out
 
 
+
+
+_ITEM_COLUMNS = "(run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id)"
+
+
+def insert_items_sql(source: str, *, skip_if_pending: bool = False) -> str:
+    """``INSERT INTO outbox_items`` of the rows ``source`` selects, in the column order
+    ``run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id``, returning
+    ``attempt_id``: for callers that queue items in the same statement as their ledger change.
+    ``skip_if_pending``: ``source`` is an alias ``i`` of such rows, and a row whose retire is
+    already pending for the same rollout at that Gym attempt or later is left out."""
+    if not skip_if_pending:
+        return f"INSERT INTO outbox_items {_ITEM_COLUMNS} {source} RETURNING attempt_id"
+    return (
+        f"INSERT INTO outbox_items {_ITEM_COLUMNS} SELECT DISTINCT i.* FROM ({source}) AS i(run_id, instance_id, op, rollout_id, "
+        "gym_attempt, attempt_id, checkpoint_id) WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o "
+        "WHERE o.run_id = i.run_id AND o.state = 'pending' AND o.op = i.op AND o.instance_id = i.instance_id "
+        "AND o.rollout_id = i.rollout_id AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
+    )
+
+
+async def enqueue_retires(
+    conn: AsyncConnection, run_id: str, items: Sequence[tuple[str, str, int, int]], checkpoint_id: str = "retire"
+) -> None:
+    """Queue a retire of each ``(instance_id, rollout_id, gym_attempt, attempt_id)`` in the
+    caller's transaction (section 7)."""
+    if not items:
+        return
+    await execute(
+        conn,
+        insert_items_sql(
+            "SELECT %(r)s, inst, 'retire', ro, ga, aid, %(cp)s FROM unnest(%(inst)s::text[], %(ro)s::text[], %(ga)s::int[], "
+            "%(aid)s::bigint[]) AS t(inst, ro, ga, aid)"
+        ),
+        {
+            "r": run_id,
+            "cp": checkpoint_id,
+            "inst": [x[0] for x in items],
+            "ro": [x[1] for x in items],
+            "ga": [x[2] for x in items],
+            "aid": [x[3] for x in items],
+        },
+        prepare=False,
+    )
+
+
+async def supersede_pending(conn: AsyncConnection, run_id: str, rollout_ids: Sequence[str]) -> int:
+    """Pending items of these rollouts will not be delivered (a restore installed them again)."""
+    if not rollout_ids:
+        return 0
+    return await execute(
+        conn,
+        "UPDATE outbox_items o SET state = 'superseded' FROM unnest(%(ro)s::text[]) AS c(ro) "
+        "WHERE o.run_id = %(r)s AND o.state = 'pending' AND o.rollout_id = c.ro",
+        {"r": run_id, "ro": list(rollout_ids)},
+    )

@@ -28,6 +28,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
+from ..domain.vocabulary import Disposition, LedgerTransition
 
 from ..domain.snapshot_state import REASON_OUTCOME, FailureClass, SnapshotOutcome, SnapshotReason, SnapshotTiming
 
@@ -65,12 +66,10 @@ __all__ = [
 SnapshotPhase = SnapshotTiming
 
 
-class RestoreDisposition(StrEnum):
-    REUSED = "reused"
-    RERUN = "rerun"
-    CONTINUED = "continued"
-    RESTARTED = "restarted"
-    GYM_RESTARTED = "gym_restarted"
+# Counted dispositions: every one but ``dispatch`` (a row that never ran is not restored).
+RestoreDisposition = StrEnum(  # type: ignore[misc]
+    "RestoreDisposition", [(d.name.upper(), d.value) for d in Disposition if d is not Disposition.dispatch]
+)
 
 
 class RestoreOutcome(StrEnum):
@@ -114,30 +113,7 @@ class OutboxOp(StrEnum):
     FORGET = "forget"
 
 
-class LedgerState(StrEnum):
-    """Target states of ledger transitions (attempt, group and retirement state).
-
-    Attempt and group statuses share the word ``abandoned``; a group's is counted
-    as ``group_abandoned`` so the two stay apart.
-    """
-
-    # attempt
-    RESERVED = "reserved"
-    DISPATCHED = "dispatched"
-    RETURNED = "returned"
-    SEALED = "sealed"
-    FAILED = "failed"
-    ABANDONED = "abandoned"
-    # group
-    GENERATING = "generating"
-    READY = "ready"
-    FINALIZED = "finalized"
-    GROUP_ABANDONED = "group_abandoned"
-    # retirement
-    RETIRE_PENDING = "retire_pending"
-    RETIRED = "retired"
-    FORGET_PENDING = "forget_pending"
-    FORGOTTEN = "forgotten"
+LedgerState = StrEnum("LedgerState", [(t.name.upper(), t.value) for t in LedgerTransition])  # type: ignore[misc]
 
 
 class HttpMethod(StrEnum):

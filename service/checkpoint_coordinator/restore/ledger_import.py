@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..domain.errors import LegacyLedgerError
 from ..domain.identity import SNAPSHOT_ID
 from ..errors import BadRequest
-from ..ledger import restore as repo
+from ..ledger import imported_snapshots as imported, restore_reads as reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from .errors import LedgerImportRefused, SnapshotNotFound
@@ -60,7 +60,7 @@ async def import_document(
     }
     async with engine.connect() as conn:
         await get_run(conn, run_id)
-    created, snap = await repo.create_imported_snapshot(
+    created, snap = await imported.create_imported_snapshot(
         engine, run_id, snapshot_id, ledger.cut, anchor_step=anchor_step, detail=detail, data_attempts_used=dict(ledger.data_attempts_used)
     )
     return {
@@ -81,10 +81,10 @@ async def export_document(engine: AsyncEngine, run_id: str, snapshot_id: str) ->
     """The schema 4 NeMo RL document of a published snapshot's ledger cut."""
     async with engine.connect() as conn:
         await get_run(conn, run_id)
-        snap = await repo.get_snapshot(conn, run_id, snapshot_id)
+        snap = await reads.get_snapshot(conn, run_id, snapshot_id)
         if snap is None or snap.outcome != "published":
             raise SnapshotNotFound(f"no published snapshot {snapshot_id!r} in run {run_id!r}", snapshot_id=snapshot_id)
-        cut, extras = await repo.load_cut(conn, run_id, snapshot_id, detailed=True)
+        cut, extras = await reads.load_cut(conn, run_id, snapshot_id, detailed=True)
     detail = snap.detail or {}
     return export_legacy_ledger(
         cut,

@@ -1,12 +1,11 @@
-"""Glue between the pure restore plan (``domain.restore_plan``) and the service.
+"""Glue between the restore plan (``domain.restore_plan``) and the service.
 
 * :func:`rollout_minter`: new rollout ids that are a deterministic function of the run, the
   snapshot, the run's epoch and the sibling, so the plan a ``GET`` previews names the same new
   ids the ``POST`` that follows applies (both run at the same epoch), while two restores of the
   same snapshot (each bumps the epoch) never mint the same id twice.
-* :func:`cut_retire_items`: the attempts a cut knows as possibly running in Gym, for restores
-  that install no Gym state (the domain computes the same list only inside
-  ``restore_without_gym_state``, together with a whole second plan).
+* :func:`live_retire_items`: the attempts a plan's rows know as possibly running in Gym, for
+  restores that install no Gym state.
 * :func:`row_json` / :func:`plan_summary`: the JSON the API answers.
 """
 
@@ -16,9 +15,8 @@ import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from ..domain.cut import Cut
-from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym, retire_items
-from ..ledger.restore import answer_row_json
+from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym
+from ..ledger.restore_records import answer_row_json
 
 # Dispositions that are sent to Gym, in the order the answer lists them.
 SEND_DISPOSITIONS = (
@@ -50,15 +48,9 @@ def rollout_minter(run_id: str, snapshot_id: str, epoch: int, purpose: str = "pl
     return new_rollout_id
 
 
-def cut_retire_items(cut: Cut) -> list[RetireItem]:
-    """Attempts of live groups the cut knows as possibly running in Gym (ledger spec 6.6): the
-    domain's :func:`retire_items`, the rule :func:`restore_without_gym_state` applies."""
-    return retire_items(cut)
-
-
 def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
-    """:func:`cut_retire_items` over rows already known to be of live groups (the rows of a plan
-    computed in the ledger, which leaves out only sealed rows)."""
+    """The attempts of these rows (of live groups) the cut knows as possibly running in Gym
+    (ledger spec 6.6): ``dispatched``, or a reserved Gym-owned continuation."""
     return [
         RetireItem(a[4], a[3], a[5], a[2])
         for a in attempts

@@ -2,7 +2,7 @@
 
 ``GET /restore-plan`` (:func:`preview_plan`) and ``POST /restores`` (:func:`execute_restore`)
 compute the plan from the snapshot's ledger cut and Gym manifest, nothing held in memory: the
-dispositions in SQL (``ledger.restore.plan_in_sql``; only the rows that are sent reach Python,
+dispositions in SQL (``ledger.restore_plan_sql.plan_in_sql``; only the rows that are sent reach Python,
 where new rollout ids are minted), with the pure domain function as the reference a differential
 test compares it with, and as the fallback that names what is wrong with a broken cut or a
 disagreeing manifest (and lists reused rows, for ``include_reused``). The restore then runs:
@@ -14,7 +14,7 @@ disagreeing manifest (and lists reused rows, for ``include_reused``). The restor
 2. the Gym restore, all or nothing, left ``restored`` (admission closed) until the ledger has
    committed; a failure after the first restore call has been cleaned up by the client (N+1
    retired everywhere, everyone resumed) and every continuation becomes a restart;
-3. one ledger transaction (``ledger.restore.apply_restore``) that rewinds the live ledger to the
+3. one ledger transaction (``ledger.rewind.apply_restore``) that rewinds the live ledger to the
    cut with the plan applied, queues the retires, bumps the epoch and stores the answer under
    the restore id;
 4. Gym is resumed with the restore id (a resume failure is reported, not raised).
@@ -37,24 +37,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.config import RecoveryConfig
 from ..domain.cut import Cut
-from ..domain.errors import CutError, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
+from ..domain.cut_checks import cut_issues, manifest_disagreements
+from ..domain.errors import CutError, FieldIssue, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
 from ..domain.gym_manifest import GymManifest, dump_gym_manifest, load_gym_manifest
-from ..domain.restore_plan import (
-    Disposition,
-    RestorePlan,
-    RetireItem,
-    compare_instance_sets,
-    demote_continuations,
-    plan_restore,
-    require_restorable_topology,
-    restore_without_gym_state,
-    assemble_plan,
-)
+from ..domain.restore_plan import Disposition, RestorePlan, RetireItem, assemble_plan, demote_continuations
+from ..domain.restore_topology import compare_instance_sets, require_restorable_topology
 from ..errors import Conflict, CoordinatorError, RunClosed
 from ..gym.errors import GymControlError
 from ..gym.models import parse_capture_key
 from ..gym.results import RestoreResult
-from ..ledger import restore as repo
+from ..ledger import restore_plan_sql as plan_sql, restore_reads as reads, restore_records as records, rewind
 from ..ledger.runs import RunRow, get_run
 from ..recovery_config import domain_problem
 from .errors import (
@@ -75,7 +67,6 @@ from .planning import (
     METRIC_DISPOSITIONS,
     NEW_ATTEMPT_DISPOSITIONS,
     counts_json,
-    cut_retire_items,
     live_retire_items,
     row_json,
     rollout_minter,
@@ -89,9 +80,9 @@ log = logging.getLogger("checkpoint_coordinator.restore")
 # Loading a snapshot and planning
 
 
-async def resolve_snapshot(conn: Any, run_id: str, snapshot_id: str | None, step: int | None) -> repo.SnapshotRow:
+async def resolve_snapshot(conn: Any, run_id: str, snapshot_id: str | None, step: int | None) -> reads.SnapshotRow:
     if snapshot_id is not None:
-        snap = await repo.get_snapshot(conn, run_id, snapshot_id)
+        snap = await reads.get_snapshot(conn, run_id, snapshot_id)
         if snap is None:
             raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", snapshot_id=snapshot_id)
         if snap.outcome != "published":
@@ -108,14 +99,14 @@ async def resolve_snapshot(conn: Any, run_id: str, snapshot_id: str | None, step
                 snapshot_id=snapshot_id,
             )
         return snap
-    snap = await repo.newest_published(conn, run_id, step)
+    snap = await reads.newest_published(conn, run_id, step)
     if snap is None:
         where = f" anchored at or before step {step}" if step is not None else ""
         raise NoCompatibleSnapshot(f"run {run_id!r} has no published snapshot{where}", step=step)
     return snap
 
 
-def load_manifest(snap: repo.SnapshotRow) -> GymManifest | None:
+def load_manifest(snap: reads.SnapshotRow) -> GymManifest | None:
     if snap.gym_manifest is None:
         return None
     try:
@@ -135,7 +126,7 @@ def load_manifest(snap: repo.SnapshotRow) -> GymManifest | None:
 class Planned:
     run: RunRow
     cfg: RecoveryConfig
-    snap: repo.SnapshotRow
+    snap: reads.SnapshotRow
     cut: Cut
     manifest: GymManifest | None
     plan: RestorePlan
@@ -148,40 +139,42 @@ class Planned:
     aborted_snapshot: str | None = None
 
     def retire_candidates(self) -> list[RetireItem]:
-        """The attempts of live groups the cut knows as possibly running in Gym (6.6). A plan
-        computed in the ledger carries only the rows it sends in ``cut`` (groups left empty):
-        every such attempt is one of them."""
-        if not self.cut.groups:
-            return live_retire_items(self.cut.attempts)
-        return cut_retire_items(self.cut)
+        """The attempts of live groups the cut knows as possibly running in Gym (6.6): every such
+        attempt is one of the rows the plan carries in ``cut``."""
+        return live_retire_items(self.cut.attempts)
 
 
-def _plan(
-    cut: Cut, manifest: GymManifest | None, *, run_id: str, snapshot_id: str, epoch: int, with_gym_state: bool
-) -> tuple[RestorePlan, bool, str | None, list[RetireItem]]:
-    minter = rollout_minter(run_id, snapshot_id, epoch)
-    try:
-        # A cut read from the ledger has unique rollout ids: it is a copy of current attempts
-        # (unique per run by constraint), or an imported ledger checked as a cut on import. The
-        # plan's own check (a set of every rollout id) is the costliest step at a million rows.
-        if not with_gym_state:
-            plan = restore_without_gym_state(cut, minter, verify_unique_rollout_ids=False)
-            return plan, False, "with_gym_state is false", list(plan.retire)
-        plan = plan_restore(cut, manifest, minter, verify_unique_rollout_ids=False)
-        if manifest is None:
-            return plan, False, "the snapshot holds no Gym state", cut_retire_items(cut)
-        return plan, True, None, []
-    except ManifestLedgerMismatch as e:
-        raise ManifestDisagrees(
+def unplannable(cut: Cut, manifest: GymManifest | None, snapshot_id: str) -> CoordinatorError:
+    """The refusal of a cut the planner finds broken or a manifest that disagrees with it,
+    naming what is wrong."""
+    issues = cut_issues(cut)
+    if issues:
+        return domain_problem(CutError(issues), prefix="cut", error=SnapshotUnusable)
+    bad = manifest_disagreements(manifest, cut) if manifest is not None else {}
+    if bad:
+        return refusal_of(
+            ManifestLedgerMismatch(
+                [FieldIssue(("instances", iid), "; ".join(reasons)) for iid, reasons in sorted(bad.items())], instance_ids=sorted(bad)
+            ),
+            snapshot_id,
+        )
+    return SnapshotUnusable(
+        f"the ledger cut of snapshot {snapshot_id!r} breaks an invariant of the restore plan", code="cut_invalid"
+    )
+
+
+def refusal_of(e: CutError | ManifestLedgerMismatch | PlanError, snapshot_id: str) -> CoordinatorError:
+    """The API's refusal of a plan the domain refused."""
+    if isinstance(e, ManifestLedgerMismatch):
+        return ManifestDisagrees(
             f"the Gym manifest of snapshot {snapshot_id!r} disagrees with its ledger cut on instance(s) "
             f"{', '.join(e.instance_ids) or '?'}: " + "; ".join(i.message for i in e.issues[:10]),
             instances=list(e.instance_ids),
             errors=[{"field": f"gym_manifest.{i.path}", "message": i.message} for i in e.issues],
-        ) from e
-    except CutError as e:
-        raise domain_problem(e, prefix="cut", error=SnapshotUnusable) from e
-    except PlanError as e:
-        raise domain_problem(e, prefix="cut", error=Conflict) from e
+        )
+    if isinstance(e, CutError):
+        return domain_problem(e, prefix="cut", error=SnapshotUnusable)
+    return domain_problem(e, prefix="cut", error=Conflict)
 
 
 async def load_and_plan(
@@ -191,53 +184,44 @@ async def load_and_plan(
     snapshot_id: str | None,
     step: int | None,
     with_gym_state: bool,
-    detailed: bool = False,
-    in_sql: bool = True,
+    include_reused: bool = False,
 ) -> Planned:
-    """The plan of a restore. The dispositions are computed in the ledger (``repo.plan_in_sql``,
-    set-based; ``plan.rows`` then carries every row but the reused ones) unless ``detailed``
-    (reused rows with their staging keys are wanted) or ``in_sql`` is false; a cut or manifest
-    the ledger's statements find wrong is planned again by the pure domain function, which
-    refuses it with the errors that name what is wrong."""
+    """The plan of a restore, computed in the ledger (``plan_sql.plan_in_sql``, set-based);
+    ``plan.rows`` carries every row but the reused ones unless ``include_reused``. A cut or
+    manifest the planner finds wrong is refused with the errors that name what is wrong."""
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
     cfg = run_config(run.config)
     manifest = load_manifest(snap)
-    if in_sql and not detailed:
-        async with engine.begin() as conn:
-            sp = await repo.plan_in_sql(conn, run_id, snap.snapshot_id, manifest if with_gym_state else None)
-        if sp is not None:
-            minter = rollout_minter(run_id, snap.snapshot_id, run.epoch)
-            rows = sp.rows
-            plan = assemble_plan(
-                rows,
-                sp.codes,
-                minter,
-                cohort_reruns=sp.cohort_reruns,
-                skipped_groups=sp.skipped_groups,
-                reused=sp.reused,
-                with_gym_state=with_gym_state,
-            )
-            # The rows a plan carries are every live row the cut knows as possibly running in
-            # Gym (only sealed rows are left out), so the retires come from them.
-            cut = Cut(groups=(), attempts=rows)
-            if not with_gym_state:
-                return Planned(run, cfg, snap, cut, manifest, plan, False, "with_gym_state is false", list(plan.retire))
-            if manifest is None:
-                return Planned(run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows))
-            return Planned(run, cfg, snap, cut, manifest, plan, True, None, [])
-    async with engine.connect() as conn:
-        cut, _ = await repo.load_cut(conn, run_id, snap.snapshot_id, detailed=detailed)
-    plan, install, reason, retire = _plan(
-        cut,
-        manifest,
-        run_id=run_id,
-        snapshot_id=snap.snapshot_id,
-        epoch=run.epoch,
-        with_gym_state=with_gym_state,
-    )
-    return Planned(run, cfg, snap, cut, manifest, plan, install, reason, retire)
+    async with engine.begin() as conn:
+        sp = await plan_sql.plan_in_sql(conn, run_id, snap.snapshot_id, manifest if with_gym_state else None, include_reused=include_reused)
+    if sp is None:
+        async with engine.connect() as conn:
+            cut, _ = await reads.load_cut(conn, run_id, snap.snapshot_id)
+        raise unplannable(cut, manifest if with_gym_state else None, snap.snapshot_id)
+    minter = rollout_minter(run_id, snap.snapshot_id, run.epoch)
+    rows = sp.rows
+    try:
+        plan = assemble_plan(
+            rows,
+            sp.codes,
+            minter,
+            cohort_reruns=sp.cohort_reruns,
+            skipped_groups=sp.skipped_groups,
+            reused=sp.reused,
+            with_gym_state=with_gym_state,
+        )
+    except PlanError as e:
+        raise refusal_of(e, snap.snapshot_id) from e
+    # The rows a plan carries are every live row the cut knows as possibly running in Gym (only
+    # sealed rows are left out), so the retires come from them.
+    cut = Cut(groups=(), attempts=rows)
+    if not with_gym_state:
+        return Planned(run, cfg, snap, cut, manifest, plan, False, "with_gym_state is false", list(plan.retire))
+    if manifest is None:
+        return Planned(run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows))
+    return Planned(run, cfg, snap, cut, manifest, plan, True, None, [])
 
 
 def _snapshot_fields(p: Planned) -> dict[str, Any]:
@@ -263,15 +247,13 @@ async def preview_plan(
     limit: int,
 ) -> dict[str, Any]:
     """The plan a restore of this snapshot would apply now (``GET /restore-plan``)."""
-    # Reused rows are listed only from the pure function's plan (the ledger's leaves them out).
     p = await load_and_plan(
         engine,
         run_id,
         snapshot_id=snapshot_id,
         step=step,
         with_gym_state=with_gym_state,
-        detailed=include_reused,
-        in_sql=disposition != Disposition.reused.value,
+        include_reused=include_reused or disposition == Disposition.reused.value,
     )
     wanted = Disposition(disposition) if disposition else None
     rows = (
@@ -330,7 +312,7 @@ class _BeforeGym(Exception):
         self.error = error
 
 
-def _replay(rec: repo.RestoreRecord, req: RestoreRequest) -> dict[str, Any]:
+def _replay(rec: records.RestoreRecord, req: RestoreRequest) -> dict[str, Any]:
     stored = (rec.result or {}).get("request") or {}
     diff = sorted(k for k, v in req.stored().items() if stored.get(k) != v)
     if diff:
@@ -373,7 +355,7 @@ async def execute_restore(
     started = time.monotonic()
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
-        existing = await repo.get_restore(conn, run_id, req.restore_id)
+        existing = await records.get_restore(conn, run_id, req.restore_id)
     if existing is not None:
         return await _stored_answer(engine, run_id, req.restore_id, _replay(existing, req))
     if run.state != "open":
@@ -381,7 +363,7 @@ async def execute_restore(
     aborted = await end_discarded_snapshot(engine, run_id, abort_local=abort_local, wait_s=snapshot_wait_s)
     p = await load_and_plan(engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state)
     p.aborted_snapshot = aborted
-    claimed = await repo.claim_restore(
+    claimed = await records.claim_restore(
         engine, run_id, req.restore_id, p.snap.snapshot_id, req.with_gym_state, req.stored(), stale_after_s=_stale_after_s(p.cfg)
     )
     if claimed is not None:
@@ -389,13 +371,13 @@ async def execute_restore(
     try:
         answer = await _restore(engine, run_id, req, p, transport)
     except _BeforeGym as e:
-        await repo.release_claim(engine, run_id, req.restore_id)
+        await records.release_claim(engine, run_id, req.restore_id)
         _observe(started, "failed")
         raise e.error from None
     except _GymTouchedRefusal as e:
         # Gym was touched (and cleaned up): the refusal is this restore id's answer from now on.
         problem = e.error.problem()
-        await repo.end_restore(
+        await records.end_restore(
             engine,
             run_id,
             req.restore_id,
@@ -410,7 +392,7 @@ async def execute_restore(
         # Whatever failed unexpectedly, the restore id must not stay 'running' forever.
         problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the restore failed; see the coordinator log").problem()
         try:
-            await repo.end_restore(
+            await records.end_restore(
                 engine, run_id, req.restore_id, "failed", {"request": req.stored(), "problem": problem}, only_running=True
             )
         except Exception as record_exc:
@@ -449,7 +431,7 @@ async def end_discarded_snapshot(
             log.info("run %s: snapshot %s of the discarded lineage ended %s/%s before the restore", run_id, sid, row.outcome, row.reason)
             return sid
         if time.monotonic() > deadline:
-            raise repo.SnapshotBusy(
+            raise records.SnapshotBusy(
                 f"snapshot {sid} of this run is still ending (its owner may have died: its lease expires first); retry the restore",
                 snapshot_id=sid,
             )
@@ -500,7 +482,7 @@ async def _restore(
             if rep is not None and rep.failure is not None:
                 log.warning("run %s restore %s: Gym resume failed (leases reopen Gym): %s", run_id, req.restore_id, rep.failure)
             summary["gym"] = gym
-            await repo.update_restore_result(engine, run_id, req.restore_id, {"answer": summary})
+            await records.update_restore_result(engine, run_id, req.restore_id, {"answer": summary})
         return _with_page(summary, rows.page(0, ANSWER_PAGE_ROWS), 0)
     finally:
         if client is not None:
@@ -517,18 +499,18 @@ async def apply_and_record(
     gym: dict[str, Any],
     *,
     installed: bool,
-) -> tuple[dict[str, Any], repo.AnswerRows, repo.RewindReport]:
+) -> tuple[dict[str, Any], records.AnswerRows, rewind.RewindReport]:
     """The one ledger transaction of a claimed restore: the rewind, and the answer stored with it
     (its summary on the restore record, its rows as chunks). Returns the summary, the rows and
     what the rewind did."""
-    built: list[tuple[dict[str, Any], repo.AnswerRows]] = []
+    built: list[tuple[dict[str, Any], records.AnswerRows]] = []
 
-    def result_of(report: repo.RewindReport) -> tuple[dict[str, Any], repo.AnswerRows]:
+    def result_of(report: rewind.RewindReport) -> tuple[dict[str, Any], records.AnswerRows]:
         built.append(_answer(run_id, req, p, plan, report, gym))
         summary, rows = built[-1]
         return {"request": req.stored(), "answer": summary}, rows
 
-    report = await repo.apply_restore(
+    report = await rewind.apply_restore(
         engine,
         run_id,
         _rewind_of(p, plan, retire, installed=installed),
@@ -678,10 +660,10 @@ class _GymTouchedRefusal(Exception):
         self.error = error
 
 
-def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, installed: bool) -> repo.Rewind:
-    # Columns straight from the plan's columns: a million-sibling plan has ~120 000 such rows,
+def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, installed: bool) -> rewind.Rewind:
+    # Columns straight from the plan's columns: a large plan has many such rows,
     # and building a PlanRow for each only to take it apart again cost a second.
-    rw = repo.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
+    rw = rewind.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
     if installed:
         c = plan.rows.columns(Disposition.continued)
         rw.continued_ids = list(map(int, c.attempt_id))
@@ -703,12 +685,12 @@ ANSWER_PAGE_ROWS = 10_000
 
 
 def _answer(
-    run_id: str, req: RestoreRequest, p: Planned, plan: RestorePlan, report: repo.RewindReport, gym: dict[str, Any]
-) -> tuple[dict[str, Any], repo.AnswerRows]:
+    run_id: str, req: RestoreRequest, p: Planned, plan: RestorePlan, report: rewind.RewindReport, gym: dict[str, Any]
+) -> tuple[dict[str, Any], records.AnswerRows]:
     """The answer without its rows (``rows_total`` of them), and the rows, in plan order."""
     counts = counts_json(plan)
     c = plan.rows.sent_columns()
-    rows = repo.AnswerRows(
+    rows = records.AnswerRows(
         c.group_id, c.generation_index, c.disposition, c.rollout_id, c.gym_attempt, c.group_attempt, c.instance_id,
         c.replaces_rollout_id,
     )
@@ -761,7 +743,7 @@ async def _stored_answer(engine: AsyncEngine, run_id: str, restore_id: str, summ
     if "rows" in summary:
         return {**summary, "next_cursor": summary.get("next_cursor")}
     async with engine.connect() as conn:
-        page = await repo.read_answer_rows(conn, run_id, restore_id, 0, ANSWER_PAGE_ROWS)
+        page = await records.read_answer_rows(conn, run_id, restore_id, 0, ANSWER_PAGE_ROWS)
     return _with_page(summary, page, 0)
 
 
@@ -780,13 +762,13 @@ async def answer_rows_page(engine: AsyncEngine, run_id: str, restore_id: str, cu
         elif cursor >= total:  # past the end: nothing to read (any cursor is accepted)
             page = []
         else:
-            page = await repo.read_answer_rows(conn, run_id, restore_id, cursor, limit)
+            page = await records.read_answer_rows(conn, run_id, restore_id, cursor, limit)
     return _with_page({"restore_id": restore_id, "rows_total": total, "cursor": cursor}, page, cursor)
 
 
-async def _restore_or_404(conn: Any, run_id: str, restore_id: str) -> repo.RestoreRecord:
+async def _restore_or_404(conn: Any, run_id: str, restore_id: str) -> records.RestoreRecord:
     await get_run(conn, run_id)
-    rec = await repo.get_restore(conn, run_id, restore_id)
+    rec = await records.get_restore(conn, run_id, restore_id)
     if rec is None:
         from ..errors import NotFound
 
@@ -818,7 +800,7 @@ async def _ledger_failed(
             log.error("run %s restore %s: discarding the Gym restore failed: %r", run_id, req.restore_id, cleanup_exc)
     problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the ledger rewind failed; see the coordinator log").problem()
     try:
-        await repo.end_restore(
+        await records.end_restore(
             engine,
             run_id,
             req.restore_id,

@@ -1,0 +1,118 @@
+"""The ledger's vocabularies (recovery-ledger.md sections 1, 4 and 6), one enum each.
+
+Metrics labels, the ORM models' check constraints, the SQL the ledger sends and the API all take
+their words from here, so a word is added or renamed in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+
+__all__ = [
+    "StrEnum",
+    "AttemptStatus",
+    "GroupStatus",
+    "RetirementState",
+    "FailureClass",
+    "Disposition",
+    "GroupDisposition",
+    "LedgerTransition",
+    "sql_list",
+]
+
+
+class StrEnum(str, Enum):
+    """A string enum whose members hash and compare like their values."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AttemptStatus(StrEnum):
+    reserved = "reserved"
+    dispatched = "dispatched"
+    returned = "returned"
+    sealed = "sealed"
+    failed = "failed"
+    abandoned = "abandoned"
+
+
+class RetirementState(StrEnum):
+    none = "none"
+    retire_pending = "retire_pending"
+    retired = "retired"
+    forget_pending = "forget_pending"
+    forgotten = "forgotten"
+
+
+class GroupStatus(StrEnum):
+    generating = "generating"
+    ready = "ready"
+    finalized = "finalized"
+    abandoned = "abandoned"
+
+
+class FailureClass(StrEnum):
+    """Why a trainer reported an attempt as failed (section 4): Gym answered with bad data, or
+    the answer never came."""
+
+    data = "data"
+    transport = "transport"
+
+
+class Disposition(StrEnum):
+    """What a restore does with one sibling (section 6.1)."""
+
+    reused = "reused"
+    continued = "continued"
+    restarted = "restarted"
+    gym_restarted = "gym_restarted"
+    rerun = "rerun"
+    dispatch = "dispatch"
+
+    @property
+    def new_attempt(self) -> bool:
+        """Whether the row is a new attempt under a new rollout id."""
+        return self in _NEW_ATTEMPT
+
+
+_NEW_ATTEMPT = frozenset({Disposition.restarted, Disposition.gym_restarted, Disposition.rerun})
+
+
+class GroupDisposition(StrEnum):
+    """What a restore does with a group as a whole."""
+
+    reused = "reused"  # prompt_group: the whole cohort was sealed
+    rerun = "rerun"  # prompt_group: the whole cohort reruns at group_attempt + 1
+    dispatch = "dispatch"  # prompt_group: nothing of the cohort was sent yet
+    per_row = "per_row"  # turn / sibling: each sibling on its own
+    skipped = "skipped"  # finalized or abandoned: not part of the plan
+
+
+# Target states of ledger transitions as counted by metrics: every attempt status, every group
+# status (a group's ``abandoned`` as ``group_abandoned``, apart from the attempt's) and every
+# retirement state a row can move to.
+LedgerTransition = StrEnum(  # type: ignore[misc]
+    "LedgerTransition",
+    [(s.name, s.value) for s in AttemptStatus]
+    + [(s.name if s is not GroupStatus.abandoned else "group_abandoned", s.value if s is not GroupStatus.abandoned else "group_abandoned") for s in GroupStatus]
+    + [(s.name, s.value) for s in RetirementState if s is not RetirementState.none],
+)
+
+#: Attempts that may still be in flight: ended (abandoned) when their group gives up.
+LIVE_ATTEMPT_STATUSES = (AttemptStatus.dispatched, AttemptStatus.reserved, AttemptStatus.returned)
+#: Groups a restore plans (the others are history).
+LIVE_GROUP_STATUSES = (GroupStatus.generating, GroupStatus.ready)
+#: Attempt statuses that end an attempt (its ``ended_at`` is set).
+ENDED_ATTEMPT_STATUSES = (AttemptStatus.sealed, AttemptStatus.failed, AttemptStatus.abandoned)
+#: Group statuses that end a group.
+ENDED_GROUP_STATUSES = (GroupStatus.finalized, GroupStatus.abandoned)
+
+
+def sql_list(values: Iterable[StrEnum]) -> str:
+    """``'a', 'b'`` for an SQL ``IN (...)`` built from enum members (their values are fixed
+    words, never user input)."""
+    return ", ".join(f"'{v.value}'" for v in values)

@@ -1,0 +1,32 @@
+"""The run's dispatch gate (recovery-ledger.md section 5): closed by a snapshot, checked by
+every dispatch."""
+
+from __future__ import annotations
+
+from sqlalchemy import update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ..errors import GateClosed
+from .models import Run
+from .runs import RunRow
+
+_R = Run.__table__
+
+
+def require_open(run: RunRow, *, retry_after_s: float) -> None:
+    """Refuse a dispatch while a snapshot holds the gate (read with the run's lock)."""
+    if run.gate_snapshot_id is not None:
+        raise GateClosed(
+            f"dispatch gate closed by snapshot {run.gate_snapshot_id}; retry after it reopens",
+            snapshot_id=run.gate_snapshot_id,
+            retry_after_s=retry_after_s,
+        )
+
+
+async def close_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
+    await conn.execute(update(_R).where(_R.c.run_id == run_id).values(gate_snapshot_id=snapshot_id))
+
+
+async def open_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
+    """Reopen the gate if (and only if) this snapshot still holds it."""
+    await conn.execute(update(_R).where(_R.c.run_id == run_id, _R.c.gate_snapshot_id == snapshot_id).values(gate_snapshot_id=None))

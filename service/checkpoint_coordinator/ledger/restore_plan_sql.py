@@ -1,0 +1,177 @@
+"""The restore plan of a snapshot computed in the ledger (recovery-ledger.md section 6.1):
+set-based statements over the snapshot's cut storage. This is the one production planner;
+``tests/oracles/restore_plan.py`` is the pure reference it is tested against."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from ..domain.restore_plan import may_run_in_gym
+from ..domain.vocabulary import AttemptStatus as A
+from ..domain.vocabulary import GroupStatus as G
+from ..domain.levels import RestoreLevel as L
+from .db import fetch
+
+# -------------------------------------------------------------------------------------------
+# The plan in SQL (the dispositions of ledger spec 6.1, set-based)
+
+# Disposition codes, as ``domain.restore_plan.DISPOSITION_CODES``: 1 reused, 2 continued,
+# 3 restarted, 4 gym_restarted, 5 rerun, 6 dispatch.
+#
+# The plan reads the cut storage itself (``snapshot_cut_groups``: one row per group, its siblings
+# in an array) rather than the views: a group and its rows are one table row, so no statement
+# joins the cut with its groups, and a group's rows are unnested only when the group matters.
+#
+# One pass over the cut's groups checks the cut as the pure plan does and finds the skipped
+# groups, the live rows and the prompt_group cohorts that rerun. Per group (a lateral aggregate
+# over its own array): every row is checked; exactly one row per sibling index holds when the
+# group has N rows, each index is in [0, N) and the indexes' bits cover 0..N-1 (N rows covering N
+# values are all distinct). Groups of more than 62 siblings (``big``, beyond a bigint's bits) are
+# checked by _PLAN_DUPLICATES. Group ids are unique by the table's primary key. A cohort is
+# reused when all its rows are sealed and dispatched as it is when none was sent; anything else
+# reruns.
+_PLAN_SUMMARY = (
+    f"SELECT COALESCE(bool_or(bad > 0 OR lvl NOT IN ('{L.turn}', '{L.sibling}', '{L.prompt_group}') OR n < 1 OR n >= 65536 OR ga < 0 "
+    f"OR gst NOT IN ('{G.generating}', '{G.ready}', '{G.finalized}', '{G.abandoned}') OR k <> n "
+    "OR (n <= 62 AND bits IS DISTINCT FROM (1::bigint << n) - 1)), false) AS broken, "
+    "COALESCE(bool_or(n > 62), false) AS big, COALESCE(sum(n) FILTER (WHERE live), 0) AS live_rows, "
+    "COALESCE(array_agg(group_id) FILTER (WHERE NOT live), '{}') AS skipped, "
+    f"COALESCE(array_agg(group_id) FILTER (WHERE live AND lvl = '{L.prompt_group}' "
+    f"AND (smin <> smax OR smin NOT IN ('{A.sealed}', '{A.reserved}'))), '{{}}') AS bumped "
+    "FROM (SELECT c.group_id, c.restore_level AS lvl, c.expected_generations AS n, c.group_attempt AS ga, "
+    f"c.status AS gst, c.status IN ('{G.generating}', '{G.ready}') AS live, x.* FROM snapshot_cut_groups c CROSS JOIN LATERAL ("
+    "SELECT count(*) AS k, count(*) FILTER (WHERE (s.generation_index < 0 OR s.generation_index >= c.expected_generations "
+    "OR s.group_attempt <> c.group_attempt "
+    f"OR s.status NOT IN ('{A.reserved}', '{A.dispatched}', '{A.returned}', '{A.sealed}', '{A.failed}', '{A.abandoned}') OR s.gym_attempt < 0 "
+    f"OR (s.gym_attempt > 0 AND (c.restore_level <> '{L.turn}' OR s.gym_instance_id IS NULL)) "
+    f"OR (c.status IN ('{G.generating}', '{G.ready}') AND s.status = '{A.returned}' AND c.restore_level <> '{L.prompt_group}')) IS NOT FALSE) AS bad, "
+    "bit_or(1::bigint << s.generation_index) FILTER (WHERE s.generation_index BETWEEN 0 AND 62) AS bits, "
+    "min(s.status) AS smin, max(s.status) AS smax FROM unnest(c.siblings) AS s) AS x "
+    "WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s) AS g"
+)
+_PLAN_DUPLICATES = (
+    "SELECT EXISTS (SELECT 1 FROM snapshot_cut_groups c CROSS JOIN LATERAL (SELECT count(DISTINCT s.generation_index) AS d "
+    "FROM unnest(c.siblings) AS s) AS x WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s AND c.expected_generations > 62 "
+    "AND x.d <> c.expected_generations)"
+)
+# Every manifest entry must be the current attempt of a live turn-level sibling on that instance
+# at that Gym attempt, and a saved one still running in Gym: the matches, per kind, must number
+# the entries (the manifest's rollout ids are unique, the cut's too).
+_PLAN_MANIFEST = (
+    "SELECT count(*) FILTER (WHERE m.saved), count(*) FILTER (WHERE NOT m.saved) "
+    "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
+    "JOIN (SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
+    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
+    f"AND c.restore_level = '{L.turn}' AND c.status IN ('{G.generating}', '{G.ready}')) sa "
+    "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
+    f"WHERE NOT m.saved OR sa.status = '{A.dispatched}' OR (sa.status = '{A.reserved}' AND sa.gym_attempt > 0)"
+)
+# The rows the plan sends (every live row but reused ones; with ``reused`` those too, code 1, with
+# their staging keys), in cut order, with their code; a turn-level row that is neither sealed nor
+# never sent is ``restarted`` (3) here, and continued or gym_restarted when the manifest lists it
+# (decided by the caller, see plan_in_sql).
+def _plan_rows_sql(reused: bool) -> str:
+    return (
+        "SELECT c.group_id, s.generation_index, s.attempt_id, s.rollout_id, s.gym_instance_id, s.gym_attempt, "
+        + ("s.group_attempt, s.status, COALESCE(s.staging_keys, '{}'::text[]), " if reused else "s.group_attempt, s.status, ")
+        + "CASE WHEN c.bumped THEN 5 "
+        + (f"WHEN s.status = '{A.sealed}' THEN 1 " if reused else "")
+        + f"WHEN s.status = '{A.reserved}' AND (c.restore_level <> '{L.turn}' "
+        f"OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = '{L.turn}' THEN 3 ELSE 5 END "
+        "FROM (SELECT group_id, restore_level, siblings, group_id = ANY(%(bumped)s::text[]) AS bumped FROM snapshot_cut_groups "
+        f"WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('{G.generating}', '{G.ready}')) AS c "
+        "CROSS JOIN LATERAL unnest(c.siblings) AS s"
+        + ("" if reused else f" WHERE c.bumped OR s.status <> '{A.sealed}'")
+        + " ORDER BY s.attempt_id"
+    )
+
+
+_PLAN_SEND = _plan_rows_sql(False)
+_PLAN_ALL = _plan_rows_sql(True)
+_CONTINUED, _RESTARTED, _GYM_RESTARTED = 2, 3, 4
+
+
+@dataclass(frozen=True)
+class SqlPlan:
+    """The plan's dispositions as the ledger computes them (:func:`plan_in_sql`)."""
+
+    rows: list[tuple[Any, ...]]  # CutAttempt's first eight fields of every row sent (nine: staging keys too)
+    codes: bytes  # the disposition code of each row
+    reused: int  # live rows left out (sealed, reused)
+    cohort_reruns: list[str]
+    skipped_groups: list[str]
+
+
+async def plan_in_sql(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, manifest: Any | None, *, include_reused: bool = False
+) -> SqlPlan | None:
+    """The restore plan of a snapshot computed from its cut with set-based statements, as the
+    first statements of a transaction (made repeatable-read and read-only): the dispositions of
+    ledger spec 6.1 (``tests/oracles/restore_plan.py`` is the reference, compared on random
+    ledgers by a differential test) for the rows that are sent (``include_reused``: every live
+    row), and how many live rows are reused and left out. ``manifest`` (a ``GymManifest``, or None when no Gym state
+    is installed) decides continued and gym_restarted turn-level rows.
+
+    The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
+    when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
+    caller then asks ``domain.cut_checks`` what is wrong."""
+    p: dict[str, Any] = {"r": run_id, "s": snapshot_id}
+    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
+    # read whole or not at all.
+    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+    # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
+    # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
+    for knob in ("enable_nestloop", "enable_mergejoin"):
+        await conn.execute(text(f"SET LOCAL {knob} = off"))
+    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    ((broken, big, live_rows, skipped, bumped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
+    if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
+        return None
+    bumped = sorted(bumped)
+    rows = await fetch(conn, _PLAN_ALL if include_reused else _PLAN_SEND, {**p, "bumped": bumped}, binary=False)
+    width = 9 if include_reused else 8
+    codes = bytearray(r[width] for r in rows)
+    entries: dict[str, tuple[str, int, bool]] = {}
+    if manifest is not None:
+        for iid, inst in manifest.instances.items():
+            for is_saved, listed in ((True, inst.episodes), (False, inst.restarts)):
+                for rid, n in listed:
+                    entries[rid] = (iid, n, is_saved)
+    if entries:
+        # Manifest entries name live turn-level rows that are running in Gym (saved) or ended
+        # there (restarts): most of them are rows planned ``restarted`` here, checked on the spot
+        # and then continued or restarted from Gym. The others (a restart of a row sealed since,
+        # or of a row never sent; or a wrong entry) are checked by the ledger.
+        left = dict(entries)
+        for m in re.finditer(b"\\x03", codes):
+            a = rows[m.start()]
+            e = left.get(a[3])
+            if e is None or e[0] != a[4] or e[1] != a[5]:
+                continue
+            if e[2]:
+                if not may_run_in_gym(a[7], a[5]):
+                    return None
+                codes[m.start()] = _CONTINUED
+            else:
+                codes[m.start()] = _GYM_RESTARTED
+            del left[a[3]]
+        if left:
+            mi = [e[0] for e in left.values()]
+            mn = [e[1] for e in left.values()]
+            mk = [e[2] for e in left.values()]
+            ((n_saved, n_restarts),) = await fetch(conn, _PLAN_MANIFEST, {**p, "mi": mi, "mr": list(left), "mn": mn, "mk": mk})
+            if n_saved != sum(mk) or n_restarts != len(mk) - sum(mk):
+                return None
+            # Those rows are sealed (reused) or never sent (dispatch): their codes stand.
+    if include_reused:
+        picked = [(*r[:8], tuple(r[8])) for r in rows]
+    else:
+        picked = [r[:8] for r in rows]
+    return SqlPlan(picked, bytes(codes), int(live_rows) - len(rows), list(bumped), list(skipped))
+
+
