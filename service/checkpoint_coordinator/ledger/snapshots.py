@@ -21,8 +21,8 @@ from ..errors import Conflict, NotFound
 from .db import dump_json, read_rows
 from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
-from .rollouts import close_gate as _close_gate_of_run
-from .rollouts import open_gate as _open_gate_of_run
+from .gate import close_gate as _close_gate_of_run
+from .gate import open_gate as _open_gate_of_run
 from .runs import lock_run
 
 P = SnapshotPhase
