@@ -53,6 +53,8 @@ class Rewind:
     bumped_groups: list[str] = field(default_factory=list)
     # retires owed on Gym (instance None: every registered instance)
     retire: list[RetireItem] = field(default_factory=list)
+    # {saved instance: live instance}: continued rows move to the live instance (section 6.1)
+    instance_map: dict[str, str] = field(default_factory=dict)
 
     def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int) -> None:
         self.new_old_ids.append(int(old_id))
@@ -582,6 +584,14 @@ async def _focus_rows(c: _Rewinding) -> None:
                 "AND NOT (sa.attempt_id = ANY(%(cid)s::bigint[]))",
                 {**c.p, "cid": c.rw.continued_ids, "g": scan_groups},
             )
+    if c.rw.instance_map:
+        # A continuation lives on the live instance its saved instance maps to.
+        await execute_binary(
+            c.conn,
+            "UPDATE restore_focus f SET gym_instance_id = m.live FROM unnest(%(saved)s::text[], %(live)s::text[]) AS m(saved, live) "
+            "WHERE f.cont AND f.gym_instance_id = m.saved",
+            {"saved": list(c.rw.instance_map), "live": list(c.rw.instance_map.values())},
+        )
     await c.conn.execute(text("CREATE UNIQUE INDEX ON restore_focus (attempt_id)"))
     await c.conn.execute(text("ANALYZE restore_focus"))
     # From here every statement starts at restore_focus (whose size the planner now knows) or
