@@ -135,6 +135,9 @@ async def test_restore_into_two_fresh_instances_named_otherwise(client, admin, a
         others = [r for r in rows if r.disposition != "continued"]
         share = Counter(r.instance_id for r in others)
         assert set(share) == set(LIVE) and max(share.values()) - min(share.values()) <= 1, share
+        # No retire waits for an instance of the old allocation (they are gone).
+        outbox = await api.get("/outbox")
+        assert all(item["instance_id"] in LIVE for item in outbox["items"]), outbox
         # In the ledger the continuations now live on their mapped instance.
         g = await api.group(cont[0].group_id)
         [current] = [a for s in g["siblings"] for a in s["attempts"] if a["rollout_id"] == cont[0].rollout_id]

@@ -206,7 +206,9 @@ async def _both(
             gym = (False, "the instance map maps no saved instance")
         else:
             gym = (True, None)
-        ref = _summary(plan, candidates if with_gym_state and manifest is None else retire, candidates, gym)
+        # Nothing installed with Gym state asked for: what the cut knows as running is retired.
+        nothing_installed = with_gym_state and (manifest is None or instance_map == {})
+        ref = _summary(plan, candidates if nothing_installed else retire, candidates, gym)
     except (CutError, ManifestLedgerMismatch, PlanError) as e:
         err = refusal_of(e, snapshot_id)
         ref = ("refused", type(err).__name__, err.problem())

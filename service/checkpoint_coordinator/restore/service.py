@@ -40,7 +40,6 @@ from ..domain.cut import Cut
 from ..domain.cut_checks import cut_issues, manifest_disagreements
 from ..domain.errors import CutError, FieldIssue, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
 from ..domain.gym_manifest import GymManifest, dump_gym_manifest, load_gym_manifest
-from ..domain.vocabulary import RowReason
 from ..domain.restore_plan import Disposition, Placement, RestorePlan, RetireItem, assemble_plan, demote_continuations
 from ..domain.restore_topology import (
     compare_instance_sets,
@@ -49,6 +48,7 @@ from ..domain.restore_topology import (
     require_restorable_topology,
     unknown_in_map,
 )
+from ..domain.vocabulary import RowReason
 from ..errors import Conflict, CoordinatorError, RunClosed
 from ..gym.errors import GymControlError
 from ..gym.models import parse_capture_key
@@ -231,7 +231,8 @@ async def load_and_plan(
         if manifest is None:
             # No manifest names the saved instances: those the cut's rows ran on do.
             _require_known(instance_map, {a[4] for a in rows if a[4] is not None}, live_ids)
-        placement = Placement(dict(instance_map), tuple(live_ids))
+        # (No live instance at all: the map is empty, and there is nothing to spread over.)
+        placement = Placement(dict(instance_map), tuple(live_ids)) if live_ids else None
     try:
         plan = assemble_plan(
             rows,
@@ -257,8 +258,11 @@ async def load_and_plan(
             run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows), instance_map=imap
         )
     if imap is not None and not imap:
-        # Nothing is installed: every exported episode restarts (instance_not_mapped).
-        return Planned(run, cfg, snap, cut, manifest, plan, False, "the instance map maps no saved instance", [], instance_map=imap)
+        # Nothing is installed: every exported episode restarts (instance_not_mapped), and what
+        # the cut knows as running is retired where it still can be (section 6.6).
+        return Planned(
+            run, cfg, snap, cut, manifest, plan, False, "the instance map maps no saved instance", live_retire_items(rows), instance_map=imap
+        )
     return Planned(run, cfg, snap, cut, manifest, plan, True, None, [], instance_map=imap)
 
 
@@ -751,6 +755,7 @@ def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, i
     # Columns straight from the plan's columns: a large plan has many such rows,
     # and building a PlanRow for each only to take it apart again cost a second.
     rw = rewind.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
+    rw.into_other_topology = p.instance_map is not None
     if installed:
         rw.instance_map = dict(p.instance_map or {})
         c = plan.rows.columns(Disposition.continued)
