@@ -17,7 +17,7 @@ from ckpt_client import AsyncCoordinatorClient, Conflict, InvalidRequest
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..integration.ledger_helpers import group_body, new_run
-from .harness import Trainer, drive_snapshot
+from .harness import Trainer, kill_all, published_snapshot, wait_mid_way
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -60,20 +60,8 @@ async def _snapshot_of_three(client: Any, admin: Any, tmp_path: Path) -> tuple[A
         await trainer.admit_and_dispatch([group_body(f"t{k}{j}", 2) for j in range(2)], iid)
         await trainer.admit_and_dispatch([group_body(f"s{k}", 2, agent_name="sib_agent")], iid)
     unsent = await api.admit(group_body("u0", 3), group_body("u1", 3))
-    async with asyncio.timeout(30):
-        while True:
-            mid = []
-            for iid in SAVED:
-                sessions = await _sessions(gyms[iid])
-                mid.append(sum(2 <= len(x["history"]) < TURNS - 2 for k, x in sessions.items() if k.startswith("t")))
-            if all(n >= 2 for n in mid):
-                break
-            await asyncio.sleep(0.02)
-    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
-    assert snap["outcome"] == "published", snap
-    manifest = (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]
-    saved = {iid: {e["rollout_id"] for e in manifest["instances"][iid]["episodes"]} for iid in SAVED}
-    assert all(saved.values()), manifest
+    await wait_mid_way(gyms, TURNS)
+    saved = await published_snapshot(api, tmp_path / "dp")
     return api, gyms, trainer, saved, {g["group_id"]: g["rows"] for g in unsent["groups"]}
 
 
@@ -169,11 +157,7 @@ async def test_restore_into_two_fresh_instances_named_otherwise(client, admin, a
         await ckpt.close()
         if again is not None:
             await again.aclose()
-        for g in [*gyms.values(), *fresh.values()]:
-            try:
-                await asyncio.to_thread(g.kill)
-            except Exception:
-                pass
+        await kill_all(*gyms.values(), *fresh.values())
 
 
 async def test_instance_map_refusals_leave_gym_untouched(client, admin, app, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -231,8 +215,4 @@ async def test_instance_map_refusals_leave_gym_untouched(client, admin, app, tmp
         assert run["restored_from_rollout_snapshot"] is None
     finally:
         await ckpt.close()
-        for g in [*gyms.values(), *fresh.values()]:
-            try:
-                await asyncio.to_thread(g.kill)
-            except Exception:
-                pass
+        await kill_all(*gyms.values(), *fresh.values())
