@@ -22,7 +22,8 @@ restarting turn-level episodes. Then, timed:
   page. Reading the other pages back (``GET /restores/{id}/rows``) is reported, not in the target.
 
 Run: ``python bench/restore_plan.py`` (``--sizes 100000,1000000`` to choose sizes, ``--quick`` for
-a smoke run whose targets are reported but not checked). Exit status 1 when a target is missed.
+a smoke run whose targets are reported but not checked, ``--instance-map`` to restore into
+instances of other names: every row placed on a live instance, the continuations moved). Exit status 1 when a target is missed.
 """
 
 from __future__ import annotations
@@ -209,13 +210,28 @@ class _Breakdown:
         return timed
 
 
-async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None) -> dict[str, Any]:
+def _instance_map() -> dict[str, str]:
+    """``--instance-map``: every saved instance onto a live one of another name (the same work as
+    without a map, plus placing every row and moving the continuations)."""
+    return {f"bench/replica-{k}": f"bench/next-{k}" for k in range(INSTANCES)}
+
+
+async def register_live(engine: Any, run_id: str, ids: Any) -> None:
+    async with engine.begin() as conn:
+        for iid in ids:
+            await conn.execute(
+                text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES (:r, :i, '{}', 'x') ON CONFLICT DO NOTHING"),
+                {"r": run_id, "i": iid},
+            )
+
+
+async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None, instance_map: dict[str, str] | None = None) -> dict[str, Any]:
     gc.collect()
     if breakdown is not None:
         breakdown.lines.clear()
         breakdown.load_s = 0.0
     t0 = time.perf_counter()
-    planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True)
+    planned = await load_and_plan(engine, run_id, snapshot_id="s1", step=None, with_gym_state=True, instance_map=instance_map)
     t1 = time.perf_counter()
     if breakdown is not None:
         print(f"restore_plan:   breakdown: plan statements {breakdown.load_s:.2f}s, the rest of planning "
@@ -226,7 +242,7 @@ async def measure(engine: Any, run_id: str, breakdown: _Breakdown | None = None)
     # The rest is what ``POST /restores`` does once Gym is restored: claim the restore id, then
     # one transaction that rewinds the ledger and stores the answer (its summary on the record,
     # its rows as chunks), and the first page of the answer.
-    req = RestoreRequest("bench-restore", "s1", None, True)
+    req = RestoreRequest("bench-restore", "s1", None, True, instance_map)
     claimed = await records.claim_restore(engine, run_id, req.restore_id, planned.snap.snapshot_id, True, req.stored(), stale_after_s=600)
     assert claimed is None, claimed
     gym = {"installed": True, "restore_id": "bench-gym-restore", "source_checkpoint_id": "snap-s1-00000000"}
@@ -282,9 +298,21 @@ async def measure_without_gym(engine: Any, run_id: str) -> dict[str, Any]:
     }
 
 
-async def verify(engine: Any, run_id: str, counts: dict[str, int]) -> None:
+async def verify(engine: Any, run_id: str, counts: dict[str, int], instance_map: dict[str, str] | None = None) -> None:
     """The rewind did what the plan says (a benchmark that measures a no-op proves nothing)."""
     async with engine.connect() as conn:
+        if instance_map is not None:
+            # Every continuation now lives on a live instance.
+            stray = (
+                await conn.execute(
+                    text(
+                        "SELECT count(*) FROM attempts WHERE run_id = :r AND is_current AND gym_owned AND status = 'reserved' "
+                        "AND NOT (gym_instance_id = ANY(:live))"
+                    ),
+                    {"r": run_id, "live": list(instance_map.values())},
+                )
+            ).scalar()
+            assert stray == 0, stray
         await conn.execute(text("SET enable_nestloop = off"))  # the snapshot tables have no statistics yet
         got = dict(
             (
@@ -344,7 +372,9 @@ async def main_without_gym(sizes: list[int]) -> int:
     return 0
 
 
-async def main_async(sizes: list[int], check: bool, breakdown: bool = False, compare_plan: bool = False) -> int:
+async def main_async(
+    sizes: list[int], check: bool, breakdown: bool = False, compare_plan: bool = False, instance_map: dict[str, str] | None = None
+) -> int:
     pg = Postgres()
     engine = make_async_engine(pg.url)
     bd = _Breakdown(engine) if breakdown else None
@@ -363,8 +393,10 @@ async def main_async(sizes: list[int], check: bool, breakdown: bool = False, com
             print(f"restore_plan: building a ledger of {n:,} siblings ...", flush=True)
             await build(engine, run_id, groups)
             print(f"restore_plan: built {n:>9,} siblings ({groups:,} groups) in {time.perf_counter() - t:.1f}s", flush=True)
-            res = await measure(engine, run_id, bd)
-            await verify(engine, run_id, res["counts"])
+            if instance_map is not None:
+                await register_live(engine, run_id, instance_map.values())
+            res = await measure(engine, run_id, bd, instance_map)
+            await verify(engine, run_id, res["counts"], instance_map)
             results.append(res)
             if compare_plan:
                 # After the measurement (the cut is as it was; the run is one epoch on): the plan
@@ -445,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         help="instead, time the whole restore without Gym state as POST /restores runs it (reported, no target)",
     )
     ap.add_argument("--compare-plan", action="store_true", help="after each measurement, time the plan in SQL and the pure function alternately")
+    ap.add_argument(
+        "--instance-map", action="store_true",
+        help="restore into another topology: every saved instance mapped onto a live instance of another name",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes = "4000,40000"
@@ -454,7 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop PostgreSQL
     if args.without_gym_state:
         return asyncio.run(main_without_gym(sizes))
-    return asyncio.run(main_async(sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown, compare_plan=args.compare_plan))
+    return asyncio.run(
+        main_async(
+            sizes, check=not (args.quick or args.no_check), breakdown=args.breakdown, compare_plan=args.compare_plan,
+            instance_map=_instance_map() if args.instance_map else None,
+        )
+    )
 
 
 if __name__ == "__main__":

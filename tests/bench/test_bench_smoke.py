@@ -135,6 +135,11 @@ def test_restore_plan_quick(tmp_path: Path) -> None:
     assert re.search(r"peak RSS of this process: \d+ MiB", out) and "ratio" in out, out
 
 
+def test_restore_plan_with_an_instance_map_quick(tmp_path: Path) -> None:
+    out = _run("restore_plan.py", tmp_path, "--quick", "--instance-map")
+    assert len(re.findall(r"restore_plan:\s+plan [\d.]+s \+ rewind [\d.]+s = [\d.]+s", out)) == 2, out
+
+
 def test_restore_plan_without_gym_state_quick(tmp_path: Path) -> None:
     out = _run("restore_plan.py", tmp_path, "--quick", "--without-gym-state")
     assert re.search(r"without Gym state, 40,000 siblings: execute_restore [\d.]+s .* 15,330 rows to send, 3,998 retires queued", out), out

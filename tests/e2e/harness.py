@@ -122,3 +122,36 @@ async def drive_snapshot(api: Any, snapshot_id: str, step: int, capture_dir: Pat
                     digest = hashlib.sha256(f.read_bytes()).hexdigest()
                     await api.post(f"/snapshots/{snapshot_id}/captured", {"reference": {"path": str(f), "digest": digest}})
             await asyncio.sleep(0.02)
+
+
+async def wait_mid_way(gyms: dict[str, Any], turns: int, *, timeout: float = 30) -> None:
+    """Until every instance has at least two long (``t``-prefixed) episodes a few turns in,
+    however loaded the machine."""
+    async with asyncio.timeout(timeout):
+        while True:
+            mid = []
+            for g in gyms.values():
+                sessions = (await asyncio.to_thread(g.admin, "GET", "/admin/resources/calendar_resources/sessions"))["sessions"]
+                mid.append(sum(2 <= len(x["history"]) < turns - 2 for k, x in sessions.items() if k.startswith("t")))
+            if all(n >= 2 for n in mid):
+                return
+            await asyncio.sleep(0.02)
+
+
+async def published_snapshot(api: Any, capture_dir: Path) -> dict[str, set[str]]:
+    """Snapshot ``s1`` at step 0 through the trainer side, published; the saved (exported)
+    episodes of each instance."""
+    snap = await drive_snapshot(api, "s1", 0, capture_dir)
+    assert snap["outcome"] == "published", snap
+    manifest = (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]
+    saved = {iid: {e["rollout_id"] for e in body["episodes"]} for iid, body in manifest["instances"].items()}
+    assert all(saved.values()), manifest
+    return saved
+
+
+async def kill_all(*gyms: Any) -> None:
+    for g in gyms:
+        try:
+            await asyncio.to_thread(g.kill)
+        except Exception:
+            pass

@@ -14,7 +14,7 @@ from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..integration.ledger_helpers import group_body, new_run
 from ..integration.test_restore_support import fetch
-from .harness import Trainer, drive_snapshot
+from .harness import Trainer, kill_all, published_snapshot, wait_mid_way
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -63,21 +63,9 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
             tag = iid[-1]
             await trainer.admit_and_dispatch([group_body(f"t{tag}{k}", 2) for k in range(3)], iid)
             await trainer.admit_and_dispatch([group_body(f"s{tag}", 2, agent_name="sib_agent")], iid)
-        # Wait until every instance has long episodes a few turns in, however loaded the machine.
-        async with asyncio.timeout(30):
-            while True:
-                mid = []
-                for iid in IDS:
-                    sessions = (await _state(gyms[iid], "/admin/resources/calendar_resources/sessions"))["sessions"]
-                    mid.append(sum(2 <= len(x["history"]) < TURNS - 2 for k, x in sessions.items() if k.startswith("t")))
-                if all(n >= 2 for n in mid):
-                    break
-                await asyncio.sleep(0.02)
-        snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
-        assert snap["outcome"] == "published", snap
+        await wait_mid_way(gyms, TURNS)
+        saved = await published_snapshot(api, tmp_path / "dp")
         manifest = (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]
-        saved = {iid: {e["rollout_id"] for e in manifest["instances"][iid]["episodes"]} for iid in IDS}
-        assert all(saved.values()), manifest
         assert (await api.get("/snapshots/s1/gym-manifest"))["instances"] == manifest["instances"]
         await asyncio.sleep(0.15)  # traffic goes on after the snapshot: more turns, some seals
 
@@ -157,8 +145,4 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
     finally:
         if trainer is not None:
             await trainer.aclose()
-        for g in [*gyms.values(), *fresh.values()]:
-            try:
-                await asyncio.to_thread(g.kill)
-            except Exception:
-                pass
+        await kill_all(*gyms.values(), *fresh.values())

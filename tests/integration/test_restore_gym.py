@@ -175,6 +175,9 @@ async def test_failed_restore_on_one_instance_turns_every_continuation_into_a_re
         restarted = {r["replaces_rollout_id"]: r for r in ans["rows"] if r["disposition"] == "restarted"}
         assert set(restarted) == saved["math/replica-0"] | saved["math/replica-1"]
         assert all(r["rollout_id"] != old and r["instance_id"] is None for old, r in restarted.items())
+        # Each says why: the Gym restore failed, so its continuations restart.
+        assert {r["reason"] for r in restarted.values()} == {"gym_restore_failed"}
+        assert ans["reasons"]["restarted"] == {"gym_restore_failed": 4}
         # Nothing half-installed: no instance holds restored state; every N+1 is retired (mark 1).
         for iid, gym in scene.fresh.items():
             state = await asyncio.to_thread(gym.state)

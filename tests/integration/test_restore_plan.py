@@ -183,6 +183,10 @@ async def test_restore_without_gym_state_rewinds_the_ledger(client, admin, app, 
     by = _by_sibling(ans["rows"])
     t4 = by[("T", 4)]
     assert t4["disposition"] == "restarted" and t4["replaces_rollout_id"] == T[4]["rollout_id"] and NEW_ID.match(t4["rollout_id"])
+    # ... and says why; the summary counts it there, not as never sent.
+    assert t4["reason"] == "sent_after_cut" and ans["reasons"]["restarted"]["sent_after_cut"] == 1
+    assert sum(ans["reasons"]["dispatch"].values()) == ans["counts"]["dispatch"] == 3
+    assert all(r["reason"] == "gym_not_restored" for r in ans["rows"] if r["disposition"] == "restarted" and r is not t4)
     # Everything else is exactly the preview.
     prev = _by_sibling(preview["rows"])
     assert {k: v for k, v in by.items() if k != ("T", 4)} == {k: v for k, v in prev.items() if k != ("T", 4)}

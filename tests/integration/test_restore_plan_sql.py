@@ -25,6 +25,8 @@ from checkpoint_coordinator.restore.planning import row_json
 from checkpoint_coordinator.domain.errors import CutError, ManifestLedgerMismatch, PlanError
 from checkpoint_coordinator.domain.gym_manifest import load_gym_manifest
 from checkpoint_coordinator.ledger import restore_reads as reads
+from checkpoint_coordinator.domain.restore_plan import Placement
+from checkpoint_coordinator.domain.vocabulary import RowReason
 from checkpoint_coordinator.restore.planning import live_retire_items, rollout_minter
 from checkpoint_coordinator.restore.service import load_and_plan, refusal_of
 from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
@@ -32,6 +34,17 @@ from tests.oracles.restore_plan import plan_restore, restore_without_gym_state
 from .test_restore_support import manifest_doc
 
 INSTANCES = ("math/replica-0", "math/replica-1")
+LIVE = ("next/replica-a", "next/replica-b", "next/replica-c")
+
+
+def maps() -> Any:
+    """No map, or a one-to-one map of some saved instances onto live ones."""
+    return st.one_of(
+        st.none(),
+        st.permutations(LIVE).flatmap(
+            lambda live: st.sets(st.sampled_from(INSTANCES)).map(lambda saved: {s: live[k] for k, s in enumerate(sorted(saved))})
+        ),
+    )
 LEVELS = ("turn", "sibling", "prompt_group")
 GROUP_STATUSES = ("generating", "generating", "ready", "finalized", "abandoned")
 ROW_STATUSES = ("reserved", "dispatched", "returned", "sealed", "failed", "abandoned")
@@ -136,12 +149,12 @@ async def _store(engine: Any, run_id: str, snapshot_id: str, cut: Cut, manifest:
             )
 
 
-def _oracle(cut: Cut, manifest: Any, snapshot_id: str, with_gym_state: bool) -> tuple[Any, list[Any]]:
+def _oracle(cut: Cut, manifest: Any, snapshot_id: str, with_gym_state: bool, mapped: frozenset[str] | None) -> tuple[Any, list[Any]]:
     minter = rollout_minter("diff", snapshot_id, 1)
     if not with_gym_state:
         plan = restore_without_gym_state(cut, minter)
         return plan, list(plan.retire)
-    return plan_restore(cut, manifest, minter), []
+    return plan_restore(cut, manifest, minter, mapped=mapped), []
 
 
 def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ...]:
@@ -149,6 +162,7 @@ def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ..
         "planned",
         plan.total,
         dict(plan.counts),
+        plan.reasons(),
         sorted(plan.cohort_reruns),
         sorted(plan.skipped_groups),
         [row_json(r, include_staging_keys=True) for r in plan.rows],
@@ -159,7 +173,9 @@ def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ..
     )
 
 
-async def _both(engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool) -> tuple[Any, Any]:
+async def _both(
+    engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool, instance_map: dict[str, str] | None = None
+) -> tuple[Any, Any]:
     async with engine.connect() as conn:
         detailed, _ = await reads.load_cut(conn, run_id, snapshot_id, detailed=True)
         snap = await reads.get_snapshot(conn, run_id, snapshot_id)
@@ -167,21 +183,51 @@ async def _both(engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool
     # In the cut's order (attempt ids), as the planner reads it, with every field.
     cut = Cut(groups=detailed.groups, attempts=sorted(detailed.attempts, key=lambda a: a[2]))
     try:
-        plan, retire = _oracle(cut, manifest, snapshot_id, with_gym_state)
+        # As the service checks a map: against the manifest before planning, else against the
+        # instances the planned rows ran on.
+        if instance_map is not None and manifest is not None and set(instance_map) - set(manifest.instances):
+            raise _Unknown(sorted(set(instance_map) - set(manifest.instances)))
+        mapped = frozenset(instance_map) if instance_map is not None else None
+        plan, retire = _oracle(cut, manifest, snapshot_id, with_gym_state, mapped)
+        if instance_map is not None and manifest is None:
+            live_groups = {g.group_id for g in cut.groups if g.status in ("generating", "ready")}
+            unknown = sorted(set(instance_map) - {a[4] for a in cut.attempts if a[0] in live_groups and a[4]})
+            if unknown:
+                raise _Unknown(unknown)
+        if instance_map is not None:
+            plan = plan.placed(Placement(instance_map, LIVE))
         live = {g.group_id for g in cut.groups if g.status in ("generating", "ready")}
         candidates = live_retire_items(a for a in cut.attempts if a[0] in live)
-        gym = (with_gym_state and manifest is not None, None if with_gym_state and manifest is not None else
-               ("with_gym_state is false" if not with_gym_state else "the snapshot holds no Gym state"))
-        ref = _summary(plan, candidates if with_gym_state and manifest is None else retire, candidates, gym)
+        if not with_gym_state:
+            gym: tuple[bool, str | None] = (False, "with_gym_state is false")
+        elif manifest is None:
+            gym = (False, "the snapshot holds no Gym state")
+        elif instance_map == {}:
+            gym = (False, "the instance map maps no saved instance")
+        else:
+            gym = (True, None)
+        # Nothing installed with Gym state asked for: what the cut knows as running is retired.
+        nothing_installed = with_gym_state and (manifest is None or instance_map == {})
+        ref = _summary(plan, candidates if nothing_installed else retire, candidates, gym)
     except (CutError, ManifestLedgerMismatch, PlanError) as e:
         err = refusal_of(e, snapshot_id)
         ref = ("refused", type(err).__name__, err.problem())
+    except _Unknown as e:
+        ref = ("refused", "InstanceMapUnknown", e.saved)
     try:
-        p = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=with_gym_state, include_reused=True)
+        p = await load_and_plan(
+            engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=with_gym_state, include_reused=True,
+            instance_map=instance_map,
+        )
         got = _summary(p.plan, p.retire, p.retire_candidates(), (p.install, p.no_gym_reason))
     except CoordinatorError as e:
-        got = ("refused", type(e).__name__, e.problem())
+        got = ("refused", type(e).__name__, e.extra["unknown_saved_instances"] if e.code == "instance_map_unknown_instance" else e.problem())
     return ref, got
+
+
+class _Unknown(Exception):
+    def __init__(self, saved: list[str]) -> None:
+        self.saved = saved
 
 
 def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
@@ -196,21 +242,28 @@ def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
                 text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES ('diff', CAST(:c AS jsonb), '/tmp/diff', 'x')"),
                 {"c": json.dumps(load_recovery_config({"target_level": "turn"}).public_dict())},
             )
+            # The live instances an instance map may name (the plan only reads their ids).
+            for iid in LIVE:
+                await conn.execute(
+                    text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES ('diff', :i, '{}', 'x')"), {"i": iid}
+                )
 
     loop.run_until_complete(setup())
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(ledger=ledgers(), with_gym_state=st.booleans())
-    @example(ledger=_every_disposition(), with_gym_state=True)
-    def check(ledger: tuple[Cut, dict[str, Any] | None, str | None], with_gym_state: bool) -> None:
+    @given(ledger=ledgers(), with_gym_state=st.booleans(), instance_map=maps())
+    @example(ledger=_every_disposition(), with_gym_state=True, instance_map=None)
+    @example(ledger=_every_disposition(), with_gym_state=True, instance_map={INSTANCES[1]: LIVE[0]})
+    def check(ledger: tuple[Cut, dict[str, Any] | None, str | None], with_gym_state: bool, instance_map: dict[str, str] | None) -> None:
         cut, manifest, _breakage = ledger
         sid = f"s{next(counter)}"
         loop.run_until_complete(_store(engine, "diff", sid, cut, manifest))
-        ref, got = loop.run_until_complete(_both(engine, "diff", sid, with_gym_state))
+        ref, got = loop.run_until_complete(_both(engine, "diff", sid, with_gym_state, instance_map))
         assert got == ref
         seen.add(ref[0])
         if ref[0] == "planned":
             seen.update(d for d, n in ref[2].items() if n)
+            seen.update(why for per in ref[3].values() for why in per)
 
     try:
         check()
@@ -219,3 +272,6 @@ def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
         loop.close()
     # The random ledgers reached every disposition and both refusals and plans.
     assert {"planned", "refused"} | {d.value for d in Disposition} <= seen, seen
+    # ... and every reason the planner gives (the restore itself adds sent_after_cut and
+    # gym_restore_failed, see test_restore_plan.py and test_restore_instance_map.py).
+    assert {r.value for r in RowReason} - {"sent_after_cut", "gym_restore_failed"} <= seen, seen

@@ -135,7 +135,7 @@ async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admi
     api, _ = await _scenario(client, admin, app, "run-rows")
     before = await _ledger(app, api.run_id)
     rows = records.AnswerRows()
-    rows.append("T", 1, "restarted", "T_g1_a" + "e" * 32, 0, 0, None, "T_g1_a" + "f" * 32)
+    rows.append("T", 1, "restarted", "T_g1_a" + "e" * 32, 0, 0, None, "T_g1_a" + "f" * 32, "no_gym_state")
 
     def result_of(report: rewind.RewindReport) -> tuple[dict[str, Any], records.AnswerRows]:
         return {"answer": {"rows_total": len(rows)}}, rows
@@ -152,7 +152,7 @@ async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admi
         )
     # A value the chunk encoding cannot carry is refused before anything is sent.
     bad = records.AnswerRows()
-    bad.append("T", 1, "restarted", "T_g1_a\x1f", 0, 0, None, None)
+    bad.append("T", 1, "restarted", "T_g1_a\x1f", 0, 0, None, None, "no_gym_state")
     async with app.state.engine.begin() as conn:
         with pytest.raises(ValueError, match="rollout_ids"):
             await records.store_answer_rows(conn, api.run_id, "claimed", bad)

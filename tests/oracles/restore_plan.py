@@ -43,7 +43,8 @@ from checkpoint_coordinator.domain.restore_plan import (
     _ROLLOUT_ID_OF,
     Disposition,
 )
-from checkpoint_coordinator.domain.vocabulary import GroupStatus
+from checkpoint_coordinator.domain.restore_plan import REASON_CODES
+from checkpoint_coordinator.domain.vocabulary import GroupStatus, RowReason
 
 # Attempt status and level codes for the hot loop.
 _S_RESERVED, _S_DISPATCHED, _S_RETURNED, _S_SEALED, _S_FAILED, _S_ABANDONED = range(6)
@@ -68,6 +69,7 @@ def plan_restore(
     new_rollout_id: NewRolloutId,
     *,
     verify_unique_rollout_ids: bool = True,
+    mapped: frozenset[str] | None = None,
 ) -> RestorePlan:
     """The restore plan of a snapshot (section 6.1) with Gym state from ``manifest``.
 
@@ -78,7 +80,7 @@ def plan_restore(
     (one set of every rollout id, the single most expensive step at a million rows); pass it
     only for a cut read from the ledger, whose unique constraint already guarantees it."""
     return _plan(
-        cut, manifest, new_rollout_id, with_gym_state=True, verify_ids=verify_unique_rollout_ids
+        cut, manifest, new_rollout_id, with_gym_state=True, verify_ids=verify_unique_rollout_ids, mapped=mapped
     )
 
 
@@ -107,11 +109,12 @@ def _plan(
     *,
     with_gym_state: bool,
     verify_ids: bool,
+    mapped: frozenset[str] | None = None,
 ) -> RestorePlan:
     groups = cut.groups
     attempts = cut.attempts
     try:
-        return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids)
+        return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids, mapped)
     except (_Broken, TypeError, ValueError, LookupError, AttributeError):
         issues = cut_issues(cut)
         if issues:
@@ -126,6 +129,7 @@ def _plan_fast(
     new_rollout_id: NewRolloutId,
     with_gym_state: bool,
     verify_ids: bool,
+    mapped: frozenset[str] | None = None,
 ) -> RestorePlan:
     # -- groups: gid -> (index, level, size, slot offset, group attempt, live) ----------------
     ginfo: dict[str, tuple[int, int, int, int, int, bool]] = {}
@@ -163,6 +167,7 @@ def _plan_fast(
     matched_saved = 0
     matched_restarts = 0
     mismatch = False
+    unmapped: set[int] = set()
 
     # -- pass 1: check each row and decide its disposition ------------------------------------
     # Per-row work is kept to a few local operations: no object is built for a row that keeps
@@ -234,7 +239,14 @@ def _plan_fast(
                         mismatch = True
                         continue
                     matched_saved += 1
-                    disp[pos] = _CONTINUED
+                    if mapped is not None and inst not in mapped:
+                        unmapped.add(pos)
+                        disp[pos] = _RESTARTED
+                        new_ids[pos] = new = mint(gid, idx)
+                        if check_minted:
+                            minted_append(new)
+                    else:
+                        disp[pos] = _CONTINUED
                     continue
                 n_restart = restart_by_inst.get(inst, empty).get(rid)
                 if n_restart is not None:
@@ -331,7 +343,8 @@ def _plan_fast(
     if skipped_rows:
         positions_kept = [p for p in range(n_rows) if disp[p]]
     counts = MappingProxyType({d: disp.count(_CODE_BY_DISP[d]) for d in Disposition})
-    rows = PlanRows(attempts, disp, new_ids, frozenset(bumped), positions_kept)
+    reasons = _reasons(groups, attempts, disp, frozenset(bumped), with_gym_state, unmapped)
+    rows = PlanRows(attempts, disp, new_ids, frozenset(bumped), positions_kept, reasons)
     return RestorePlan(
         rows=rows,
         counts=counts,
@@ -344,3 +357,39 @@ def _plan_fast(
     )
 
 
+def _reason(disposition: int, level: str, status: str, bumped: bool, with_gym_state: bool, unmapped: bool) -> RowReason:
+    """Why a row does what it does (ledger spec 6.2), read off the row as the spec words it."""
+    failed = status in ("failed", "abandoned")
+    if disposition == _REUSED:
+        return RowReason.sealed_at_cut
+    if disposition == _CONTINUED:
+        return RowReason.exported_by_gym
+    if disposition == _GYM_RESTARTED:
+        return RowReason.restart_only_server
+    if disposition == _DISPATCH:
+        return RowReason.never_sent
+    if disposition == _RERUN:
+        if bumped:
+            return RowReason.cohort_incomplete
+        return RowReason.failed_at_cut if failed else RowReason.in_flight_at_cut
+    assert disposition == _RESTARTED and level == "turn"
+    if failed:
+        return RowReason.failed_at_cut
+    if not with_gym_state:
+        return RowReason.gym_not_restored
+    if unmapped:
+        return RowReason.instance_not_mapped
+    return RowReason.no_gym_state
+
+
+def _reasons(
+    groups: Sequence[CutGroup], attempts: Sequence[CutAttempt], disp: bytearray, bumped: frozenset[str], with_gym_state: bool,
+    unmapped: set[int],
+) -> bytearray:
+    level = {g.group_id: str(g.restore_level) for g in groups}
+    out = bytearray(len(disp))
+    for pos, a in enumerate(attempts):
+        if disp[pos]:
+            why = _reason(disp[pos], level[a[0]], str(a[7]), a[0] in bumped, with_gym_state, pos in unmapped)
+            out[pos] = REASON_CODES[why]
+    return out

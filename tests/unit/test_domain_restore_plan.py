@@ -642,7 +642,7 @@ def test_sent_columns_are_the_rows_that_are_not_reused(case: tuple[Cut, GymManif
 
 
 def test_assemble_plan_equals_the_pure_plan_without_its_reused_rows() -> None:
-    from checkpoint_coordinator.domain.restore_plan import DISPOSITION_CODES, assemble_plan
+    from checkpoint_coordinator.domain.restore_plan import DISPOSITION_CODES, REASON_CODES, assemble_plan
 
     cut = Cut(
         groups=[group("t", "turn", 3), group("s", "sibling", 2), group("p", "prompt_group", 2, ga=1)],
@@ -662,8 +662,10 @@ def test_assemble_plan_equals_the_pure_plan_without_its_reused_rows() -> None:
     sent = [r for r in ref.rows if r.disposition is not D.reused]
     rows = [a for a in cut.attempts if (a.group_id, a.generation_index) in {(r.group_id, r.generation_index) for r in sent}]
     codes = bytes(DISPOSITION_CODES[r.disposition] for r in sent)
+    why = bytes(REASON_CODES[r.reason] for r in sent)
     got = assemble_plan(
-        rows, codes, mint, cohort_reruns=ref.cohort_reruns, skipped_groups=(), reused=ref.counts[D.reused], with_gym_state=True
+        rows, codes, mint, cohort_reruns=ref.cohort_reruns, skipped_groups=(), reused=ref.counts[D.reused], with_gym_state=True,
+        reasons=why,
     )
     assert list(got.rows) == sent
     assert dict(got.counts) == dict(ref.counts) and got.total == ref.total == 7
@@ -677,6 +679,7 @@ def test_assemble_plan_equals_the_pure_plan_without_its_reused_rows() -> None:
     whole = assemble_plan(
         list(cut.attempts), bytes(DISPOSITION_CODES[r.disposition] for r in ref.rows), mint,
         cohort_reruns=ref.cohort_reruns, skipped_groups=(), reused=0, with_gym_state=True,
+        reasons=bytes(REASON_CODES[r.reason] for r in ref.rows),
     )
     assert list(whole.rows) == list(ref.rows) and dict(whole.counts) == dict(ref.counts)
 
@@ -690,3 +693,38 @@ def _same_ids(minter: Callable[[str, int], str]) -> Callable[[str, int], str]:
 
     mint.random_bits = 128  # type: ignore[attr-defined]
     return mint
+
+
+# -- reasons (section 6.2) --------------------------------------------------------------------
+
+
+@given(cuts_with_manifest(), st.booleans(), st.data())
+def test_every_row_has_a_reason_that_agrees_with_its_disposition(case: tuple[Cut, GymManifest | None], with_gym: bool, data: st.DataObject) -> None:
+    from checkpoint_coordinator.domain.vocabulary import REASON_DISPOSITIONS, RowReason
+
+    cut, m = case
+    instances = sorted(m.instances) if m is not None else []
+    mapped = frozenset(data.draw(st.sets(st.sampled_from(instances)) if instances else st.just(set()))) if data.draw(st.booleans()) else None
+    plan = plan_restore(cut, m, counter_ids(), mapped=mapped) if with_gym else restore_without_gym_state(cut, counter_ids())
+    level = {g.group_id: str(g.restore_level) for g in cut.groups}
+    by_reason: dict[str, dict[str, int]] = {}
+    for r in plan.rows:
+        assert r.reason is not None, r
+        assert r.disposition in REASON_DISPOSITIONS[r.reason], r
+        by_reason.setdefault(r.disposition.value, {}).setdefault(r.reason.value, 0)
+        by_reason[r.disposition.value][r.reason.value] += 1
+        # The reasons that only Gym state can give never appear without it.
+        if not with_gym:
+            assert r.reason not in (RowReason.exported_by_gym, RowReason.restart_only_server, RowReason.instance_not_mapped), r
+        if r.reason is RowReason.instance_not_mapped:
+            assert mapped is not None and level[r.group_id] == "turn"
+        if r.reason is RowReason.cohort_incomplete:
+            assert level[r.group_id] == "prompt_group" and r.group_id in plan.cohort_reruns
+    # The summary counts rows per disposition and reason, and sums to the plan.
+    assert plan.reasons() == by_reason
+    assert sum(n for per in plan.reasons().values() for n in per.values()) == plan.total
+    if mapped is not None and m is not None:
+        # An exported episode continues only on a mapped instance; elsewhere it restarts.
+        for r in plan.rows:
+            if r.disposition is D.continued:
+                assert r.instance_id in mapped

@@ -3,10 +3,11 @@ import/export (section 9)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from pydantic import Field
+from pydantic import Field, StringConstraints
 
 from ..domain.errors import ManifestError
 from ..domain.vocabulary import Disposition
@@ -14,14 +15,36 @@ from ..ledger import restore_reads as reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service
-from ..restore.errors import GymManifestAbsent, SnapshotNotFound, SnapshotUnusable
+from ..restore.errors import GymManifestAbsent, InstanceMapInvalid, SnapshotNotFound, SnapshotUnusable
 from ..restore.gym_manifest_file import manifest_document
 from .auth import Caller, require_run_access
-from .common import BIGINT_MAX, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
+from .common import BIGINT_MAX, INSTANCE_ID_PATTERN, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
 
 Disp = Literal[tuple(d.value for d in Disposition)]  # type: ignore[valid-type]
+InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_ID_PATTERN, min_length=1, max_length=200)]
+MAX_INSTANCE_MAP = 1024
+_MAP_ENTRY = re.compile(INSTANCE_ID_PATTERN[:-1] + "=" + INSTANCE_ID_PATTERN[1:].replace("^", ""))
+
+
+def _query_instance_map(entries: list[str]) -> dict[str, str] | None:
+    """``instance_map=saved=live`` query entries (repeated) as ``{saved: live}``; refused with
+    the entry named when one is not of that form, or the map is not one-to-one."""
+    if not entries:
+        return None
+    if len(entries) > MAX_INSTANCE_MAP:
+        raise InstanceMapInvalid(f"at most {MAX_INSTANCE_MAP} instance_map entries")
+    pairs = []
+    for e in entries:
+        saved, sep, live = e.partition("=")
+        if not sep or len(e) > 401 or not _MAP_ENTRY.fullmatch(e):
+            raise InstanceMapInvalid(
+                f"instance_map entry {e[:100]!r} is not saved_instance_id=live_instance_id",
+                errors=[{"field": "instance_map", "message": "expected saved_instance_id=live_instance_id"}],
+            )
+        pairs.append((saved, live))
+    return service.parse_instance_map(pairs)
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
 
 
@@ -35,6 +58,13 @@ class RestoreIn(Strict):
         default=True,
         description="Install the snapshot's Gym state into freshly started instances. False (Gym kept running): every "
         "continuation restarts and every attempt the cut knows as running is retired.",
+    )
+    instance_map: dict[InstanceId, InstanceId] | None = Field(
+        default=None,
+        max_length=MAX_INSTANCE_MAP,
+        description="Restore into another Gym topology: {saved instance id: live instance id}. Each mapped live instance "
+        "takes its saved instance's Gym state; episodes of unmapped saved instances restart; the other rows are spread "
+        "over the live instances. Without it the live instances must equal the saved ones.",
     )
 
 
@@ -54,11 +84,16 @@ async def get_restore_plan(
     disposition: Disp | None = Query(None, description="Only rows of this disposition."),
     cursor: int = Query(0, ge=0, description="Rows to skip (next_cursor of the previous page)."),
     limit: int = Query(10_000, ge=1, le=100_000),
+    instance_map: list[str] = Query(
+        [],
+        description="Restore into another Gym topology: repeated saved_instance_id=live_instance_id (see POST /restores).",
+    ),
     caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
     """The restore plan of the newest published snapshot compatible with ``step`` (or of
-    ``snapshot_id``): counts per disposition and, per row, what to send under which rollout id
-    and capture key to which instance. A preview; ``POST /restores`` applies it."""
+    ``snapshot_id``): counts per disposition and per disposition and reason, and, per row, what to
+    send under which rollout id and capture key to which instance, and why. A preview;
+    ``POST /restores`` applies it."""
     return await service.preview_plan(
         request.app.state.engine,
         str(caller.run_id),
@@ -69,6 +104,7 @@ async def get_restore_plan(
         disposition=disposition,
         cursor=cursor,
         limit=limit,
+        instance_map=_query_instance_map(instance_map),
     )
 
 
@@ -80,7 +116,8 @@ async def create_restore(body: RestoreIn, request: Request, caller: Caller = Dep
     more, ``next_cursor`` is the cursor of ``GET /restores/{restore_id}/rows``. Idempotent per
     ``restore_id`` (a repeat answers the same); the same id with another body is
     ``409 restore_conflict``."""
-    req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state)
+    imap = service.parse_instance_map(body.instance_map.items()) if body.instance_map is not None else None
+    req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state, imap)
     app = request.app
     runner = getattr(app.state, "snapshots", None)
     return await service.execute_restore(

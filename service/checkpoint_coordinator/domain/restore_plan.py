@@ -54,7 +54,7 @@ from .cut import AttemptId, Cut, CutAttempt, CutGroup
 from .errors import FieldIssue, PlanError
 from .gym_manifest import Episode, GymManifest
 from .levels import RestoreLevel
-from .vocabulary import LIVE_GROUP_STATUSES, Disposition, GroupDisposition
+from .vocabulary import LIVE_GROUP_STATUSES, REASON_DISPOSITIONS, Disposition, GroupDisposition, RowReason
 
 __all__ = [
     "Disposition",
@@ -68,6 +68,9 @@ __all__ = [
     "NewRolloutId",
     "assemble_plan",
     "DISPOSITION_CODES",
+    "REASON_BY_CODE",
+    "REASON_CODES",
+    "Placement",
     "demote_continuations",
     "retire_items",
     "may_run_in_gym",
@@ -107,6 +110,7 @@ class PlanRow(NamedTuple):
     group_attempt: int
     attempt_id: AttemptId  # the cut's attempt: kept, or (new_attempt) the one it replaces
     replaces_rollout_id: str | None  # the old rollout id of a new attempt, else None
+    reason: RowReason | None = None  # why the row does what it does (section 6.2)
 
 
 class GroupOutcome(NamedTuple):
@@ -160,6 +164,21 @@ class SentColumns(NamedTuple):
     instance_id: list[str | None]
     replaces_rollout_id: list[str | None]
     attempt_id: list[AttemptId]
+    reason: list[str]
+
+
+class Placement(NamedTuple):
+    """Where the rows go in a restore into another topology (section 6.1): a continued row to
+    the live instance its saved instance maps to; every other row to send, in plan order, to the
+    live instances in turn, so each gets an even share."""
+
+    instance_map: Mapping[str, str]
+    live_instances: tuple[str, ...]
+
+
+# Reason codes: one byte per row beside the disposition code; 0 for a row outside the plan.
+REASON_BY_CODE: tuple[RowReason | None, ...] = (None, *RowReason)
+REASON_CODES: Mapping[RowReason, int] = MappingProxyType({r: i for i, r in enumerate(REASON_BY_CODE) if r is not None})
 
 
 class PlanRows(Sequence[PlanRow]):
@@ -167,7 +186,7 @@ class PlanRows(Sequence[PlanRow]):
 
     Backed by columns; indexing or iterating builds :class:`PlanRow` objects on the fly."""
 
-    __slots__ = ("_attempts", "_disp", "_new_ids", "_bumped", "_positions")
+    __slots__ = ("_attempts", "_disp", "_new_ids", "_bumped", "_positions", "_reasons", "_placement", "_spread_at")
 
     def __init__(
         self,
@@ -176,12 +195,17 @@ class PlanRows(Sequence[PlanRow]):
         new_ids: list[str | None],
         bumped: frozenset[str],
         positions: list[int] | None,
+        reasons: bytes | bytearray | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self._attempts = attempts
         self._disp = disp
         self._new_ids = new_ids
         self._bumped = bumped
         self._positions = positions
+        self._reasons = reasons if reasons is not None else bytes(len(disp))
+        self._placement = placement
+        self._spread_at: dict[int, str] | None = None
 
     def __len__(self) -> int:
         return len(self._disp) if self._positions is None else len(self._positions)
@@ -208,23 +232,42 @@ class PlanRows(Sequence[PlanRow]):
             return (row(p) for p in range(len(self._disp)))
         return (row(p) for p in self._positions)
 
+    def _spread(self, pos: int) -> str | None:
+        """The live instance a non-continued row to send goes to, under a placement."""
+        if self._placement is None:
+            return None
+        if self._spread_at is None:
+            live = self._placement.live_instances
+            at: dict[int, str] = {}
+            codes = self._disp
+            k = 0
+            for p in range(len(codes)) if self._positions is None else self._positions:
+                c = codes[p]
+                if c and c != _REUSED and c != _CONTINUED:
+                    at[p] = live[k % len(live)]
+                    k += 1
+            self._spread_at = at
+        return self._spread_at.get(pos)
+
     def _row(self, pos: int) -> PlanRow:
         gid, idx, aid, rid, inst, gatt, gratt = self._attempts[pos][:7]
         sk = self._attempts[pos][8] if len(self._attempts[pos]) > 8 else ()
         code = self._disp[pos]
+        why = REASON_BY_CODE[self._reasons[pos]]
         if code == _REUSED:
             ck = rid if gatt == 0 else f"{rid}-a{gatt}"
-            return PlanRow(gid, idx, Disposition.reused, rid, gatt, ck, inst, tuple(sk), gratt, aid, None)
+            return PlanRow(gid, idx, Disposition.reused, rid, gatt, ck, inst, tuple(sk), gratt, aid, None, why)
         if code == _CONTINUED:
             n = gatt + 1
-            return PlanRow(gid, idx, Disposition.continued, rid, n, f"{rid}-a{n}", inst, (), gratt, aid, None)
+            where = self._placement.instance_map.get(inst, inst) if self._placement is not None and inst is not None else inst
+            return PlanRow(gid, idx, Disposition.continued, rid, n, f"{rid}-a{n}", where, (), gratt, aid, None, why)
         if code == _DISPATCH:
             ck = rid if gatt == 0 else f"{rid}-a{gatt}"
-            return PlanRow(gid, idx, Disposition.dispatch, rid, gatt, ck, None, (), gratt, aid, None)
+            return PlanRow(gid, idx, Disposition.dispatch, rid, gatt, ck, self._spread(pos), (), gratt, aid, None, why)
         new = self._new_ids[pos]
         assert new is not None
         ga = gratt + 1 if gid in self._bumped else gratt
-        return PlanRow(gid, idx, _DISP_BY_CODE[code], new, 0, new, None, (), ga, aid, rid)  # type: ignore[arg-type]
+        return PlanRow(gid, idx, _DISP_BY_CODE[code], new, 0, new, self._spread(pos), (), ga, aid, rid, why)  # type: ignore[arg-type]
 
     def positions(self, disposition: Disposition) -> list[int]:
         """Positions in the cut's attempts of the rows of one disposition, in row order (a scan
@@ -234,7 +277,7 @@ class PlanRows(Sequence[PlanRow]):
 
     def columns(self, disposition: Disposition) -> "PlanColumns":
         """The rows of one disposition as columns (what a bulk write needs), in row order, equal
-        field by field to the rows :meth:`with_disposition` yields."""
+        field by field to the rows :meth:`with_disposition` yields (instances as in the cut)."""
         pos = self.positions(disposition)
         if not pos:
             return PlanColumns((), (), (), (), (), (), (), ())
@@ -256,12 +299,18 @@ class PlanRows(Sequence[PlanRow]):
     def sent_columns(self) -> "SentColumns":
         """Every row but the reused ones, in row order, as columns: the fields of the rows a
         restore answers (equal, row by row, to the :class:`PlanRow` fields of the same name;
-        ``instance_id`` only for continued rows, which must go back to their instance). No row
-        object is built: at a million siblings this is the answer's critical path."""
-        cols: SentColumns = SentColumns([], [], [], [], [], [], [], [], [])
-        gids, idxs, disps, rids, gatts, gratts, insts, reps, aids = cols
-        att, codes, new_ids, bumped = self._attempts, self._disp, self._new_ids, self._bumped
+        ``instance_id`` for continued rows, which must go back to their instance, and under a
+        placement for every row). No row object is built: at a million siblings this is the
+        answer's critical path."""
+        cols: SentColumns = SentColumns([], [], [], [], [], [], [], [], [], [])
+        gids, idxs, disps, rids, gatts, gratts, insts, reps, aids, whys = cols
+        att, codes, new_ids, bumped, reasons = self._attempts, self._disp, self._new_ids, self._bumped, self._reasons
         names = [d.value if d is not None else "" for d in _DISP_BY_CODE]
+        why_names = [r.value if r is not None else "" for r in REASON_BY_CODE]
+        placement = self._placement
+        live = placement.live_instances if placement is not None else ()
+        mapped = placement.instance_map if placement is not None else {}
+        k = 0
         for p in range(len(codes)) if self._positions is None else self._positions:
             code = codes[p]
             if code == _REUSED or not code:
@@ -271,23 +320,28 @@ class PlanRows(Sequence[PlanRow]):
             idxs.append(idx)
             disps.append(names[code])
             aids.append(aid)
+            whys.append(why_names[reasons[p]])
             if code == _CONTINUED:
                 rids.append(rid)
                 gatts.append(gatt + 1)
                 gratts.append(gratt)
-                insts.append(inst)
+                insts.append(mapped.get(inst, inst) if placement is not None and inst is not None else inst)
                 reps.append(None)
-            elif code == _DISPATCH:
+                continue
+            if placement is not None:
+                insts.append(live[k % len(live)])
+                k += 1
+            else:
+                insts.append(None)
+            if code == _DISPATCH:
                 rids.append(rid)
                 gatts.append(gatt)
                 gratts.append(gratt)
-                insts.append(None)
                 reps.append(None)
             else:
                 rids.append(new_ids[p])
                 gatts.append(0)
                 gratts.append(gratt + 1 if gid in bumped else gratt)
-                insts.append(None)
                 reps.append(rid)
         return cols
 
@@ -299,6 +353,25 @@ class PlanRows(Sequence[PlanRow]):
         for p in positions:
             if disp[p] == code:
                 yield self._row(p)
+
+    def reason_counts(self) -> dict[tuple[int, int], int]:
+        """Rows per (disposition code, reason code), counted one byte at a time in C: most
+        reasons go with one disposition, so only the rows of the others are looked at."""
+        out: dict[tuple[int, int], int] = {}
+        reasons = bytes(self._reasons) if self._positions is None else bytes(self._reasons[p] for p in self._positions)
+        disp = bytes(self._disp) if self._positions is None else bytes(self._disp[p] for p in self._positions)
+        for code, why in enumerate(REASON_BY_CODE):
+            n = reasons.count(code)
+            if not n:
+                continue
+            allowed = REASON_DISPOSITIONS[why] if why is not None else ()
+            if len(allowed) == 1:
+                out[(_CODE_BY_DISP[next(iter(allowed))], code)] = n
+                continue
+            for m in re.finditer(re.escape(bytes((code,))), reasons):
+                key = (disp[m.start()], code)
+                out[key] = out.get(key, 0) + 1
+        return out
 
 
 class RestorePlan:
@@ -379,6 +452,29 @@ class RestorePlan:
         for v in out.values():
             v.sort()
         return out
+
+    def reasons(self) -> dict[str, dict[str, int]]:
+        """Rows per disposition and reason (section 6.2), reused rows left out of ``rows``
+        included (all of them ``sealed_at_cut``)."""
+        out: dict[str, dict[str, int]] = {}
+        for (dcode, rcode), n in sorted(self.rows.reason_counts().items()):
+            d, why = _DISP_BY_CODE[dcode], REASON_BY_CODE[rcode]
+            if d is None or why is None:
+                continue
+            out.setdefault(d.value, {})[why.value] = n
+        if self.reused_omitted:
+            got = out.setdefault(Disposition.reused.value, {})
+            got[RowReason.sealed_at_cut.value] = got.get(RowReason.sealed_at_cut.value, 0) + self.reused_omitted
+        return out
+
+    def placed(self, placement: Placement | None) -> RestorePlan:
+        """The same plan with its rows placed on the instances of another topology (6.1)."""
+        r = self.rows
+        rows = PlanRows(r._attempts, r._disp, r._new_ids, r._bumped, r._positions, r._reasons, placement)
+        return RestorePlan(
+            rows, self.counts, self.cohort_reruns, self.skipped_groups, self.retire, self.with_gym_state, self._groups,
+            self._gdisp, self.reused_omitted,
+        )
 
     def summary(self) -> dict[str, object]:
         """Small JSON-ready summary (counts and group-level facts, no per-row data)."""
@@ -500,13 +596,15 @@ def _level_name(code: int) -> str:
 
 def demote_continuations(plan: RestorePlan, new_rollout_id: NewRolloutId) -> RestorePlan:
     """The plan after a failed (or discarded) Gym restore (section 6.3): every ``continued``
-    row becomes ``restarted`` under a new rollout id. The retire of N+1 of every manifest
-    episode is the Gym client's cleanup and is not part of the plan."""
+    row becomes ``restarted`` under a new rollout id (reason ``gym_restore_failed``). The retire
+    of N+1 of every manifest episode is the Gym client's cleanup and is not part of the plan."""
     rows = plan.rows
     disp = bytearray(rows._disp)
+    reasons = bytearray(rows._reasons)
     new_ids = list(rows._new_ids)
     taken: set[str] = {a[3] for a in rows._attempts}
     taken.update(x for x in new_ids if x is not None)
+    failed = REASON_CODES[RowReason.gym_restore_failed]
     for p, code in enumerate(disp):
         if code == _CONTINUED:
             a = rows._attempts[p]
@@ -524,7 +622,8 @@ def demote_continuations(plan: RestorePlan, new_rollout_id: NewRolloutId) -> Res
             taken.add(new)
             new_ids[p] = new
             disp[p] = _RESTARTED
-    new_rows = PlanRows(rows._attempts, disp, new_ids, rows._bumped, rows._positions)
+            reasons[p] = failed
+    new_rows = PlanRows(rows._attempts, disp, new_ids, rows._bumped, rows._positions, reasons, rows._placement)
     counts = _counts(disp, plan.reused_omitted)
     return RestorePlan(
         rows=new_rows,
@@ -558,11 +657,14 @@ def assemble_plan(
     skipped_groups: Sequence[str],
     reused: int,
     with_gym_state: bool,
+    reasons: bytes | bytearray | None = None,
+    placement: Placement | None = None,
 ) -> RestorePlan:
     """The plan of dispositions decided by the ledger's planner (``ledger.restore_plan_sql``):
     ``attempts`` are the rows of live groups the planner returned, in cut order (reused rows
     only when asked for), ``codes`` their disposition codes (:data:`DISPOSITION_CODES`),
-    ``reused`` how many reused rows were left out. New rollout ids are minted here, sibling by
+    ``reused`` how many reused rows were left out, ``reasons`` the reason code of each row
+    (:data:`REASON_CODES`), ``placement`` where the rows go in another topology. New rollout ids are minted here, sibling by
     sibling; rows of a rerunning cohort carry ``group_attempt + 1``. ``retire`` (without Gym
     state) lists the rows the cut knows as running in Gym (:func:`may_run_in_gym`)."""
     disp = bytearray(codes)
@@ -585,7 +687,9 @@ def assemble_plan(
         retire_pos = [
             p for p, a in enumerate(attempts) if may_run_in_gym(a[7], a[5])
         ]
-    rows = PlanRows(attempts, disp, new_ids, frozenset(cohort_reruns), None)
+    if reasons is not None and len(reasons) != len(disp):
+        raise ValueError("assemble_plan takes one reason code per row")
+    rows = PlanRows(attempts, disp, new_ids, frozenset(cohort_reruns), None, reasons, placement)
     return RestorePlan(
         rows=rows,
         counts=_counts(disp, reused),

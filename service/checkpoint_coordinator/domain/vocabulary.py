@@ -18,6 +18,8 @@ __all__ = [
     "Disposition",
     "GroupDisposition",
     "LedgerTransition",
+    "RowReason",
+    "REASON_DISPOSITIONS",
     "sql_list",
 ]
 
@@ -90,6 +92,40 @@ class GroupDisposition(StrEnum):
     dispatch = "dispatch"  # prompt_group: nothing of the cohort was sent yet
     per_row = "per_row"  # turn / sibling: each sibling on its own
     skipped = "skipped"  # finalized or abandoned: not part of the plan
+
+
+class RowReason(StrEnum):
+    """Why a restore plan row does what it does (section 6.2)."""
+
+    sealed_at_cut = "sealed_at_cut"  # the attempt was sealed when the cut was taken
+    exported_by_gym = "exported_by_gym"  # Gym exported the episode: it continues at N+1
+    restart_only_server = "restart_only_server"  # Gym listed the episode as one to restart (a server that cannot export)
+    no_gym_state = "no_gym_state"  # in flight at the cut, and the snapshot holds no Gym state for it
+    gym_not_restored = "gym_not_restored"  # a restore without Gym state: nothing is installed on Gym
+    instance_not_mapped = "instance_not_mapped"  # exported by a saved instance the instance map leaves out
+    gym_restore_failed = "gym_restore_failed"  # the Gym restore failed: its continuations restart
+    in_flight_at_cut = "in_flight_at_cut"  # a sibling-level row in flight at the cut reruns
+    failed_at_cut = "failed_at_cut"  # the row's attempt had failed or been abandoned at the cut
+    cohort_incomplete = "cohort_incomplete"  # a prompt_group cohort not wholly sealed or unsent reruns whole
+    never_sent = "never_sent"  # reserved and never sent: dispatched normally
+    sent_after_cut = "sent_after_cut"  # never sent at the cut, but it reached Gym after it: a new attempt
+
+
+#: The dispositions each reason goes with (the property tests check every plan row against it).
+REASON_DISPOSITIONS = {
+    RowReason.sealed_at_cut: frozenset({Disposition.reused}),
+    RowReason.exported_by_gym: frozenset({Disposition.continued}),
+    RowReason.restart_only_server: frozenset({Disposition.gym_restarted}),
+    RowReason.no_gym_state: frozenset({Disposition.restarted}),
+    RowReason.gym_not_restored: frozenset({Disposition.restarted}),
+    RowReason.instance_not_mapped: frozenset({Disposition.restarted}),
+    RowReason.gym_restore_failed: frozenset({Disposition.restarted}),
+    RowReason.in_flight_at_cut: frozenset({Disposition.rerun}),
+    RowReason.failed_at_cut: frozenset({Disposition.rerun, Disposition.restarted}),
+    RowReason.cohort_incomplete: frozenset({Disposition.rerun}),
+    RowReason.never_sent: frozenset({Disposition.dispatch}),
+    RowReason.sent_after_cut: frozenset({Disposition.restarted, Disposition.rerun}),
+}
 
 
 # Target states of ledger transitions as counted by metrics: every attempt status, every group

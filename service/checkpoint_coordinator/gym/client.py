@@ -222,15 +222,18 @@ class GymControlClient:
         snapshot_dir: str,
         *,
         resume: bool = True,
+        instance_dirs: Mapping[str, str] | None = None,
     ) -> RestoreResult:
         """Restore a snapshot's Gym state into fresh instances, all or nothing.
 
-        ``manifest`` is the validated Gym manifest v2 (a plain dict). With ``resume=False`` the
+        ``manifest`` is the validated Gym manifest v2 (a plain dict), keyed by live instance;
+        ``instance_dirs`` maps a live instance to the saved instance whose checkpoint directory
+        it restores from (another topology), else each restores its own. With ``resume=False`` the
         participants stay ``restored`` (admission closed) until :meth:`finish_restore` or
         :meth:`discard_restore`. Any failure after the first restore call runs the cleanup and
         raises, naming in ``extra["rollouts_to_restart"]`` the rollouts that must start over.
         """
-        return await _restore.restore(self._ctl, manifest, topology, snapshot_dir, resume=resume)
+        return await _restore.restore(self._ctl, manifest, topology, snapshot_dir, resume=resume, instance_dirs=instance_dirs)
 
     async def finish_restore(self, result: RestoreResult) -> RestoreResult:
         """Resume with the restore id; a resume failure is reported, not raised."""

@@ -86,6 +86,7 @@ async def restore(
     snapshot_dir: str,
     *,
     resume: bool = True,
+    instance_dirs: Mapping[str, str] | None = None,
 ) -> RestoreResult:
     plan = _RestorePlan.parse(manifest)
     specs = {iid: (t.spec if isinstance(t, InstanceTopology) else t) for iid, t in topology.items()}
@@ -103,7 +104,7 @@ async def restore(
 
     restore_id = ctl.book.new_restore_id(plan.source_id)
     ctl.book.hold(restore_id, live)
-    parts = await _restore_everywhere(ctl, plan, live, snapshot_dir, restore_id)
+    parts = await _restore_everywhere(ctl, plan, live, snapshot_dir, restore_id, instance_dirs or {})
     result = RestoreResult(
         restore_id=restore_id,
         source_checkpoint_id=plan.source_id,
@@ -196,7 +197,8 @@ async def _require_idle(ctl: Control, live: Mapping[str, InstanceTopology], ever
 
 
 async def _restore_everywhere(
-    ctl: Control, plan: _RestorePlan, live: Mapping[str, InstanceTopology], snapshot_dir: str, restore_id: str
+    ctl: Control, plan: _RestorePlan, live: Mapping[str, InstanceTopology], snapshot_dir: str, restore_id: str,
+    instance_dirs: Mapping[str, str],
 ) -> dict[str, dict[str, ServerFailure]]:
     """One restore call per named participant of every instance, concurrently; the failure parts
     of the instances whose replies do not hold up."""
@@ -208,7 +210,7 @@ async def _restore_everywhere(
             {
                 "checkpoint_id": restore_id,
                 "deadline_ts": deadline,
-                "checkpoint_dir": instance_checkpoint_dir(snapshot_dir, iid),
+                "checkpoint_dir": instance_checkpoint_dir(snapshot_dir, instance_dirs.get(iid, iid)),
                 "episode_ids": episodes_to_wire(inst_plan.episodes),
             }
         )

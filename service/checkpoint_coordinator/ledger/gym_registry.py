@@ -213,3 +213,9 @@ async def issued_gym_ids(conn: AsyncConnection, run_id: str) -> frozenset[str]:
         )
     ).scalars().all()
     return frozenset(rows)
+
+
+async def registered_instance_ids(conn: AsyncConnection, run_id: str) -> list[str]:
+    """The ids of the run's registered (live) Gym instances, sorted."""
+    rows = await conn.execute(text("SELECT instance_id FROM gym_instances WHERE run_id = :r ORDER BY instance_id"), {"r": run_id})
+    return list(rows.scalars())

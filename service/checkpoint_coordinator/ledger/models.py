@@ -484,10 +484,12 @@ class RestoreRowChunk(Base):
     group_attempts: Mapped[list[int]] = mapped_column(ARRAY(Integer))
     instance_ids: Mapped[list[str | None]] = mapped_column(ARRAY(Text))
     replaces_rollout_ids: Mapped[list[str | None]] = mapped_column(ARRAY(Text))
+    # Null in chunks stored before rows carried a reason.
+    reasons: Mapped[list[str] | None] = mapped_column(ARRAY(Text), nullable=True)
 
 
 RESTORE_ROWS_PER_CHUNK = 10_000
-RESTORE_ROW_CHUNK_TEXT_COLUMNS = ("group_ids", "dispositions", "rollout_ids", "instance_ids", "replaces_rollout_ids")
+RESTORE_ROW_CHUNK_TEXT_COLUMNS = ("group_ids", "dispositions", "rollout_ids", "instance_ids", "replaces_rollout_ids", "reasons")
 
 
 # Written by hand into the migration (autogenerate does not see functions or triggers); keep the

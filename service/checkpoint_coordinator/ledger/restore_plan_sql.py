@@ -11,11 +11,18 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..domain.restore_plan import may_run_in_gym
+from ..domain.restore_plan import REASON_CODES, may_run_in_gym
+from ..domain.vocabulary import RowReason
 from ..domain.vocabulary import AttemptStatus as A
 from ..domain.vocabulary import GroupStatus as G
 from ..domain.levels import RestoreLevel as L
 from .db import fetch
+
+_R = REASON_CODES
+_R_SEALED, _R_COHORT, _R_NEVER_SENT = _R[RowReason.sealed_at_cut], _R[RowReason.cohort_incomplete], _R[RowReason.never_sent]
+_R_FAILED, _R_IN_FLIGHT = _R[RowReason.failed_at_cut], _R[RowReason.in_flight_at_cut]
+_R_EXPORTED, _R_RESTART_ONLY = _R[RowReason.exported_by_gym], _R[RowReason.restart_only_server]
+_R_NOT_MAPPED = _R[RowReason.instance_not_mapped]
 
 # -------------------------------------------------------------------------------------------
 # The plan in SQL (the dispositions of ledger spec 6.1, set-based)
@@ -72,17 +79,21 @@ _PLAN_MANIFEST = (
     f"WHERE NOT m.saved OR sa.status = '{A.dispatched}' OR (sa.status = '{A.reserved}' AND sa.gym_attempt > 0)"
 )
 # The rows the plan sends (every live row but reused ones; with ``reused`` those too, code 1, with
-# their staging keys), in cut order, with their code; a turn-level row that is neither sealed nor
-# never sent is ``restarted`` (3) here, and continued or gym_restarted when the manifest lists it
-# (decided by the caller, see plan_in_sql).
+# their staging keys), in cut order, each with one number: its disposition code times 16 plus its
+# reason code (split in Python with two byte translations). A turn-level row that is neither
+# sealed nor never sent is ``restarted`` (3) here, with the reason ``%(tr)s`` (no Gym state, or
+# none restored), and continued or gym_restarted when the manifest lists it (decided by the
+# caller, see plan_in_sql).
 def _plan_rows_sql(reused: bool) -> str:
     return (
         "SELECT c.group_id, s.generation_index, s.attempt_id, s.rollout_id, s.gym_instance_id, s.gym_attempt, "
         + ("s.group_attempt, s.status, COALESCE(s.staging_keys, '{}'::text[]), " if reused else "s.group_attempt, s.status, ")
-        + "CASE WHEN c.bumped THEN 5 "
-        + (f"WHEN s.status = '{A.sealed}' THEN 1 " if reused else "")
-        + f"WHEN s.status = '{A.reserved}' AND (c.restore_level <> '{L.turn}' "
-        f"OR s.gym_attempt = 0) THEN 6 WHEN c.restore_level = '{L.turn}' THEN 3 ELSE 5 END "
+        + f"CASE WHEN c.bumped THEN {5 * 16 + _R_COHORT} "
+        + (f"WHEN s.status = '{A.sealed}' THEN {1 * 16 + _R_SEALED} " if reused else "")
+        + f"WHEN s.status = '{A.reserved}' AND (c.restore_level <> '{L.turn}' OR s.gym_attempt = 0) THEN {6 * 16 + _R_NEVER_SENT} "
+        f"WHEN c.restore_level = '{L.turn}' AND s.status IN ('{A.failed}', '{A.abandoned}') THEN {3 * 16 + _R_FAILED} "
+        f"WHEN c.restore_level = '{L.turn}' THEN 48 + %(tr)s::int "
+        f"WHEN s.status IN ('{A.failed}', '{A.abandoned}') THEN {5 * 16 + _R_FAILED} ELSE {5 * 16 + _R_IN_FLIGHT} END "
         "FROM (SELECT group_id, restore_level, siblings, group_id = ANY(%(bumped)s::text[]) AS bumped FROM snapshot_cut_groups "
         f"WHERE run_id = %(r)s AND snapshot_id = %(s)s AND status IN ('{G.generating}', '{G.ready}')) AS c "
         "CROSS JOIN LATERAL unnest(c.siblings) AS s"
@@ -94,6 +105,8 @@ def _plan_rows_sql(reused: bool) -> str:
 _PLAN_SEND = _plan_rows_sql(False)
 _PLAN_ALL = _plan_rows_sql(True)
 _CONTINUED, _RESTARTED, _GYM_RESTARTED = 2, 3, 4
+_HIGH = bytes(b >> 4 for b in range(256))
+_LOW = bytes(b & 15 for b in range(256))
 
 
 @dataclass(frozen=True)
@@ -102,20 +115,31 @@ class SqlPlan:
 
     rows: list[tuple[Any, ...]]  # CutAttempt's first eight fields of every row sent (nine: staging keys too)
     codes: bytes  # the disposition code of each row
+    reasons: bytes  # the reason code of each row
     reused: int  # live rows left out (sealed, reused)
     cohort_reruns: list[str]
     skipped_groups: list[str]
 
 
 async def plan_in_sql(
-    conn: AsyncConnection, run_id: str, snapshot_id: str, manifest: Any | None, *, include_reused: bool = False
+    conn: AsyncConnection,
+    run_id: str,
+    snapshot_id: str,
+    manifest: Any | None,
+    *,
+    include_reused: bool = False,
+    gym_state: bool = True,
+    mapped: frozenset[str] | None = None,
 ) -> SqlPlan | None:
     """The restore plan of a snapshot computed from its cut with set-based statements, as the
     first statements of a transaction (made repeatable-read and read-only): the dispositions of
     ledger spec 6.1 (``tests/oracles/restore_plan.py`` is the reference, compared on random
     ledgers by a differential test) for the rows that are sent (``include_reused``: every live
-    row), and how many live rows are reused and left out. ``manifest`` (a ``GymManifest``, or None when no Gym state
-    is installed) decides continued and gym_restarted turn-level rows.
+    row), with the reason of each (section 6.2), and how many live rows are reused and left out.
+    ``manifest`` (a ``GymManifest``, or None when no Gym state is installed) decides continued and
+    gym_restarted turn-level rows; ``gym_state`` false: a restore without Gym state (its
+    restarts say so); ``mapped``: the saved instances an instance map keeps (the exported
+    episodes of the others restart, ``instance_not_mapped``).
 
     The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
     when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
@@ -133,9 +157,11 @@ async def plan_in_sql(
     if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
         return None
     bumped = sorted(bumped)
-    rows = await fetch(conn, _PLAN_ALL if include_reused else _PLAN_SEND, {**p, "bumped": bumped}, binary=False)
+    turn_reason = _R[RowReason.no_gym_state] if gym_state else _R[RowReason.gym_not_restored]
+    rows = await fetch(conn, _PLAN_ALL if include_reused else _PLAN_SEND, {**p, "bumped": bumped, "tr": turn_reason}, binary=False)
     width = 9 if include_reused else 8
-    codes = bytearray(r[width] for r in rows)
+    both = bytes(r[width] for r in rows)
+    codes, reasons = bytearray(both.translate(_HIGH)), bytearray(both.translate(_LOW))
     entries: dict[str, tuple[str, int, bool]] = {}
     if manifest is not None:
         for iid, inst in manifest.instances.items():
@@ -156,9 +182,14 @@ async def plan_in_sql(
             if e[2]:
                 if not may_run_in_gym(a[7], a[5]):
                     return None
-                codes[m.start()] = _CONTINUED
+                if mapped is None or e[0] in mapped:
+                    codes[m.start()] = _CONTINUED
+                    reasons[m.start()] = _R_EXPORTED
+                else:
+                    reasons[m.start()] = _R_NOT_MAPPED
             else:
                 codes[m.start()] = _GYM_RESTARTED
+                reasons[m.start()] = _R_RESTART_ONLY
             del left[a[3]]
         if left:
             mi = [e[0] for e in left.values()]
@@ -172,6 +203,6 @@ async def plan_in_sql(
         picked = [(*r[:8], tuple(r[8])) for r in rows]
     else:
         picked = [r[:8] for r in rows]
-    return SqlPlan(picked, bytes(codes), int(live_rows) - len(rows), list(bumped), list(skipped))
+    return SqlPlan(picked, bytes(codes), bytes(reasons), int(live_rows) - len(rows), list(bumped), list(skipped))
 
 

@@ -147,13 +147,14 @@ class AnswerRows:
     group_attempts: list[int] = field(default_factory=list)
     instance_ids: list[str | None] = field(default_factory=list)
     replaces_rollout_ids: list[str | None] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.group_ids)
 
     def append(
         self, group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
-        instance_id: str | None, replaces: str | None,
+        instance_id: str | None, replaces: str | None, reason: str,
     ) -> None:
         self.group_ids.append(group_id)
         self.generation_indexes.append(index)
@@ -163,6 +164,7 @@ class AnswerRows:
         self.group_attempts.append(group_attempt)
         self.instance_ids.append(instance_id)
         self.replaces_rollout_ids.append(replaces)
+        self.reasons.append(reason)
 
     def page(self, start: int, stop: int) -> list[dict[str, Any]]:
         """Rows ``start``..``stop - 1`` as the JSON rows of the answer."""
@@ -171,14 +173,14 @@ class AnswerRows:
             for cols in zip(
                 self.group_ids[start:stop], self.generation_indexes[start:stop], self.dispositions[start:stop],
                 self.rollout_ids[start:stop], self.gym_attempts[start:stop], self.group_attempts[start:stop],
-                self.instance_ids[start:stop], self.replaces_rollout_ids[start:stop],
+                self.instance_ids[start:stop], self.replaces_rollout_ids[start:stop], self.reasons[start:stop],
             )
         ]
 
 
 def answer_row_json(
     group_id: str, index: int, disposition: str, rollout_id: str, gym_attempt: int, group_attempt: int,
-    instance_id: str | None, replaces: str | None,
+    instance_id: str | None, replaces: str | None, reason: str | None = None,
 ) -> dict[str, Any]:
     return {
         "group_id": group_id,
@@ -190,12 +192,13 @@ def answer_row_json(
         "group_attempt": group_attempt,
         "instance_id": instance_id,
         "replaces_rollout_id": replaces,
+        "reason": reason or None,
     }
 
 
 _CHUNK_COLUMNS = (
     "group_ids", "generation_indexes", "dispositions", "rollout_ids", "gym_attempts", "group_attempts", "instance_ids",
-    "replaces_rollout_ids",
+    "replaces_rollout_ids", "reasons",
 )
 
 
@@ -256,6 +259,8 @@ async def read_answer_rows(conn: AsyncConnection, run_id: str, restore_id: str, 
     )
     out: list[dict[str, Any]] = []
     for chunk, *cols in chunks:
+        # A chunk stored before rows carried a reason has none.
+        cols = [c if c is not None else [None] * len(cols[0]) for c in cols]
         base = chunk * per
         lo, hi = max(start - base, 0), min(start + limit - base, len(cols[0]))
         out.extend(answer_row_json(*row) for row in zip(*(c[lo:hi] for c in cols)))

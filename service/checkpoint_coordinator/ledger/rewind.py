@@ -53,6 +53,10 @@ class Rewind:
     bumped_groups: list[str] = field(default_factory=list)
     # retires owed on Gym (instance None: every registered instance)
     retire: list[RetireItem] = field(default_factory=list)
+    # {saved instance: live instance}: continued rows move to the live instance (section 6.1)
+    instance_map: dict[str, str] = field(default_factory=dict)
+    # A restore with an instance map: retires go only to registered instances.
+    into_other_topology: bool = False
 
     def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int) -> None:
         self.new_old_ids.append(int(old_id))
@@ -416,7 +420,7 @@ async def _unknown_attempts(c: _Rewinding) -> None:
     await c.conn.execute(text("ANALYZE restore_unknown"))
     c.touched.update((await c.conn.execute(text("SELECT DISTINCT group_id FROM restore_unknown"))).scalars())
     # ... any of them that may still run in Gym is retired first (and the plan's retires).
-    c.report.retires_queued = await _queue_retires(c.conn, c.r, c.retire)
+    c.report.retires_queued = await _queue_retires(c.conn, c.r, c.retire, registered_only=c.rw.into_other_topology)
 
 
 async def _supersede_continued(c: _Rewinding) -> None:
@@ -582,6 +586,14 @@ async def _focus_rows(c: _Rewinding) -> None:
                 "AND NOT (sa.attempt_id = ANY(%(cid)s::bigint[]))",
                 {**c.p, "cid": c.rw.continued_ids, "g": scan_groups},
             )
+    if c.rw.instance_map:
+        # A continuation lives on the live instance its saved instance maps to.
+        await execute_binary(
+            c.conn,
+            "UPDATE restore_focus f SET gym_instance_id = m.live FROM unnest(%(saved)s::text[], %(live)s::text[]) AS m(saved, live) "
+            "WHERE f.cont AND f.gym_instance_id = m.saved",
+            {"saved": list(c.rw.instance_map), "live": list(c.rw.instance_map.values())},
+        )
     await c.conn.execute(text("CREATE UNIQUE INDEX ON restore_focus (attempt_id)"))
     await c.conn.execute(text("ANALYZE restore_focus"))
     # From here every statement starts at restore_focus (whose size the planner now knows) or
@@ -714,7 +726,7 @@ _STEPS = (
 )
 
 
-async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem]) -> int:
+async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[RetireItem], *, registered_only: bool = False) -> int:
     """Retire items for the unknown live attempts that may still run in Gym (``restore_unknown``)
     and for ``extra``; an attempt that ran on no known instance is retired on every instance. A
     retire already queued for the same rollout (at this attempt or later) is not queued again.
@@ -723,8 +735,11 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
     # Through the driver with binary arrays: ``extra`` is every row the cut knows as running when
     # Gym keeps running (a large share of the cut), which as text parameters psycopg escapes
     # element by element in Python.
+    # Into another topology (an instance map) the saved instances are gone: a retire for one that
+    # is no longer registered would wait for it forever.
+    only = " WHERE instance_id IN (SELECT instance_id FROM gym_instances WHERE run_id = %(r)s)" if registered_only else ""
     ins = outbox.insert_items_sql(
-        "SELECT %(r)s, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items", skip_if_pending=True
+        "SELECT %(r)s, instance_id, 'retire', rollout_id, gym_attempt, attempt_id, 'retire' FROM items" + only, skip_if_pending=True
     )
     ((queued,),) = await fetch(
         conn,

@@ -65,6 +65,14 @@ class TopologyDiffers(Conflict):
     code, title = "gym_topology_mismatch", "Live Gym topology differs from the snapshot's"
 
 
+class InstanceMapInvalid(CoordinatorError):
+    code, status, title = "instance_map_invalid", 422, "The instance map is not a one-to-one map"
+
+
+class InstanceMapUnknown(Conflict):
+    code, title = "instance_map_unknown_instance", "The instance map names an instance the restore does not know"
+
+
 class ManifestDisagrees(Conflict):
     code, title = "gym_manifest_disagrees_with_ledger", "The Gym manifest disagrees with the ledger cut"
 

@@ -15,9 +15,9 @@ from ..gym.channel import CallFailed
 from ..gym.client import GymControlClient
 from ..gym.models import InstanceSpec, InstanceTopology, Participant
 from ..gym_runtime import instance_client_specs, make_client
-from ..ledger.gym_registry import issued_gym_ids
+from ..ledger.gym_registry import issued_gym_ids, registered_instance_ids
 
-__all__ = ["make_client", "probe_freshness", "registered_specs"]
+__all__ = ["make_client", "probe_freshness", "registered_instance_ids", "registered_specs"]
 
 # Informational readiness counters that, when positive, show live data-plane work.
 _LIVE_COUNTS = frozenset(

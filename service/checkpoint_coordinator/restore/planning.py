@@ -66,9 +66,11 @@ def row_json(r: PlanRow, *, include_staging_keys: bool = False) -> dict[str, Any
         r.rollout_id,
         r.gym_attempt,
         r.group_attempt,
-        # Set only for continuations: they must go to the instance holding their Gym state.
-        r.instance_id if r.disposition is Disposition.continued else None,
+        # Continuations must go to the instance holding their Gym state; under an instance map
+        # every other row names the live instance of its even share, else any instance takes it.
+        r.instance_id if r.disposition is not Disposition.reused else None,
         r.replaces_rollout_id,
+        r.reason.value if r.reason is not None else None,
     )
     if include_staging_keys:
         out["staging_keys"] = list(r.staging_keys)
@@ -77,6 +79,10 @@ def row_json(r: PlanRow, *, include_staging_keys: bool = False) -> dict[str, Any
 
 def rows_to_send(rows: Iterable[PlanRow]) -> Iterator[PlanRow]:
     return (r for r in rows if r.disposition is not Disposition.reused)
+
+
+def reasons_json(plan: RestorePlan) -> dict[str, dict[str, int]]:
+    return plan.reasons()
 
 
 def counts_json(plan: RestorePlan) -> dict[str, int]:

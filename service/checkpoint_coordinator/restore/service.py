@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,15 @@ from ..domain.cut import Cut
 from ..domain.cut_checks import cut_issues, manifest_disagreements
 from ..domain.errors import CutError, FieldIssue, ManifestError, ManifestLedgerMismatch, PlanError, TopologyMismatch
 from ..domain.gym_manifest import GymManifest, dump_gym_manifest, load_gym_manifest
-from ..domain.restore_plan import Disposition, RestorePlan, RetireItem, assemble_plan, demote_continuations
-from ..domain.restore_topology import compare_instance_sets, require_restorable_topology
+from ..domain.restore_plan import Disposition, Placement, RestorePlan, RetireItem, assemble_plan, demote_continuations
+from ..domain.restore_topology import (
+    compare_instance_sets,
+    instance_map_pairs,
+    remap_manifest,
+    require_restorable_topology,
+    unknown_in_map,
+)
+from ..domain.vocabulary import RowReason
 from ..errors import Conflict, CoordinatorError, RunClosed
 from ..gym.errors import GymControlError
 from ..gym.models import parse_capture_key
@@ -52,6 +59,8 @@ from ..recovery_config import domain_problem
 from .errors import (
     GymFailure,
     GymNotFresh,
+    InstanceMapInvalid,
+    InstanceMapUnknown,
     ManifestDisagrees,
     NoCompatibleSnapshot,
     RestoreConflict,
@@ -62,7 +71,7 @@ from .errors import (
     SnapshotUnusable,
     TopologyDiffers,
 )
-from .gym_access import make_client, probe_freshness, registered_specs
+from .gym_access import make_client, probe_freshness, registered_instance_ids, registered_specs
 from .planning import (
     METRIC_DISPOSITIONS,
     NEW_ATTEMPT_DISPOSITIONS,
@@ -137,6 +146,8 @@ class Planned:
     retire: list[RetireItem]
     # The snapshot of the discarded lineage this restore aborted (section 6.7), if one was open.
     aborted_snapshot: str | None = None
+    # {saved instance: live instance} of a restore into another topology (section 6.1).
+    instance_map: dict[str, str] | None = None
 
     def retire_candidates(self) -> list[RetireItem]:
         """The attempts of live groups the cut knows as possibly running in Gym (6.6): every such
@@ -185,23 +196,43 @@ async def load_and_plan(
     step: int | None,
     with_gym_state: bool,
     include_reused: bool = False,
+    instance_map: Mapping[str, str] | None = None,
 ) -> Planned:
     """The plan of a restore, computed in the ledger (``plan_sql.plan_in_sql``, set-based);
     ``plan.rows`` carries every row but the reused ones unless ``include_reused``. A cut or
-    manifest the planner finds wrong is refused with the errors that name what is wrong."""
+    manifest the planner finds wrong is refused with the errors that name what is wrong.
+    ``instance_map`` (section 6.1): checked against the snapshot and the registered instances,
+    the exported episodes of unmapped saved instances restart, the rows are placed on the live
+    instances."""
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
+        live_ids = sorted(await registered_instance_ids(conn, run_id)) if instance_map is not None else []
     cfg = run_config(run.config)
     manifest = load_manifest(snap)
+    mapped: frozenset[str] | None = None
+    if instance_map is not None:
+        if manifest is not None:
+            _require_known(instance_map, manifest.instances, live_ids)
+        mapped = frozenset(instance_map)
     async with engine.begin() as conn:
-        sp = await plan_sql.plan_in_sql(conn, run_id, snap.snapshot_id, manifest if with_gym_state else None, include_reused=include_reused)
+        sp = await plan_sql.plan_in_sql(
+            conn, run_id, snap.snapshot_id, manifest if with_gym_state else None, include_reused=include_reused,
+            gym_state=with_gym_state, mapped=mapped,
+        )
     if sp is None:
         async with engine.connect() as conn:
             cut, _ = await reads.load_cut(conn, run_id, snap.snapshot_id)
         raise unplannable(cut, manifest if with_gym_state else None, snap.snapshot_id)
     minter = rollout_minter(run_id, snap.snapshot_id, run.epoch)
     rows = sp.rows
+    placement = None
+    if instance_map is not None:
+        if manifest is None:
+            # No manifest names the saved instances: those the cut's rows ran on do.
+            _require_known(instance_map, {a[4] for a in rows if a[4] is not None}, live_ids)
+        # (No live instance at all: the map is empty, and there is nothing to spread over.)
+        placement = Placement(dict(instance_map), tuple(live_ids)) if live_ids else None
     try:
         plan = assemble_plan(
             rows,
@@ -211,17 +242,49 @@ async def load_and_plan(
             skipped_groups=sp.skipped_groups,
             reused=sp.reused,
             with_gym_state=with_gym_state,
+            reasons=sp.reasons,
+            placement=placement,
         )
     except PlanError as e:
         raise refusal_of(e, snap.snapshot_id) from e
+    imap = dict(instance_map) if instance_map is not None else None
     # The rows a plan carries are every live row the cut knows as possibly running in Gym (only
     # sealed rows are left out), so the retires come from them.
     cut = Cut(groups=(), attempts=rows)
     if not with_gym_state:
-        return Planned(run, cfg, snap, cut, manifest, plan, False, "with_gym_state is false", list(plan.retire))
+        return Planned(run, cfg, snap, cut, manifest, plan, False, "with_gym_state is false", list(plan.retire), instance_map=imap)
     if manifest is None:
-        return Planned(run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows))
-    return Planned(run, cfg, snap, cut, manifest, plan, True, None, [])
+        return Planned(
+            run, cfg, snap, cut, manifest, plan, False, "the snapshot holds no Gym state", live_retire_items(rows), instance_map=imap
+        )
+    if imap is not None and not imap:
+        # Nothing is installed: every exported episode restarts (instance_not_mapped), and what
+        # the cut knows as running is retired where it still can be (section 6.6).
+        return Planned(
+            run, cfg, snap, cut, manifest, plan, False, "the instance map maps no saved instance", live_retire_items(rows), instance_map=imap
+        )
+    return Planned(run, cfg, snap, cut, manifest, plan, True, None, [], instance_map=imap)
+
+
+def _require_known(instance_map: Mapping[str, str], saved: Iterable[str], live: Iterable[str]) -> None:
+    issues = unknown_in_map(instance_map, saved, live)
+    if issues:
+        raise InstanceMapUnknown(
+            "; ".join(i.message for i in issues),
+            unknown_saved_instances=next((list(i.instances) for i in issues if i.kind == "unknown_saved"), []),
+            unknown_live_instances=next((list(i.instances) for i in issues if i.kind == "unknown_live"), []),
+        )
+
+
+def parse_instance_map(entries: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """``{saved: live}`` from the pairs a request gives, refused when it is not one-to-one."""
+    out, issues = instance_map_pairs(entries)
+    if issues:
+        raise InstanceMapInvalid(
+            "; ".join(i.message for i in issues),
+            errors=[{"field": "instance_map", "message": i.message, "kind": i.kind, "instances": list(i.instances)} for i in issues],
+        )
+    return out
 
 
 def _snapshot_fields(p: Planned) -> dict[str, Any]:
@@ -245,6 +308,7 @@ async def preview_plan(
     disposition: str | None,
     cursor: int,
     limit: int,
+    instance_map: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The plan a restore of this snapshot would apply now (``GET /restore-plan``)."""
     p = await load_and_plan(
@@ -254,6 +318,7 @@ async def preview_plan(
         step=step,
         with_gym_state=with_gym_state,
         include_reused=include_reused or disposition == Disposition.reused.value,
+        instance_map=instance_map,
     )
     wanted = Disposition(disposition) if disposition else None
     rows = (
@@ -280,6 +345,8 @@ async def preview_plan(
         "epoch": p.run.epoch,
         "total": p.plan.total,
         "counts": counts_json(p.plan),
+        "reasons": p.plan.reasons(),
+        "instance_map": p.instance_map,
         "cohort_reruns": sorted(p.plan.cohort_reruns),
         "skipped_groups": len(p.plan.skipped_groups),
         "retires": len(p.retire),
@@ -299,9 +366,15 @@ class RestoreRequest:
     snapshot_id: str | None
     step: int | None
     with_gym_state: bool
+    instance_map: Mapping[str, str] | None = None
 
     def stored(self) -> dict[str, Any]:
-        return {"snapshot_id": self.snapshot_id, "step": self.step, "with_gym_state": self.with_gym_state}
+        return {
+            "snapshot_id": self.snapshot_id,
+            "step": self.step,
+            "with_gym_state": self.with_gym_state,
+            "instance_map": dict(self.instance_map) if self.instance_map is not None else None,
+        }
 
 
 class _BeforeGym(Exception):
@@ -361,7 +434,9 @@ async def execute_restore(
     if run.state != "open":
         raise RunClosed(f"run {run_id!r} is closed")
     aborted = await end_discarded_snapshot(engine, run_id, abort_local=abort_local, wait_s=snapshot_wait_s)
-    p = await load_and_plan(engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state)
+    p = await load_and_plan(
+        engine, run_id, snapshot_id=req.snapshot_id, step=req.step, with_gym_state=req.with_gym_state, instance_map=req.instance_map
+    )
     p.aborted_snapshot = aborted
     claimed = await records.claim_restore(
         engine, run_id, req.restore_id, p.snap.snapshot_id, req.with_gym_state, req.stored(), stale_after_s=_stale_after_s(p.cfg)
@@ -530,10 +605,17 @@ async def _gym_restore(
     transport: httpx.AsyncBaseTransport | None,
     gym: dict[str, Any],
 ) -> tuple[Any, RestoreResult | None, dict[str, Any], RestorePlan, list[RetireItem]]:
+    assert p.manifest is not None
+    # Under an instance map each mapped live instance takes its saved instance's state, read from
+    # the saved instance's directory; the other live instances start empty.
+    saved_of: dict[str, str] = {}
     manifest = p.manifest
-    assert manifest is not None
     async with engine.connect() as conn:
         specs, issued = await registered_specs(conn, run_id)
+    if p.instance_map is not None:
+        manifest = remap_manifest(manifest, p.instance_map)
+        saved_of = {live: saved for saved, live in p.instance_map.items()}
+        specs = [x for x in specs if x.instance_id in saved_of]
     diff = compare_instance_sets(manifest, (s.instance_id for s in specs))
     if not diff.equal:
         raise _BeforeGym(
@@ -572,11 +654,18 @@ async def _gym_restore(
                 )
                 if names
             }
+            detail = "; ".join(str(i) for i in e.issues)
+            if saved_of:
+                detail = "; ".join(
+                    f"participants of saved instance {saved_of[iid]} are not live on its mapped instance {iid}: {', '.join(names)}"
+                    for iid, names in sorted(missing.items())
+                ) or detail
             raise _BeforeGym(
                 TopologyDiffers(
-                    "; ".join(str(i) for i in e.issues),
+                    detail,
                     code="gym_participants_missing",
                     missing_participants=missing,
+                    **({"saved_instances": {iid: saved_of[iid] for iid in missing}} if saved_of else {}),
                     errors=[{"field": i.path or "instances", "message": i.message} for i in e.issues],
                 )
             ) from None
@@ -584,7 +673,9 @@ async def _gym_restore(
         if stale:
             raise _BeforeGym(_not_fresh(stale))
         try:
-            result = await client.restore(dump_gym_manifest(manifest), live, p.snap.snapshot_dir, resume=False)
+            result = await client.restore(
+                dump_gym_manifest(manifest), live, p.snap.snapshot_dir, resume=False, instance_dirs=saved_of or None
+            )
         except GymControlError as exc:
             if "restore_id" not in exc.extra:
                 # Refused before any restore call (re-discovery, topology, a busy participant).
@@ -664,7 +755,9 @@ def _rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, i
     # Columns straight from the plan's columns: a large plan has many such rows,
     # and building a PlanRow for each only to take it apart again cost a second.
     rw = rewind.Rewind(snapshot_id=p.snap.snapshot_id, retire=list(retire), bumped_groups=list(plan.cohort_reruns))
+    rw.into_other_topology = p.instance_map is not None
     if installed:
+        rw.instance_map = dict(p.instance_map or {})
         c = plan.rows.columns(Disposition.continued)
         rw.continued_ids = list(map(int, c.attempt_id))
         rw.continued_rollouts = list(c.rollout_id)
@@ -689,10 +782,11 @@ def _answer(
 ) -> tuple[dict[str, Any], records.AnswerRows]:
     """The answer without its rows (``rows_total`` of them), and the rows, in plan order."""
     counts = counts_json(plan)
+    reasons = plan.reasons()
     c = plan.rows.sent_columns()
     rows = records.AnswerRows(
         c.group_id, c.generation_index, c.disposition, c.rollout_id, c.gym_attempt, c.group_attempt, c.instance_id,
-        c.replaces_rollout_id,
+        c.replaces_rollout_id, c.reason,
     )
     if report.after_cut:
         # Rows sent under their old identity whose attempt reached Gym after the cut: new ids.
@@ -703,11 +797,14 @@ def _answer(
                 continue
             counts["dispatch"] -= 1
             counts[adj.disposition] += 1
+            _move_reason(reasons, (Disposition.dispatch.value, rows.reasons[k]), (adj.disposition, RowReason.sent_after_cut.value))
+            rows.reasons[k] = RowReason.sent_after_cut.value
             rows.dispositions[k] = adj.disposition
             rows.rollout_ids[k] = adj.rollout_id
             rows.gym_attempts[k] = 0
             rows.group_attempts[k] = adj.group_attempt
-            rows.instance_ids[k] = None
+            if p.instance_map is None:
+                rows.instance_ids[k] = None
             rows.replaces_rollout_ids[k] = adj.replaces_rollout_id
     summary = {
         "restore_id": req.restore_id,
@@ -719,6 +816,8 @@ def _answer(
         "gym": gym,
         "total": plan.total,
         "counts": counts,
+        "reasons": reasons,
+        "instance_map": p.instance_map,
         "cohort_reruns": sorted(set(plan.cohort_reruns) | set(report.bumped_after_cut)),
         "dispatched_after_cut": len(report.after_cut),
         "retires_queued": report.retires_queued,
@@ -728,6 +827,20 @@ def _answer(
         "rows_total": len(rows),
     }
     return summary, rows
+
+
+def _move_reason(reasons: dict[str, dict[str, int]], old: tuple[str, str], new: tuple[str, str]) -> None:
+    """One row of the summary's reasons moves from (disposition, reason) ``old`` to ``new``."""
+    d, why = old
+    left = reasons.get(d, {}).get(why, 0) - 1
+    if left > 0:
+        reasons[d][why] = left
+    else:
+        reasons.get(d, {}).pop(why, None)
+        if d in reasons and not reasons[d]:
+            del reasons[d]
+    d, why = new
+    reasons.setdefault(d, {})[why] = reasons.get(d, {}).get(why, 0) + 1
 
 
 def _with_page(summary: dict[str, Any], page: list[dict[str, Any]], cursor: int) -> dict[str, Any]:
