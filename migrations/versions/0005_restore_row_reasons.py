@@ -3,8 +3,8 @@
 Every row a restore answers carries a reason (ledger spec 6.2); the stored answer chunks get a
 column of them. Chunks stored before have none (their rows answer a null reason).
 
-Revision ID: 0004_row_reasons
-Revises: 0003
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-12-02 03:30:00
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = '0004_row_reasons'
-down_revision = '0003'
+revision = '0005'
+down_revision = '0004'
 branch_labels = None
 depends_on = None
 
