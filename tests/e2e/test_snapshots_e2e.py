@@ -264,6 +264,11 @@ async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(clien
             assert saved, full["gym_manifest"]
         else:
             assert saved == set()
+        # The slowest participant of each control call (ledger 5.2): one of this instance's
+        # participants, with a duration, for every operation the snapshot sent.
+        participants = set(full["gym_manifest"]["instances"][iid]["participants"])
+        assert {"prepare", "commit", "resume"} <= set(figures["slowest"]), figures
+        assert all(v["participant"] in participants and v["seconds"] > 0 for v in figures["slowest"].values()), figures
         outside = figures["exported_outside_scope"]
         coarse_in_flight = level in ("sibling", "prompt_group", "mixed")
         assert (outside > 0) == (profile == "published" and coarse_in_flight), figures

@@ -20,6 +20,7 @@ from .clock import Clock
 from .errors import FailureClass, ServerFailure, classify, normalize_code, server_failure
 from ..observability.metrics import observe_gym_control
 from .models import _Reply
+from .timings import record_call
 
 __all__ = [
     "CONTROL_PREFIX",
@@ -126,7 +127,9 @@ class ControlChannel:
             outcome = exc.part["class"]
             raise
         finally:
-            observe_gym_control(op, target.kind, outcome, time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            observe_gym_control(op, target.kind, outcome, elapsed)
+            record_call(target.instance_id, op, target.server_name, elapsed)
 
     async def get_status(self, target: Target, timeout_s: float) -> tuple[int, bytes]:
         """GET status with the discovery budget; the caller interprets 404 and the body."""

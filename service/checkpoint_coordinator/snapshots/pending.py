@@ -39,6 +39,7 @@ from ..domain.snapshot_state import (
 from ..gym.errors import GymControlError
 from ..gym.models import Episode
 from ..gym.save import GymSave
+from ..gym.timings import SlowestCalls, recording
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import snapshots as repo
 from ..ledger.db import classify_database_error
@@ -122,6 +123,7 @@ class PendingSnapshot:
         self.abort_reason: SnapshotReason | None = None
         self.fenced: Fenced | None = None
         self.timings: dict[str, float] = {}
+        self.slowest = SlowestCalls()
         self.done = asyncio.Event()
         self._interrupt = asyncio.Event()
         self._wake = asyncio.Event()
@@ -157,7 +159,8 @@ class PendingSnapshot:
         metrics.SNAPSHOTS_IN_PROGRESS.inc()
         watcher = asyncio.create_task(self._watch(), name=f"snapshot-watch-{self.run_id}-{self.snapshot_id}")
         try:
-            await self._drive()
+            with recording(self.slowest):
+                await self._drive()
         except Fenced as e:
             await self._stop_fenced(e)
         except asyncio.CancelledError:
@@ -253,7 +256,7 @@ class PendingSnapshot:
         detail: dict[str, Any] = {
             "warnings": list(result.warnings),
             "drained": drained,
-            "gym": {iid: ic.figures() for iid, ic in sorted(commit.instances.items())},
+            "gym": {iid: {**ic.figures(), "slowest": self.slowest.of_instance(iid)} for iid, ic in sorted(commit.instances.items())},
         }
         for ic in commit.instances.values():
             for kind, n in ic.outside_scope.items():
