@@ -251,6 +251,24 @@ class Api:
         items = doc.get("snapshots", doc.get("items", [])) if isinstance(doc, Mapping) else doc
         return [Snapshot.parse(s) for s in (items if isinstance(items, list) else [])]
 
+    def snapshot_history(self, limit: int | None) -> Flow[list[Snapshot]]:
+        """The run's snapshots newest first, ``limit`` of them (None: all), pages joined."""
+        if limit is not None and limit < 1:
+            raise ValueError("limit must be >= 1")
+        out: list[Snapshot] = []
+        before: str | None = None
+        while limit is None or len(out) < limit:
+            params: dict[str, Any] = {"limit": min(SNAPSHOT_PAGE_ROWS, limit - len(out)) if limit is not None else SNAPSHOT_PAGE_ROWS}
+            if before is not None:
+                params["before"] = before
+            doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots"), params=params))
+            items = doc.get("snapshots") if isinstance(doc, Mapping) else None
+            out.extend(Snapshot.parse(s) for s in (items if isinstance(items, list) else []))
+            before = _str_or_none(doc.get("next_before")) if isinstance(doc, Mapping) else None
+            if before is None or not items:
+                break
+        return out
+
     def abort_snapshot(self, snapshot_id: str, reason: str, detail: str | None, wait: bool, timeout: float, poll_interval: float) -> Flow[Snapshot]:
         """Give up a snapshot that has not had its capture reported; with ``wait``, until it has
         ended (its owner resumes Gym and reopens the gate first). A snapshot whose capture was
@@ -449,6 +467,12 @@ class Api:
 
 #: Rows per page of a joined restore plan (the server's maximum).
 PLAN_PAGE_ROWS = 100_000
+#: Snapshots per page of the history (the server's maximum).
+SNAPSHOT_PAGE_ROWS = 500
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _wants_barrier(snap: Snapshot) -> bool:

@@ -251,6 +251,12 @@ class AsyncCoordinatorClient:
     async def list_snapshots(self) -> list[Snapshot]:
         return await self._drive(self._api.list_snapshots())
 
+    async def snapshot_history(self, *, limit: int | None = None) -> list[Snapshot]:
+        """The run's snapshots, newest first, with their phase timings, outcome, reason and
+        per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
+        pages are joined."""
+        return await self._drive(self._api.snapshot_history(limit))
+
     async def abort_snapshot(
         self,
         snapshot_id: str,

@@ -266,6 +266,12 @@ class CoordinatorClient:
     def list_snapshots(self) -> list[Snapshot]:
         return self._drive(self._api.list_snapshots())
 
+    def snapshot_history(self, *, limit: int | None = None) -> list[Snapshot]:
+        """The run's snapshots, newest first, with their phase timings, outcome, reason and
+        per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
+        pages are joined."""
+        return self._drive(self._api.snapshot_history(limit))
+
     def abort_snapshot(
         self,
         snapshot_id: str,
