@@ -184,3 +184,60 @@ def test_instance_map_parsing() -> None:
         "math/replica-0": "job-2/gym-0",
         "math/replica-1": "job-2/gym-1",
     }
+
+
+def test_plan_with_reasons_gets_a_reason_table_and_rows_say_why() -> None:
+    from ckpt_client import RestorePlan
+    from ckpt_client.ops import render_plan
+
+    plan = RestorePlan.parse(
+        {
+            "snapshot_id": "s9",
+            "anchor_step": 4,
+            "data_plane_ref": {"path": "/ckpt/dp.json", "digest": "sha256:ab"},
+            "counts": {"reused": 0, "continued": 1, "restarted": 1, "gym_restarted": 0, "rerun": 0, "dispatch": 0},
+            "reasons": {"continued": {"exported_by_gym": 1}, "restarted": {"instance_not_mapped": 1}},
+            "rows": [
+                {"group_id": "g", "generation_index": 0, "disposition": "continued", "rollout_id": "r0", "gym_attempt": 2, "instance_id": "new-0", "reason": "exported_by_gym"},
+                {"group_id": "g", "generation_index": 1, "disposition": "restarted", "rollout_id": "r1", "gym_attempt": 0, "reason": "instance_not_mapped"},
+            ],
+        }
+    )
+    text = render_plan("run-x", plan, instance_map={"old-0": "new-0"})
+    assert "rows per reason" in text and "not reported" not in text
+    reason_lines = [line.split() for line in text.split("rows per reason", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert ["continued", "exported_by_gym", "1"] in reason_lines and ["restarted", "instance_not_mapped", "1"] in reason_lines
+    assert "old-0 -> new-0" in text
+    row_lines = [line.split() for line in text.split("rows to send", 1)[1].splitlines()]
+    assert ["r0", "g", "0", "continued", "exported_by_gym", "2", "new-0"] in row_lines
+
+
+def test_snapshot_history_shows_a_stop_and_the_slowest_participants() -> None:
+    from ckpt_client import Snapshot
+    from ckpt_client.ops import render_snapshots
+
+    snap = Snapshot.parse(
+        {
+            "snapshot_id": "stop-1",
+            "anchor_step": 7,
+            "outcome": "published",
+            "reason": "ok",
+            "stop": True,
+            "deadline_s": 90,
+            "phase_timings": {"gate": 0.01, "prepare": 0.2, "commit": 0.3, "total": 0.9},
+            "gym_parked_seconds": 0.5,
+            "detail": {
+                "gym": {
+                    "job-1/gym-0": {
+                        "participants": 3, "exported": 5, "exported_outside_scope": 0, "restarts": 1, "staging_keys": 5,
+                        "stop_supported": False, "slowest": {"prepare": {"participant": "workplace_agent", "seconds": 0.18}},
+                    }
+                }
+            },
+        }
+    )
+    text = render_snapshots("run-x", [snap])
+    assert "stop 90s, not honoured" in text
+    assert "gym job-1/gym-0: 3 participants, 5 exported (0 outside the scope), 1 restarts, 5 staging keys" in text
+    assert "slowest: prepare workplace_agent 0.18s" in text
+    assert "phases: gate 0.01s, prepare 0.20s, commit 0.30s" in text
