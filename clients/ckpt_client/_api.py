@@ -386,6 +386,11 @@ class Api:
         body = {"instances": [row_json(i, "GymInstance") for i in instances]}
         return GymRegistration.parse((yield from self._call(RequestSpec("POST", self._run_path("/gym-instances"), body))))
 
+    def unregister_gym_instance(self, instance_id: str) -> Flow[None]:
+        # Instance ids hold '/' as a separator: the route takes the rest of the path.
+        path = self._run_path("/gym-instances/" + "/".join(_seg(p) for p in instance_id.split("/")))
+        yield from self._call(RequestSpec("DELETE", path))
+
     def restore_plan(
         self, step: int | None, snapshot_id: str | None, with_gym_state: bool, include_reused: bool, instance_map: Mapping[str, str] | None = None
     ) -> Flow[RestorePlan]:

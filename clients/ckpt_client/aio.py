@@ -323,6 +323,11 @@ class AsyncCoordinatorClient:
     async def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return await self._drive(self._api.register_gym_instances(instances))
 
+    async def unregister_gym_instance(self, instance_id: str) -> None:
+        """Forget an instance of the run's Gym topology (one of an allocation that ended, before
+        the next allocation's instances are registered). Refused while a snapshot runs."""
+        await self._drive(self._api.unregister_gym_instance(instance_id))
+
     async def restore_plan(
         self,
         step: int | None = None,

@@ -216,7 +216,7 @@ def snapshots_main(argv: Sequence[str] | None = None) -> int:
         snaps = client.snapshot_history(limit=None if args.all else args.limit)
         # The history lists every snapshot; the Gym figures are read from the snapshot itself
         # when a coordinator leaves them out of the list.
-        snaps = [client.get_snapshot(s.snapshot_id) if s.published and not _gym_figures(s) else s for s in snaps]
+        snaps = [client.get_snapshot(s.snapshot_id) if s.published and not s.gym_figures else s for s in snaps]
         if args.json:
             out.write(json.dumps({"run_id": args.run, "snapshots": [s.raw for s in snaps]}, indent=2, sort_keys=True) + "\n")
         else:
@@ -297,12 +297,6 @@ def _plan_row(r: PlanRow) -> list[str]:
     return [r.rollout_id or "-", r.group_id, str(r.generation_index), r.disposition, r.reason or "-", str(r.gym_attempt), r.instance_id or "-"]
 
 
-def _gym_figures(s: Snapshot) -> dict[str, Mapping[str, Any]]:
-    detail = s.raw.get("detail")
-    gym = detail.get("gym") if isinstance(detail, Mapping) else None
-    return {str(k): v for k, v in gym.items() if isinstance(v, Mapping)} if isinstance(gym, Mapping) else {}
-
-
 def _secs(value: Any) -> str:
     try:
         return f"{float(value):.2f}s"
@@ -313,10 +307,7 @@ def _secs(value: Any) -> str:
 def _stop_text(s: Snapshot) -> str:
     if not s.raw.get("stop"):
         return "-"
-    honoured = s.raw.get("stop_honoured")
-    if honoured is None:
-        flags = [f.get("stop_supported") for f in _gym_figures(s).values()]
-        honoured = all(flags) if flags and all(f is not None for f in flags) else None
+    honoured = s.stop_honoured
     deadline = f" {float(s.raw['deadline_s']):g}s" if isinstance(s.raw.get("deadline_s"), (int, float)) else ""
     return "stop" + deadline + {True: ", honoured", False: ", not honoured", None: ""}[honoured]
 
@@ -366,7 +357,7 @@ def render_snapshots(run_id: str, snaps: Sequence[Snapshot]) -> str:
     lines += table([head, *body])
     for s in snaps:
         timings = s.phase_timings
-        gym = _gym_figures(s)
+        gym = s.gym_figures
         if not timings and not gym:
             continue
         lines += ["", f"  {s.snapshot_id}"]

@@ -342,6 +342,11 @@ class CoordinatorClient:
     def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return self._drive(self._api.register_gym_instances(instances))
 
+    def unregister_gym_instance(self, instance_id: str) -> None:
+        """Forget an instance of the run's Gym topology (one of an allocation that ended, before
+        the next allocation's instances are registered). Refused while a snapshot runs."""
+        self._drive(self._api.unregister_gym_instance(instance_id))
+
     def restore_plan(
         self,
         step: int | None = None,
