@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_demo import build_parser
-from ckpt_demo.checks import check_groups, check_mutations, check_rewards
-from ckpt_demo.runner import pids_alive
+from ckpt_demo.checks import check_groups, check_instance_map, check_mutations, check_rewards
+from ckpt_demo.runner import FIRST_ALLOCATION, INSTANCE_MAP, NEXT_ALLOCATION, pids_alive
 from ckpt_demo.trainer import DataLoader, recovery_config
 
 # Through the console script's module, as `ckpt-coordinator demo -- ARGS` (the `--` hands the
@@ -67,10 +67,48 @@ def test_demo_survives_the_crash_and_shows_every_disposition(tmp_path: Path) -> 
     assert s["workdir"] and not Path(s["workdir"]).exists()
 
 
+# Needs the coordinator's side of stopping snapshots (ledger 5.1) and instance maps (6.1, 6.2).
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("profile", ["published", "strict"])
+def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Path, profile: str) -> None:
+    out = tmp_path / "summary.json"
+    args = ["--scenario", "allocation-end", "--steps", "2", "--groups", "8", "--seed", "3", "--gym-profile", profile]
+    proc = _run([*args, "--quiet", "--json-summary", str(out)], timeout=280)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+    s = json.loads(out.read_text())
+    assert s["ok"] is True and not [c for c in s["checks"] if not c["ok"]]
+    assert "episodes follow the instance map" in {c["name"] for c in s["checks"]}
+
+    # SIGUSR1 -> a stopping snapshot that publishes; strict Gym honours the stop, published refuses it.
+    a = s["allocation_end"]
+    assert a["signal"] == "SIGUSR1" and a["outcome"] == "published"
+    assert a["stop_honoured"] is (profile == "strict")
+    assert s["restore"]["snapshot_id"] == a["snapshot_id"] and s["restore"]["anchor_step"] == 1
+    assert a["saved_instances"] == list(FIRST_ALLOCATION) and a["live_instances"] == list(NEXT_ALLOCATION)
+
+    # The mapped instances' episodes continue where they were mapped; the unmapped one's restart.
+    exported = a["exported_by_saved_instance"]
+    [unmapped] = sorted(set(FIRST_ALLOCATION) - set(INSTANCE_MAP))
+    assert exported[unmapped] > 0, exported
+    by_live = s["restore"]["continued_by_instance"]
+    assert {live: by_live.get(live, 0) for live in INSTANCE_MAP.values()} == {live: exported[saved] for saved, live in INSTANCE_MAP.items()}
+    reasons = s["restore"]["plan_reasons"]
+    assert reasons["restarted"]["instance_not_mapped"] == exported[unmapped]
+    assert reasons["continued"] == {"exported_by_gym": sum(exported[saved] for saved in INSTANCE_MAP)}
+
+    # The summary prints the plan's reasons and whether the stop was honoured.
+    assert "why (the plan's reason for each row)" in proc.stdout and "instance_not_mapped" in proc.stdout
+    assert ("stop honoured" if profile == "strict" else "stop not honoured") in proc.stdout
+    assert pids_alive(s["processes"]) == []
+    assert s["workdir"] and not Path(s["workdir"]).exists()
+
+
 def test_help_explains_every_flag() -> None:
     proc = _run(["--help"], timeout=60)
     assert proc.returncode == 0
-    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary"):
+    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary", "--scenario", "allocation-end"):
         assert flag in proc.stdout
     assert "Exit status" in proc.stdout
 
@@ -78,6 +116,7 @@ def test_help_explains_every_flag() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--scenario", "flood"], "invalid choice"),
         (["--steps", "0"], "must be at least 1"),
         (["--groups", "many"], "not an integer"),
         (["--timeout", "0"], "--timeout must be positive"),
@@ -161,6 +200,18 @@ def test_mutation_check_catches_a_turn_applied_twice_and_a_gap_in_a_continuation
     bad = check_mutations(gap, continued, replies)
     assert not bad.ok and "r1-a1" in bad.detail
     assert not check_mutations(sessions, continued, {}).ok  # a continuation that never sealed
+
+
+def test_instance_map_check_holds_continuations_to_the_map_and_restarts_to_their_reason() -> None:
+    exported = {"old-0": 2, "old-1": 1, "old-2": 3}
+    m = {"old-0": "new-0", "old-1": "new-1"}
+    good = check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {"continued": {"exported_by_gym": 3}, "restarted": {"instance_not_mapped": 3}})
+    assert good.ok and "3 of unmapped old-2 restart" in good.detail
+    swapped = check_instance_map(exported, m, {"new-0": 1, "new-1": 2}, {"restarted": {"instance_not_mapped": 3}})
+    assert not swapped.ok and "old-0 exported 2 episodes, new-0 continues 1" in swapped.detail
+    assert not check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {"restarted": {"instance_not_mapped": 1}}).ok
+    # A coordinator that sends no reasons cannot show that the unmapped episodes restart.
+    assert "no reasons" in check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {}).detail
 
 
 def test_reward_check_flags_a_row_with_a_lost_or_doubled_turn() -> None:
