@@ -153,20 +153,30 @@ class Demo:
             return await self._allocation_end()
         return await self._crash_and_restore()
 
-    async def _crash_and_restore(self) -> dict[str, Any]:
+    async def _begin(self, instances: tuple[str, ...]) -> tuple[DataLoader, str, str]:
+        """Everything up, a run created and its Gym registered: (data loader, run id, token)."""
         o = self.opts
-        await self._setup(INSTANCES)
+        await self._setup(instances)
         loader = DataLoader(o.seed, o.groups, generations=o.generations, min_turns=o.min_turns, max_turns=o.max_turns)
         run_id, token = await self._create_run()
         await self._register(token, run_id, list(self.gyms.values()))
+        return loader, run_id, token
 
-        # Incarnation 1 trains until it is killed during the crash step.
+    def _train_first(self, run_id: str, token: str, loader: DataLoader, *, hold: int, late: set[int], snapshot_when: Any = None) -> tuple[Trainer, asyncio.Task[None]]:
+        """Incarnation 1, training from step 1 until it holds before step ``hold``."""
         self.phase = "train"
-        crash_step = o.crash_step
-        first = self._trainer(run_id, token, loader, incarnation=1, hold=crash_step, late={1} if crash_step > 1 else set())
+        first = self._trainer(run_id, token, loader, incarnation=1, hold=hold, late=late, snapshot_when=snapshot_when)
         self.trainer = first
-        run_task = asyncio.create_task(first.run(1, o.steps), name="trainer-1")
+        run_task = asyncio.create_task(first.run(1, self.opts.steps), name="trainer-1")
         self._tasks.append(run_task)
+        return first, run_task
+
+    async def _crash_and_restore(self) -> dict[str, Any]:
+        o = self.opts
+        loader, run_id, token = await self._begin(INSTANCES)
+        # Incarnation 1 trains until it is killed during the crash step.
+        crash_step = o.crash_step
+        first, run_task = self._train_first(run_id, token, loader, hold=crash_step, late={1} if crash_step > 1 else set())
         crash = await self._arrange_crash(first, run_task, loader, run_id, token)
 
         # Everything comes back: a fresh Gym process for the killed instance, a fresh trainer
@@ -197,17 +207,9 @@ class Demo:
         deployment with other instance names and one instance fewer, and a fresh trainer
         restores into it with an instance map."""
         o = self.opts
-        await self._setup(FIRST_ALLOCATION)
-        loader = DataLoader(o.seed, o.groups, generations=o.generations, min_turns=o.min_turns, max_turns=o.max_turns)
-        run_id, token = await self._create_run()
-        await self._register(token, run_id, list(self.gyms.values()))
-
-        self.phase = "train"
+        loader, run_id, token = await self._begin(FIRST_ALLOCATION)
         stop_step = o.crash_step
-        first = self._trainer(run_id, token, loader, incarnation=1, hold=stop_step, late=set(), snapshot_when=self._periodic_snapshot(stop_step))
-        self.trainer = first
-        run_task = asyncio.create_task(first.run(1, o.steps), name="trainer-1")
-        self._tasks.append(run_task)
+        first, run_task = self._train_first(run_id, token, loader, hold=stop_step, late=set(), snapshot_when=self._periodic_snapshot(stop_step))
         stop = await self._signal_allocation_end(first, run_task, stop_step)
 
         # The allocation is over: the trainer process and its Gym deployment are gone.

@@ -66,49 +66,41 @@ def parse_instance_map(text: str) -> dict[str, str]:
     return out
 
 
-def _non_negative(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
-    return n
+def _at_least(minimum: float, kind: type = int, *, strictly: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a ``kind`` number ``>= minimum`` (``> minimum`` when ``strictly``)."""
+
+    def parse(value: str) -> Any:
+        try:
+            n = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {value!r}") from None
+        if n < minimum or (strictly and n == minimum):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strictly else '>='} {minimum:g}, got {value}")
+        return n
+
+    return parse
 
 
-def _positive(value: str) -> int:
-    n = _non_negative(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be >= 1")
-    return n
+_non_negative, _positive, _seconds = _at_least(0), _at_least(1), _at_least(0, float, strictly=True)
 
 
-def _seconds(value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
-    if not x > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return x
-
-
-def _common(p: argparse.ArgumentParser) -> None:
+def _parser(command: str, description: str) -> argparse.ArgumentParser:
+    """A command's parser with the options both commands share."""
+    p = argparse.ArgumentParser(prog=f"ckpt-coordinator {command}", description=description, epilog=_EPILOG)
     p.add_argument("--url", required=True, metavar="URL", help="base URL of the coordinator, e.g. http://127.0.0.1:8080")
     p.add_argument("--run", required=True, metavar="RUN", help="the run id")
     p.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON instead of tables")
     p.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="HTTP timeout per request (default 60)")
+    return p
 
 
 def restore_plan_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt-coordinator restore-plan",
-        description="Print the restore plan of a run without applying it (ledger sections 6, 6.1, 6.2): the snapshot "
+    p = _parser(
+        "restore-plan",
+        "Print the restore plan of a run without applying it (ledger sections 6, 6.1, 6.2): the snapshot "
         "it would restore, its anchor step and data-plane reference, the rows per disposition and per reason, and "
         "what each row would do.",
-        epilog=_EPILOG,
     )
-    _common(p)
     p.add_argument("--step", type=_non_negative, metavar="S", help="the trainer's restored step: the newest published snapshot anchored at or before it")
     p.add_argument("--snapshot", metavar="ID", help="plan the restore of this snapshot")
     p.add_argument(
@@ -124,14 +116,12 @@ def restore_plan_parser() -> argparse.ArgumentParser:
 
 
 def snapshots_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ckpt-coordinator snapshots",
-        description="Print a run's snapshot history, newest first (ledger section 5.2): outcome and reason, phase "
+    p = _parser(
+        "snapshots",
+        "Print a run's snapshot history, newest first (ledger section 5.2): outcome and reason, phase "
         "timings, seconds Gym was parked, and per Gym instance its participants, exported episodes (and those outside "
         "the commit scope), restarts, staging keys and the slowest participant of each phase.",
-        epilog=_EPILOG,
     )
-    _common(p)
     p.add_argument("--limit", type=_positive, default=20, metavar="N", help="the N newest snapshots (default 20)")
     p.add_argument("--all", action="store_true", help="every snapshot the coordinator keeps (pages through the history)")
     return p

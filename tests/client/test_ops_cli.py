@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +30,6 @@ def cli(*args: str, token: str | None = None, timeout: float = 60) -> subprocess
     if token is not None:
         env["CKPTC_RUN_TOKEN"] = token
     return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.fixture
-def gym() -> Iterator[Any]:
-    from gymsim.testing import GymsimInstance, default_instance_config
-
-    g = GymsimInstance.start(default_instance_config(INSTANCE, token="tok-gym", turn_seconds=0.05))
-    try:
-        yield g
-    finally:
-        g.stop()
 
 
 def _published_run(coordinator: LiveServer, gym: Any, tmp_path: Path) -> tuple[str, str, int]:
