@@ -234,7 +234,8 @@ class Demo:
             raise failed[0]
         for g in fresh:
             self.progress.event(self.phase, f"gymsim {g.instance_id} on {g.base_url} (pid {g.pid})")
-        async with AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id) as c:  # type: ignore[union-attr]
+        assert self.coordinator is not None
+        async with AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id) as c:
             for iid in FIRST_ALLOCATION:
                 await c.unregister_gym_instance(iid)
         self.progress.event(self.phase, f"unregistered the ended allocation's instances {', '.join(FIRST_ALLOCATION)}")

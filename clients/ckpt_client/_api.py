@@ -251,14 +251,16 @@ class Api:
         items = doc.get("snapshots", doc.get("items", [])) if isinstance(doc, Mapping) else doc
         return [Snapshot.parse(s) for s in (items if isinstance(items, list) else [])]
 
-    def snapshot_history(self, limit: int | None) -> Flow[list[Snapshot]]:
-        """The run's snapshots newest first, ``limit`` of them (None: all), pages joined."""
-        if limit is not None and limit < 1:
-            raise ValueError("limit must be >= 1")
+    def snapshot_history(self, limit: int | None, page_size: int = 0) -> Flow[list[Snapshot]]:
+        """The run's snapshots newest first, ``limit`` of them (None: all), pages of
+        ``page_size`` (0: the server's largest) joined."""
+        if (limit is not None and limit < 1) or page_size < 0:
+            raise ValueError("limit must be >= 1 and page_size >= 0")
+        page = min(page_size or SNAPSHOT_PAGE_ROWS, SNAPSHOT_PAGE_ROWS)
         out: list[Snapshot] = []
         before: str | None = None
         while limit is None or len(out) < limit:
-            params: dict[str, Any] = {"limit": min(SNAPSHOT_PAGE_ROWS, limit - len(out)) if limit is not None else SNAPSHOT_PAGE_ROWS}
+            params: dict[str, Any] = {"limit": min(page, limit - len(out)) if limit is not None else page}
             if before is not None:
                 params["before"] = before
             doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots"), params=params))

@@ -251,11 +251,11 @@ class AsyncCoordinatorClient:
     async def list_snapshots(self) -> list[Snapshot]:
         return await self._drive(self._api.list_snapshots())
 
-    async def snapshot_history(self, *, limit: int | None = None) -> list[Snapshot]:
+    async def snapshot_history(self, *, limit: int | None = None, page_size: int = 0) -> list[Snapshot]:
         """The run's snapshots, newest first, with their phase timings, outcome, reason and
         per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
-        pages are joined."""
-        return await self._drive(self._api.snapshot_history(limit))
+        pages (``page_size`` snapshots each, 0: the largest it gives) are joined."""
+        return await self._drive(self._api.snapshot_history(limit, page_size))
 
     async def abort_snapshot(
         self,

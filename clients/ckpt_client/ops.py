@@ -101,7 +101,8 @@ def restore_plan_parser() -> argparse.ArgumentParser:
         "it would restore, its anchor step and data-plane reference, the rows per disposition and per reason, and "
         "what each row would do.",
     )
-    p.add_argument("--step", type=_non_negative, metavar="S", help="the trainer's restored step: the newest published snapshot anchored at or before it")
+    p.add_argument("--step", type=_non_negative, metavar="S", help="the trainer's restored step: the newest published snapshot anchored at or before it "
+                   "(without --step and --snapshot: the newest published snapshot)")
     p.add_argument("--snapshot", metavar="ID", help="plan the restore of this snapshot")
     p.add_argument(
         "--instance-map",

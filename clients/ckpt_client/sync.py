@@ -266,11 +266,11 @@ class CoordinatorClient:
     def list_snapshots(self) -> list[Snapshot]:
         return self._drive(self._api.list_snapshots())
 
-    def snapshot_history(self, *, limit: int | None = None) -> list[Snapshot]:
+    def snapshot_history(self, *, limit: int | None = None, page_size: int = 0) -> list[Snapshot]:
         """The run's snapshots, newest first, with their phase timings, outcome, reason and
         per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
-        pages are joined."""
-        return self._drive(self._api.snapshot_history(limit))
+        pages (``page_size`` snapshots each, 0: the largest it gives) are joined."""
+        return self._drive(self._api.snapshot_history(limit, page_size))
 
     def abort_snapshot(
         self,

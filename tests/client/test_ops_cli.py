@@ -229,3 +229,25 @@ def test_snapshot_history_shows_a_stop_and_the_slowest_participants() -> None:
     assert "gym job-1/gym-0: 3 participants, 5 exported (0 outside the scope), 1 restarts, 5 staging keys" in text
     assert "slowest: prepare workplace_agent 0.18s" in text
     assert "phases: gate 0.01s, prepare 0.20s, commit 0.30s" in text
+
+
+def test_history_pages_newest_first(coordinator: LiveServer) -> None:
+    """Snapshots of a run without Gym fail at once, and they are history all the same."""
+    from ckpt_client import SnapshotFailed
+
+    with CoordinatorClient(coordinator.url, ADMIN_TOKEN, retries=2, backoff=0.05) as admin:
+        run = admin.create_run("ops-history", str(coordinator.checkpoint_root), {"target_level": "sibling"})
+    assert run.run_token
+    with CoordinatorClient(coordinator.url, run.run_token, run_id="ops-history", retries=2, backoff=0.05) as c:
+        for k in range(3):
+            with pytest.raises(SnapshotFailed):
+                c.snapshot(0, lambda keys: ("/nowhere", "sha256:0"), snapshot_id=f"h{k}", poll_interval=0.05, timeout=30)
+        assert [s.snapshot_id for s in c.snapshot_history(page_size=2)] == ["h2", "h1", "h0"]
+        assert [s.snapshot_id for s in c.snapshot_history(limit=2, page_size=1)] == ["h2", "h1"]
+        reason = c.get_snapshot("h0").reason
+    p = cli("snapshots", "--url", coordinator.url, "--run", "ops-history", "--all", token=run.run_token)
+    assert p.returncode == 0, p.stderr
+    assert "newest first (3)" in p.stdout and p.stdout.index("h2") < p.stdout.index("h1") < p.stdout.index("h0")
+    assert reason and reason in p.stdout and "failed" in p.stdout
+    one = cli("snapshots", "--url", coordinator.url, "--run", "ops-history", "--limit", "1", "--json", token=run.run_token)
+    assert [s["snapshot_id"] for s in json.loads(one.stdout)["snapshots"]] == ["h2"]
