@@ -232,3 +232,37 @@ def test_pids_alive_tells_our_process_from_one_that_reused_its_pid() -> None:
     assert pids_alive({"coordinator": 1 << 22, "gymsim": [me], "started": {str(1 << 22): 1.0}}) == []
     # A summary without start times falls back to the pid alone.
     assert pids_alive({"coordinator": me, "gymsim": []}) == [me]
+
+
+def test_summary_of_an_allocation_end_names_the_stop_the_map_and_the_reasons() -> None:
+    from ckpt_demo.report import render_summary
+
+    summary = {
+        "ok": True,
+        "wall_seconds": 27.0,
+        "run_id": "demo-x",
+        "scenario": "allocation-end",
+        "options": {"steps": 4, "groups": 8, "seed": 1, "generations": 4, "gym_profile": "published"},
+        "allocation_end": {
+            "stop_step": 3, "signal": "SIGUSR1", "deadline_s": 30.0, "snapshot_id": "snap-stop", "outcome": "published", "reason": "ok",
+            "stop_honoured": False, "saved_instances": list(FIRST_ALLOCATION), "live_instances": list(NEXT_ALLOCATION),
+            "instance_map": dict(INSTANCE_MAP),
+        },
+        "groups": {"expected": 32, "admitted": 32, "finalized": 32, "abandoned": 0, "consumed": 32, "rolled_back": 0},
+        "restore": {
+            "restore_id": "r1", "snapshot_id": "snap-stop", "anchor_step": 2, "gym_installed": True, "refused_not_fresh": [],
+            "counts": {"reused": 17, "continued": 3, "restarted": 2}, "continued_by_instance": {NEXT_ALLOCATION[0]: 2, NEXT_ALLOCATION[1]: 1},
+            "plan_reasons": {"continued": {"exported_by_gym": 3}, "restarted": {"instance_not_mapped": 2}, "reused": {"sealed_at_cut": 17}},
+        },
+        "snapshots": [],
+        "snapshot_totals": {"outcomes": {"published": 1}, "not_published_reasons": {}},
+        "gym_parked_seconds": 0.5,
+        "siblings": {"sealed_reports": 100, "gym_refusals": 0, "transport_failures": 0},
+        "checks": [{"name": "episodes follow the instance map", "ok": True, "detail": "..."}],
+    }
+    text = render_summary(summary)
+    assert "scenario allocation-end" in text and "SIGUSR1 -> stopping snapshot snap-stop within 30s: published; stop not honoured" in text
+    assert f"instance map {FIRST_ALLOCATION[0]} -> {NEXT_ALLOCATION[0]}" in text
+    why = [line.split() for line in text.split("why (the plan's reason for each row)", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert ["reused", "sealed_at_cut", "17"] in why and ["restarted", "instance_not_mapped", "2"] in why
+    assert [w[0] for w in why if w and not w[0].startswith("-")][1:] == ["reused", "continued", "restarted"]  # in the dispositions' order
