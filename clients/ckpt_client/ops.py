@@ -161,8 +161,8 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         print(f"{prog}: the coordinator refused: {_one_line(e)}", file=err)
         return EXIT_REFUSED
     except BrokenPipeError:
-        # `| head`: the reader left; nothing more to say.
-        sys.stderr.close()
+        # `| head`: the reader left. Point stdout at /dev/null so the flush at exit stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     return EXIT_OK
 
