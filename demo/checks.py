@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Check", "check_groups", "check_mutations", "check_rewards", "check_capture"]
+__all__ = ["Check", "check_groups", "check_mutations", "check_rewards", "check_capture", "check_instance_map"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +139,38 @@ def check_capture(reused_missing: list[str], reused: int) -> Check:
         if not reused_missing
         else f"missing from the capture: {_sample(reused_missing)}",
     )
+
+
+def check_instance_map(
+    exported: Mapping[str, int],
+    instance_map: Mapping[str, str],
+    continued_by_live: Mapping[str, int],
+    reasons: Mapping[str, Mapping[str, int]],
+) -> Check:
+    """A restore into another topology (ledger section 6.1): every episode a mapped saved instance
+    exported continues on the live instance it is mapped to, none continues anywhere else, and
+    every episode of an unmapped saved instance restarts with reason ``instance_not_mapped``."""
+    problems = []
+    if not exported:
+        problems.append("the stopping snapshot reports no per-instance Gym figures")
+    for saved, live in sorted(instance_map.items()):
+        want, got = exported.get(saved, 0), continued_by_live.get(live, 0)
+        if want != got:
+            problems.append(f"{saved} exported {want} episodes, {live} continues {got}")
+    stray = sorted(set(continued_by_live) - set(instance_map.values()))
+    if stray:
+        problems.append(f"continuations on instances nothing maps to: {', '.join(stray)}")
+    unmapped = sorted(set(exported) - set(instance_map))
+    left = sum(exported[i] for i in unmapped)
+    restarted = int(reasons.get("restarted", {}).get("instance_not_mapped", 0))
+    if not reasons:
+        problems.append("the plan carries no reasons")
+    elif restarted != left:
+        problems.append(f"{left} episodes exported by unmapped {', '.join(unmapped) or '-'}, {restarted} restarted instance_not_mapped")
+    continued = sum(continued_by_live.values())
+    detail = (
+        f"{continued} exported episodes continue on the instance their saved instance maps to "
+        f"({', '.join(f'{k} -> {v}: {continued_by_live.get(v, 0)}' for k, v in sorted(instance_map.items()))}); "
+        f"{restarted} of unmapped {', '.join(unmapped) or '-'} restart (instance_not_mapped)"
+    )
+    return Check("episodes follow the instance map", not problems, detail if not problems else "; ".join(problems))

@@ -28,19 +28,33 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 
 def render_summary(s: dict[str, Any]) -> str:
-    o, g, c, r = s["options"], s["groups"], s["crash"], s["restore"]
+    o, g, r = s["options"], s["groups"], s["restore"]
     lines = [
         "",
         f"ckpt-coordinator demo: run {s['run_id']} (seed {o['seed']}), {o['steps']} steps x {o['groups']} groups x {o['generations']} siblings, "
-        f"Gym {o.get('gym_profile', 'published')}",
-        f"  crash in step {c['step']} after snapshot {c['snapshot_id']}: trainer killed with {c['rollouts_in_flight']} rollouts in flight "
-        f"and {c['rows_queued']} queued, gymsim {c['killed_instance']} SIGKILLed",
+        f"Gym {o.get('gym_profile', 'published')}" + (f", scenario {s['scenario']}" if s.get("scenario", "crash") != "crash" else ""),
     ]
+    if "allocation_end" in s:
+        a = s["allocation_end"]
+        honoured = {True: "honoured", False: "not honoured: Gym refused it, the commit went without it", None: "not reported"}[a.get("stop_honoured")]
+        why = f" ({a['reason']})" if a.get("outcome") != "published" and a.get("reason") else ""
+        lines += [
+            f"  allocation ends in step {a['stop_step']}: {a['signal']} -> stopping snapshot {a['snapshot_id']} within {a['deadline_s']:.0f}s: "
+            f"{a['outcome']}{why}; stop {honoured}",
+            f"  next allocation: Gym {', '.join(a['live_instances'])} (saved: {', '.join(a['saved_instances'])}); "
+            "instance map " + ", ".join(f"{k} -> {v}" for k, v in a["instance_map"].items()),
+        ]
+    else:
+        c = s["crash"]
+        lines.append(
+            f"  crash in step {c['step']} after snapshot {c['snapshot_id']}: trainer killed with {c['rollouts_in_flight']} rollouts in flight "
+            f"and {c['rows_queued']} queued, gymsim {c['killed_instance']} SIGKILLed"
+        )
+        if c.get("note"):
+            lines.append(f"  note: {c['note']}")
     if r["refused_not_fresh"]:
         named = ", ".join(sorted({i for names in r["refused_not_fresh"] for i in names}))
         lines.append(f"  first restore refused (gym_not_fresh: {named} kept running); restarted it fresh and restored again")
-    if c.get("note"):
-        lines.append(f"  note: {c['note']}")
     lines += ["", "groups"]
     lines += _table(
         [
@@ -55,6 +69,13 @@ def render_summary(s: dict[str, Any]) -> str:
     lines += _table(rows)
     if r.get("continued_by_instance"):
         lines.append("  continued per instance: " + ", ".join(f"{k} {v}" for k, v in r["continued_by_instance"].items()))
+    reasons = r.get("plan_reasons") or {}
+    if reasons:
+        lines += ["", "why (the plan's reason for each row)"]
+        rows = [["disposition", "reason", "rows"]]
+        rows += [[d, why, str(n)] for d in _DISPOSITIONS for why, n in sorted(reasons.get(d, {}).items())]
+        rows += [[d, why, str(n)] for d in sorted(set(reasons) - set(_DISPOSITIONS)) for why, n in sorted(reasons[d].items())]
+        lines += _table(rows)
 
     lines += ["", "snapshots"]
     rows = [["snapshot", "anchor", "in step", "outcome", "reason", "gym parked"]]

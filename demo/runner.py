@@ -1,12 +1,15 @@
-"""The demo's story, start to finish: bring everything up, train, crash, restore, train on,
-check, summarise, and stop everything that was started whatever happens on the way."""
+"""The demo's stories, start to finish: bring everything up, train, crash (or reach the end of
+the allocation), restore, train on, check, summarise, and stop everything that was started
+whatever happens on the way."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import secrets
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -17,10 +20,10 @@ from typing import Any
 import psutil
 from ckpt_client import AsyncCoordinatorClient, GymInstance, RestorePlan
 
-from .checks import Check, check_capture, check_groups, check_mutations, check_rewards
+from .checks import Check, check_capture, check_groups, check_instance_map, check_mutations, check_rewards
 from .processes import CoordinatorProcess, EmbeddedPostgres, GymProcess
 from .progress import Progress, bar
-from .trainer import DataLoader, Journal, RestoreReport, SnapshotRecord, Trainer, recovery_config
+from .trainer import DataLoader, Journal, RestoreReport, SnapshotRecord, Trainer, recovery_config, sealed_fraction
 
 __all__ = ["DemoOptions", "DemoError", "Demo", "INSTANCES", "RESTART_ONLY_INSTANCE", "CRASHED_INSTANCE"]
 
@@ -29,6 +32,16 @@ RESTART_ONLY_INSTANCE = "math/replica-1"
 INSTANCES = (CRASHED_INSTANCE, RESTART_ONLY_INSTANCE)
 RESOURCES_SERVER = "calendar_resources"
 CONTROL_TIMEOUT_S = 10.0
+
+# allocation-end: the first allocation's Gym deployment, and the next one's: other names, one
+# instance fewer. The map restores two of the three saved instances; the third one's episodes
+# start over.
+FIRST_ALLOCATION = ("job-1041/gym-0", "job-1041/gym-1", "job-1041/gym-2")
+NEXT_ALLOCATION = ("job-1042/gym-0", "job-1042/gym-1")
+INSTANCE_MAP = {FIRST_ALLOCATION[0]: NEXT_ALLOCATION[0], FIRST_ALLOCATION[1]: NEXT_ALLOCATION[1]}
+# What the trainer's SIGUSR1 handler gives the stopping snapshot: Slurm's --signal=USR1@120 warns
+# two minutes ahead; the demo's Gym and ledger are small, so a fraction of that is plenty.
+STOP_DEADLINE_S = 30.0
 
 
 @dataclass
@@ -48,6 +61,7 @@ class DemoOptions:
     max_turns: int = 12
     timeout: float = 900.0
     gym_profile: str = "published"
+    scenario: str = "crash"
 
     @property
     def crash_step(self) -> int:
@@ -135,19 +149,34 @@ class Demo:
             self.progress.done()
 
     async def _story(self) -> dict[str, Any]:
+        if self.opts.scenario == "allocation-end":
+            return await self._allocation_end()
+        return await self._crash_and_restore()
+
+    async def _begin(self, instances: tuple[str, ...]) -> tuple[DataLoader, str, str]:
+        """Everything up, a run created and its Gym registered: (data loader, run id, token)."""
         o = self.opts
-        await self._setup()
+        await self._setup(instances)
         loader = DataLoader(o.seed, o.groups, generations=o.generations, min_turns=o.min_turns, max_turns=o.max_turns)
         run_id, token = await self._create_run()
         await self._register(token, run_id, list(self.gyms.values()))
+        return loader, run_id, token
 
-        # Incarnation 1 trains until it is killed during the crash step.
+    def _train_first(self, run_id: str, token: str, loader: DataLoader, *, hold: int, late: set[int], snapshot_when: Any = None) -> tuple[Trainer, asyncio.Task[None]]:
+        """Incarnation 1, training from step 1 until it holds before step ``hold``."""
         self.phase = "train"
-        crash_step = o.crash_step
-        first = self._trainer(run_id, token, loader, incarnation=1, hold=crash_step, late={1} if crash_step > 1 else set())
+        first = self._trainer(run_id, token, loader, incarnation=1, hold=hold, late=late, snapshot_when=snapshot_when)
         self.trainer = first
-        run_task = asyncio.create_task(first.run(1, o.steps), name="trainer-1")
+        run_task = asyncio.create_task(first.run(1, self.opts.steps), name="trainer-1")
         self._tasks.append(run_task)
+        return first, run_task
+
+    async def _crash_and_restore(self) -> dict[str, Any]:
+        o = self.opts
+        loader, run_id, token = await self._begin(INSTANCES)
+        # Incarnation 1 trains until it is killed during the crash step.
+        crash_step = o.crash_step
+        first, run_task = self._train_first(run_id, token, loader, hold=crash_step, late={1} if crash_step > 1 else set())
         crash = await self._arrange_crash(first, run_task, loader, run_id, token)
 
         # Everything comes back: a fresh Gym process for the killed instance, a fresh trainer
@@ -170,11 +199,150 @@ class Demo:
         await second.run(report.anchor_step + 1, o.steps)
 
         self.phase = "verify"
-        return await self._verify(run_id, token, loader, second, report, crash)
+        return await self._verify(run_id, token, loader, second, report, {"crash": _crash_json(crash)})
+
+    async def _allocation_end(self) -> dict[str, Any]:
+        """The allocation ends mid-step: the trainer gets SIGUSR1 (as Slurm's --signal=USR1@N
+        sends it), takes a stopping snapshot and exits; the next allocation brings a Gym
+        deployment with other instance names and one instance fewer, and a fresh trainer
+        restores into it with an instance map."""
+        o = self.opts
+        loader, run_id, token = await self._begin(FIRST_ALLOCATION)
+        stop_step = o.crash_step
+        first, run_task = self._train_first(run_id, token, loader, hold=stop_step, late=set(), snapshot_when=self._periodic_snapshot(stop_step))
+        stop = await self._signal_allocation_end(first, run_task, stop_step)
+
+        # The allocation is over: the trainer process and its Gym deployment are gone.
+        self.phase = "allocation end"
+        run_task.cancel()
+        await asyncio.gather(run_task, return_exceptions=True)
+        await first.aclose()
+        old = [self.gyms.pop(iid) for iid in FIRST_ALLOCATION]
+        await asyncio.gather(*(asyncio.to_thread(g.stop) for g in old))
+        self.stopped_gyms.extend(old)
+        self.progress.event(self.phase, f"trainer 1 exited; Gym instances {', '.join(FIRST_ALLOCATION)} stopped with the allocation")
+
+        # The next allocation: new names, one instance fewer.
+        self.phase = "next allocation"
+        assert self.workdir is not None
+        fresh = [GymProcess(self._gym_config(iid), self.workdir, generation=self._next_generation(iid)) for iid in NEXT_ALLOCATION]
+        started = await asyncio.gather(*(asyncio.to_thread(g.start) for g in fresh), return_exceptions=True)
+        for g in fresh:
+            self.gyms[g.instance_id] = g  # kept even if it failed: cleanup stops it
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            raise failed[0]
+        for g in fresh:
+            self.progress.event(self.phase, f"gymsim {g.instance_id} on {g.base_url} (pid {g.pid})")
+        assert self.coordinator is not None
+        async with AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id) as c:
+            for iid in FIRST_ALLOCATION:
+                await c.unregister_gym_instance(iid)
+        self.progress.event(self.phase, f"unregistered the ended allocation's instances {', '.join(FIRST_ALLOCATION)}")
+        await self._register(token, run_id, fresh)
+
+        self.phase = "restore"
+        second = self._trainer(run_id, token, loader, incarnation=2, hold=None, late=set())
+        self.trainer = second
+        mapping = ", ".join(f"{k} -> {v}" for k, v in INSTANCE_MAP.items())
+        unmapped = sorted(set(FIRST_ALLOCATION) - set(INSTANCE_MAP))
+        self.progress.event(self.phase, f"instance map {mapping}; {', '.join(unmapped)} is not mapped: its episodes start over")
+
+        async def not_fresh(instances: list[str]) -> None:
+            raise DemoError(f"the coordinator says Gym instances {', '.join(instances)} are not fresh, but this allocation just started them")
+
+        report = await second.restore(stop_step - 1, not_fresh, instance_map=INSTANCE_MAP)
+        if report.plan_reasons:
+            self.progress.event(self.phase, "plan reasons: " + _reasons_text(report.plan_reasons))
+        self.phase = "train"
+        await second.run(report.anchor_step + 1, o.steps)
+
+        self.phase = "verify"
+        exported = {iid: int(f.get("exported", 0)) for iid, f in stop.gym.items()}
+        extra = [
+            Check(
+                "the restore used the stopping snapshot",
+                stop.published and report.snapshot_id == stop.snapshot_id,
+                f"stopping snapshot {stop.snapshot_id}: {stop.outcome}" + (f" ({stop.reason})" if not stop.published else "")
+                + f"; restored from {report.snapshot_id}",
+            ),
+            check_instance_map(exported, INSTANCE_MAP, _by_instance(report.continued), report.plan_reasons),
+        ]
+        allocation = {
+            "stop_step": stop_step,
+            "signal": "SIGUSR1",
+            "deadline_s": STOP_DEADLINE_S,
+            "snapshot_id": stop.snapshot_id,
+            "outcome": stop.outcome,
+            "reason": stop.reason,
+            "stop_honoured": stop.stop_honoured,
+            "gym_parked_seconds": stop.gym_parked_seconds,
+            "saved_instances": list(FIRST_ALLOCATION),
+            "live_instances": list(NEXT_ALLOCATION),
+            "instance_map": dict(INSTANCE_MAP),
+            "exported_by_saved_instance": exported,
+        }
+        return await self._verify(run_id, token, loader, second, report, {"allocation_end": allocation}, extra_checks=extra)
+
+    def _periodic_snapshot(self, stop_step: int) -> Any:
+        """The usual mid-step snapshots, except in the step the allocation ends in: there the
+        stopping snapshot is the one (a run takes one snapshot at a time)."""
+        usual = sealed_fraction(0.35)
+        return lambda t: t.step != stop_step and usual(t)
+
+    async def _signal_allocation_end(self, trainer: Trainer, run_task: asyncio.Task[None], step: int) -> SnapshotRecord:
+        """Wait until the stop step has turn-level episodes with turns ahead running on every
+        instance (so each saved instance has Gym state to carry over or lose), then send the
+        process SIGUSR1; the handler takes the stopping snapshot. Late in the step it signals
+        anyway rather than not at all."""
+        loop = asyncio.get_running_loop()
+        started: list[asyncio.Task[SnapshotRecord]] = []
+
+        def on_usr1() -> None:
+            # What a trainer's handler does: start the stopping snapshot, nothing else, at once.
+            if not started:
+                started.append(asyncio.create_task(trainer.stop_snapshot(STOP_DEADLINE_S), name="stop snapshot"))
+
+        loop.add_signal_handler(signal.SIGUSR1, on_usr1)
+        try:
+            while not self._stop_due(trainer, step):
+                if run_task.done():
+                    run_task.result()
+                    raise DemoError("the trainer stopped before the allocation ended")
+                await asyncio.sleep(0.02)
+            p = trainer.step_progress()
+            self.phase = "allocation end"
+            os.kill(os.getpid(), signal.SIGUSR1)
+            self.progress.event(
+                self.phase,
+                f"step {step}: SIGUSR1 to the trainer (pid {os.getpid()}) with {p['in_flight']} rollouts in flight and "
+                f"{p['queued']} queued: stopping snapshot within {STOP_DEADLINE_S:.0f}s",
+            )
+            while not started:
+                await asyncio.sleep(0.01)
+            self._tasks.append(started[0])
+            return await started[0]
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+
+    def _stop_due(self, t: Trainer, step: int) -> bool:
+        if t.step != step:
+            return False
+        p = t.step_progress()
+        rows = max(1, p["rows"])
+        if p["sealed"] >= 0.75 * rows or t.at_hold.is_set():
+            return True
+        if p["sealed"] < 0.2 * rows:
+            return False
+        ahead = {
+            r[2] for r in t.running_rows()
+            if DataLoader.kind_of(r[0]) == "turn" and r[4] * self.opts.turn_seconds - r[3] >= 0.25
+        }
+        return ahead >= set(FIRST_ALLOCATION)
 
     # ------------------------------------------------------------------ setup
 
-    async def _setup(self) -> None:
+    async def _setup(self, instances: tuple[str, ...]) -> None:
         o = self.opts
         if o.data_dir is not None:
             self.base_dir = o.data_dir.expanduser().resolve()
@@ -188,7 +356,7 @@ class Demo:
         self.workdir.mkdir(parents=True)
 
         t0 = time.monotonic()
-        gym_procs = [GymProcess(self._gym_config(iid), self.workdir, generation=self._next_generation(iid)) for iid in INSTANCES]
+        gym_procs = [GymProcess(self._gym_config(iid), self.workdir, generation=self._next_generation(iid)) for iid in instances]
         # Gym needs nothing from the coordinator: both instances start while it (and its
         # database) does.
         gym_starts = [asyncio.create_task(asyncio.to_thread(g.start)) for g in gym_procs]
@@ -279,7 +447,9 @@ class Demo:
         ro = f"; restart-only: {', '.join(reg.restart_only_servers)}" if reg.restart_only_servers else ""
         self.progress.event("setup" if self.phase == "setup" else self.phase, f"registered Gym instance(s) {names}{ro}")
 
-    def _trainer(self, run_id: str, token: str, loader: DataLoader, *, incarnation: int, hold: int | None, late: set[int]) -> Trainer:
+    def _trainer(
+        self, run_id: str, token: str, loader: DataLoader, *, incarnation: int, hold: int | None, late: set[int], snapshot_when: Any = None
+    ) -> Trainer:
         assert self.coordinator is not None and self.workdir is not None
         client = AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id)
         return Trainer(
@@ -292,7 +462,7 @@ class Demo:
             slots_per_instance=self.opts.slots_per_instance,
             late_snapshot_steps=late,
             hold_before_training=hold,
-            snapshot_when=self._snapshot_due,
+            snapshot_when=snapshot_when or self._snapshot_due,
         )
 
     def _snapshot_due(self, t: Trainer) -> bool:
@@ -392,7 +562,17 @@ class Demo:
 
     # ------------------------------------------------------------------ the verdict
 
-    async def _verify(self, run_id: str, token: str, loader: DataLoader, trainer: Trainer, report: RestoreReport, crash: _Crash) -> dict[str, Any]:
+    async def _verify(
+        self,
+        run_id: str,
+        token: str,
+        loader: DataLoader,
+        trainer: Trainer,
+        report: RestoreReport,
+        story: dict[str, Any],
+        *,
+        extra_checks: list[Check] | None = None,
+    ) -> dict[str, Any]:
         assert self.coordinator is not None
         o = self.opts
         async with AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id) as c:
@@ -416,6 +596,7 @@ class Demo:
         checks.append(check_mutations(sessions, report.continued, self.journal.replies))
         checks.append(check_rewards(lineage))
         checks.append(check_capture(report.reused_missing_from_capture, report.counts.get("reused", 0)))
+        checks.extend(extra_checks or [])
 
         by_id = {r.snapshot_id: r for r in self.journal.snapshots}
         snaps = []
@@ -454,16 +635,9 @@ class Demo:
             "ok": ok,
             "wall_seconds": round(time.monotonic() - self.started_at, 2),
             "run_id": run_id,
+            "scenario": o.scenario,
             "options": {"steps": o.steps, "groups": o.groups, "seed": o.seed, "generations": o.generations, "gym_profile": o.gym_profile},
-            "crash": {
-                "step": crash.step,
-                "snapshot_id": crash.snapshot_id,
-                "rollouts_in_flight": crash.in_flight,
-                "rows_queued": crash.queued,
-                "killed_instance": CRASHED_INSTANCE,
-                "killed_pid": crash.killed_pid,
-                "note": crash.note,
-            },
+            **story,
             "groups": {
                 "expected": len(expected),
                 "admitted": len(self.journal.admitted),
@@ -483,6 +657,7 @@ class Demo:
                 "restore_id": report.restore_id,
                 "counts": report.counts,
                 "plan_counts": report.plan_counts,
+                "plan_reasons": report.plan_reasons,
                 "gym_installed": bool(report.gym.get("installed")),
                 "refused_not_fresh": report.refused_not_fresh,
                 "continued_by_instance": _by_instance(report.continued),
@@ -575,6 +750,22 @@ class Demo:
             elif self.workdir is not None:
                 shutil.rmtree(self.workdir, ignore_errors=True)
         return problems
+
+
+def _crash_json(crash: _Crash) -> dict[str, Any]:
+    return {
+        "step": crash.step,
+        "snapshot_id": crash.snapshot_id,
+        "rollouts_in_flight": crash.in_flight,
+        "rows_queued": crash.queued,
+        "killed_instance": CRASHED_INSTANCE,
+        "killed_pid": crash.killed_pid,
+        "note": crash.note,
+    }
+
+
+def _reasons_text(reasons: dict[str, dict[str, int]]) -> str:
+    return "; ".join(f"{d}: " + ", ".join(f"{r} {n}" for r, n in sorted(by.items())) for d, by in sorted(reasons.items()) if by)
 
 
 def _by_instance(rows: list[dict[str, Any]]) -> dict[str, int]:

@@ -39,8 +39,10 @@ from ckpt_client import (
     BatchRefused,
     Conflict,
     DataPlaneRef,
+    CoordinatorError,
     FailedRow,
     GroupSpec,
+    RunStopped,
     SealedRow,
     SendRow,
     SnapshotFailed,
@@ -187,6 +189,8 @@ class SnapshotRecord:
     reason: str | None = None
     gym_parked_seconds: float | None = None
     detail: Any = None
+    stop_honoured: bool | None = None
+    gym: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-instance Gym figures
 
     @property
     def published(self) -> bool:
@@ -245,6 +249,8 @@ class RestoreReport:
     continued: list[dict[str, Any]]  # {rollout_id, capture_key, instance_id, group_id, generation_index}
     refused_not_fresh: list[list[str]]  # instance lists named by each gym_not_fresh refusal
     reused_missing_from_capture: list[str]
+    # rows per disposition and reason (ledger section 6.2); empty from a coordinator without them
+    plan_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -382,6 +388,10 @@ class Trainer:
         self._snapshot_seq = 0
         self._extra_snapshot = asyncio.Event()
         self.at_hold = asyncio.Event()  # set when the trainer waits before training the held step
+        # Set when the allocation ends (a stopping snapshot was asked for): from then on the
+        # trainer only winds down, and what the coordinator refuses it is no longer its concern.
+        self.stopping = False
+        self.stopped = asyncio.Event()  # set once the coordinator refused dispatch with run_stopped
         self._closed = False
 
     async def aclose(self) -> None:
@@ -446,7 +456,10 @@ class Trainer:
         """Queue a row from an answer (admit, failure, restore) for its instance: a continuation
         goes back to the instance holding its Gym state, anything else where it fits."""
         continued = row.instance_id is not None and getattr(row, "disposition", None) == "continued"
-        iid = row.instance_id if continued else self._instance_for(row.group_id, row.generation_index)
+        # The coordinator may also spread other rows over the instances (a restore into another
+        # topology does); it knows the whole plan, so its choice wins when it names one we have.
+        chosen = row.instance_id if row.instance_id in self._queues else None
+        iid = row.instance_id if continued else chosen or self._instance_for(row.group_id, row.generation_index)
         if iid not in self._queues:
             raise TrainerError(f"row {row.rollout_id} must go to Gym instance {iid!r}, which this trainer does not know")
         self._queues[iid].append(_Ticket(row.group_id, row.generation_index, row.rollout_id, row.capture_key or row.rollout_id, row.gym_attempt, iid))
@@ -568,6 +581,36 @@ class Trainer:
         self.journal.event("snapshot", f"{rec.snapshot_id} anchored on step {anchor}: {rec.outcome}{why}{parked}")
         self.journal.changed()
 
+    async def stop_snapshot(self, deadline_s: float) -> SnapshotRecord:
+        """What the trainer's SIGUSR1 handler does when the allocation ends: a stopping snapshot
+        anchored on the newest announced step, with the same barrier and capture as any other,
+        within ``deadline_s``. Gym stays parked and dispatch stays refused afterwards; the caller
+        ends the process. Returns the record (its outcome says whether it made it)."""
+        self.stopping = True
+        rec = self._new_snapshot_record(self.step, self.last_announced, "stop")
+        self.journal.changed()
+        try:
+            snap = await self.client.stop_snapshot(
+                rec.anchor_step,
+                capture=lambda keys: self._capture(rec, keys),
+                snapshot_id=rec.snapshot_id,
+                barrier=self._dp.exclusive,
+                deadline_s=deadline_s,
+                poll_interval=0.05,
+            )
+            rec.outcome, rec.reason, rec.gym_parked_seconds = snap.outcome or "published", snap.reason, snap.gym_parked_seconds
+            rec.stop_honoured, rec.gym, rec.detail = snap.stop_honoured, snap.gym_figures, snap.raw.get("detail")
+        except SnapshotFailed as e:
+            rec.outcome, rec.reason = e.outcome, e.reason
+            rec.detail = getattr(e.snapshot, "raw", {}).get("detail")
+        except SnapshotTimeout as e:
+            rec.outcome, rec.reason = "timeout", str(e)
+        why = f" ({rec.reason})" if rec.reason and not rec.published else ""
+        honoured = {True: "honoured", False: "not honoured (Gym refused it; committed without)", None: "not reported"}[rec.stop_honoured]
+        self.journal.event("stop", f"{rec.snapshot_id} anchored on step {rec.anchor_step}: {rec.outcome}{why}; stop {honoured}")
+        self.journal.changed()
+        return rec
+
     async def _start_late_snapshot(self, step: int) -> asyncio.Task[None]:
         """A snapshot requested while this step is being trained: its barrier waits for the
         optimizer, so the train step commits first and the snapshot is aborted (spec 5.7)."""
@@ -628,7 +671,16 @@ class Trainer:
                 n = self.slots - self._inflight[iid]
                 batch, self._queues[iid][:n] = self._queues[iid][:n], []
                 self._inflight[iid] += len(batch)
-            answer = await self.client.dispatch_when_open([t.rollout_id for t in batch], instance_id=iid, timeout=600.0, max_wait=0.5)
+            try:
+                answer = await self.client.dispatch_when_open([t.rollout_id for t in batch], instance_id=iid, timeout=600.0, max_wait=0.5)
+            except RunStopped:
+                # A stopping snapshot ended dispatch for this allocation: the rows stay queued
+                # (the ledger holds them as reserved) and this dispatcher is done.
+                self._queues[iid][:0] = batch
+                self._inflight[iid] -= len(batch)
+                self.stopped.set()
+                await self._notify()
+                await asyncio.Event().wait()
             sent = {r.rollout_id: r for r in answer.rows}
             for t in batch:
                 r = sent.get(t.rollout_id)
@@ -642,6 +694,12 @@ class Trainer:
         self._running[t.rollout_id] = (t, asyncio.get_running_loop().time())
         try:
             await self._run_row(t)
+        except CoordinatorError as e:
+            if not self.stopping:
+                raise
+            # After the stop the coordinator refuses re-sends (run_stopped): the stopping
+            # snapshot's cut already decides what the next allocation does with this row.
+            self.journal.failures.append(f"{t.rollout_id}: after the stop: {e.code}")
         finally:
             self._running.pop(t.rollout_id, None)
             self._inflight[t.instance_id] -= 1
@@ -719,13 +777,15 @@ class Trainer:
         on_not_fresh: Callable[[list[str]], Awaitable[None]],
         *,
         max_refusals: int = 2,
+        instance_map: Mapping[str, str] | None = None,
     ) -> RestoreReport:
         """Restore the run from the newest snapshot compatible with the trainer's last
         checkpoint. Loads the snapshot's anchor checkpoint and data-plane capture, applies the
         restore (``on_not_fresh(instances)`` is awaited when the coordinator refuses because
         Gym instances served work; it must restart them), then queues what must be sent.
-        Returns the report; call :meth:`run` from ``anchor_step + 1`` next."""
-        plan = await self.client.restore_plan(step=last_checkpoint_step, include_reused=True)
+        Returns the report; call :meth:`run` from ``anchor_step + 1`` next. ``instance_map``
+        ``{saved instance: live instance}`` restores into a Gym deployment of another shape."""
+        plan = await self.client.restore_plan(step=last_checkpoint_step, include_reused=True, instance_map=instance_map)
         anchor = plan.anchor_step if plan.anchor_step is not None else int(plan.raw.get("anchor_step", 0))
         self.journal.event(
             "restore",
@@ -737,7 +797,9 @@ class Trainer:
         refused: list[list[str]] = []
         while True:
             try:
-                res = await self.client.restore(snapshot_id=plan.snapshot_id, step=last_checkpoint_step, with_gym_state=True)
+                res = await self.client.restore(
+                    snapshot_id=plan.snapshot_id, step=last_checkpoint_step, with_gym_state=True, instance_map=instance_map
+                )
                 break
             except Conflict as e:
                 if e.code != "gym_not_fresh" or len(refused) >= max_refusals:
@@ -784,6 +846,7 @@ class Trainer:
             restore_id=res.restore_id,
             counts=dict(res.counts),
             plan_counts=dict(plan.counts),
+            plan_reasons=plan.reasons,
             gym=dict(res.raw.get("gym") or {}),
             data_plane_ref=plan.data_plane_ref,
             continued=continued,

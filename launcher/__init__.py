@@ -2,7 +2,8 @@
 
 ``serve``, ``migrate`` and ``import-ledger`` are the service's (``checkpoint_coordinator.cli``);
 ``demo`` (``ckpt_demo``) and ``gymsim`` are packages of their own that the service must not import
-(architecture.md, "Direction of imports"). This module is the one place that knows all of them:
+(architecture.md, "Direction of imports"), and the operator commands ``restore-plan`` and
+``snapshots`` are HTTP clients of a running coordinator (``ckpt_client.ops``). This module is the one place that knows all of them:
 it hands the tools to the service's command line, which lists and dispatches them.
 """
 
@@ -27,6 +28,18 @@ def _gymsim(argv: list[str]) -> int:
     return main(argv)
 
 
+def _restore_plan(argv: list[str]) -> int:
+    from ckpt_client.ops import restore_plan_main
+
+    return restore_plan_main(argv)
+
+
+def _snapshots(argv: list[str]) -> int:
+    from ckpt_client.ops import snapshots_main
+
+    return snapshots_main(argv)
+
+
 TOOLS: dict[str, Delegated] = {
     "demo": Delegated("end-to-end demo: trainer + coordinator + gymsim, crash and restore", _demo),
     "gymsim": Delegated(
@@ -35,6 +48,8 @@ TOOLS: dict[str, Delegated] = {
         description="Run gymsim, the reference NeMo Gym checkpoint participant deployment; the arguments "
         "after 'gymsim' are gymsim's own (try 'ckpt-coordinator gymsim --help').",
     ),
+    "restore-plan": Delegated("print a run's restore plan without applying it (a running coordinator, token in $CKPTC_RUN_TOKEN)", _restore_plan),
+    "snapshots": Delegated("print a run's snapshot history with phase timings and Gym figures (token in $CKPTC_RUN_TOKEN)", _snapshots),
 }
 
 

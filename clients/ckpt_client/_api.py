@@ -251,6 +251,26 @@ class Api:
         items = doc.get("snapshots", doc.get("items", [])) if isinstance(doc, Mapping) else doc
         return [Snapshot.parse(s) for s in (items if isinstance(items, list) else [])]
 
+    def snapshot_history(self, limit: int | None, page_size: int = 0) -> Flow[list[Snapshot]]:
+        """The run's snapshots newest first, ``limit`` of them (None: all), pages of
+        ``page_size`` (0: the server's largest) joined."""
+        if (limit is not None and limit < 1) or page_size < 0:
+            raise ValueError("limit must be >= 1 and page_size >= 0")
+        page = min(page_size or SNAPSHOT_PAGE_ROWS, SNAPSHOT_PAGE_ROWS)
+        out: list[Snapshot] = []
+        before: str | None = None
+        while limit is None or len(out) < limit:
+            params: dict[str, Any] = {"limit": min(page, limit - len(out)) if limit is not None else page}
+            if before is not None:
+                params["before"] = before
+            doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots"), params=params))
+            items = doc.get("snapshots") if isinstance(doc, Mapping) else None
+            out.extend(Snapshot.parse(s) for s in (items if isinstance(items, list) else []))
+            before = _str_or_none(doc.get("next_before")) if isinstance(doc, Mapping) else None
+            if before is None or not items:
+                break
+        return out
+
     def abort_snapshot(self, snapshot_id: str, reason: str, detail: str | None, wait: bool, timeout: float, poll_interval: float) -> Flow[Snapshot]:
         """Give up a snapshot that has not had its capture reported; with ``wait``, until it has
         ended (its owner resumes Gym and reopens the gate first). A snapshot whose capture was
@@ -368,6 +388,11 @@ class Api:
         body = {"instances": [row_json(i, "GymInstance") for i in instances]}
         return GymRegistration.parse((yield from self._call(RequestSpec("POST", self._run_path("/gym-instances"), body))))
 
+    def unregister_gym_instance(self, instance_id: str) -> Flow[None]:
+        # Instance ids hold '/' as a separator: the route takes the rest of the path.
+        path = self._run_path("/gym-instances/" + "/".join(_seg(p) for p in instance_id.split("/")))
+        yield from self._call(RequestSpec("DELETE", path))
+
     def restore_plan(
         self, step: int | None, snapshot_id: str | None, with_gym_state: bool, include_reused: bool, instance_map: Mapping[str, str] | None = None
     ) -> Flow[RestorePlan]:
@@ -449,6 +474,12 @@ class Api:
 
 #: Rows per page of a joined restore plan (the server's maximum).
 PLAN_PAGE_ROWS = 100_000
+#: Snapshots per page of the history (the server's maximum).
+SNAPSHOT_PAGE_ROWS = 500
+
+
+def _str_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def _wants_barrier(snap: Snapshot) -> bool:

@@ -44,7 +44,7 @@ class RequestSpec:
     ``run_exists`` and the token, shown once, would be lost).
     """
 
-    method: Literal["GET", "POST"]
+    method: Literal["GET", "POST", "DELETE"]
     path: str
     json: Any = None
     params: Mapping[str, Any] | None = None

@@ -251,6 +251,12 @@ class AsyncCoordinatorClient:
     async def list_snapshots(self) -> list[Snapshot]:
         return await self._drive(self._api.list_snapshots())
 
+    async def snapshot_history(self, *, limit: int | None = None, page_size: int = 0) -> list[Snapshot]:
+        """The run's snapshots, newest first, with their phase timings, outcome, reason and
+        per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
+        pages (``page_size`` snapshots each, 0: the largest it gives) are joined."""
+        return await self._drive(self._api.snapshot_history(limit, page_size))
+
     async def abort_snapshot(
         self,
         snapshot_id: str,
@@ -316,6 +322,11 @@ class AsyncCoordinatorClient:
 
     async def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return await self._drive(self._api.register_gym_instances(instances))
+
+    async def unregister_gym_instance(self, instance_id: str) -> None:
+        """Forget an instance of the run's Gym topology (one of an allocation that ended, before
+        the next allocation's instances are registered). Refused while a snapshot runs."""
+        await self._drive(self._api.unregister_gym_instance(instance_id))
 
     async def restore_plan(
         self,

@@ -650,6 +650,24 @@ class Snapshot:
     def published(self) -> bool:
         return (self.outcome or self.phase) == "published" and self.terminal
 
+    @property
+    def gym_figures(self) -> dict[str, dict[str, Any]]:
+        """Per Gym instance, the figures the snapshot kept (participants, exported, restarts...)."""
+        detail = self.raw.get("detail")
+        gym = detail.get("gym") if isinstance(detail, Mapping) else None
+        return {str(k): dict(v) for k, v in gym.items() if isinstance(v, Mapping)} if isinstance(gym, Mapping) else {}
+
+    @property
+    def stop_honoured(self) -> bool | None:
+        """For a stopping snapshot, whether every Gym instance took ``stop`` (a Gym that refuses
+        it gets the commit without it); None when not a stop or not known."""
+        if isinstance(self.raw.get("stop_honoured"), bool):
+            return bool(self.raw["stop_honoured"])
+        flags = [f.get("stop_supported") for f in self.gym_figures.values()]
+        if not flags or not all(isinstance(f, bool) for f in flags):
+            return None
+        return all(flags)
+
     @classmethod
     def parse(cls, doc: Any) -> Snapshot:
         d = _obj(doc, "snapshot")

@@ -266,6 +266,12 @@ class CoordinatorClient:
     def list_snapshots(self) -> list[Snapshot]:
         return self._drive(self._api.list_snapshots())
 
+    def snapshot_history(self, *, limit: int | None = None, page_size: int = 0) -> list[Snapshot]:
+        """The run's snapshots, newest first, with their phase timings, outcome, reason and
+        per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
+        pages (``page_size`` snapshots each, 0: the largest it gives) are joined."""
+        return self._drive(self._api.snapshot_history(limit, page_size))
+
     def abort_snapshot(
         self,
         snapshot_id: str,
@@ -335,6 +341,11 @@ class CoordinatorClient:
 
     def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return self._drive(self._api.register_gym_instances(instances))
+
+    def unregister_gym_instance(self, instance_id: str) -> None:
+        """Forget an instance of the run's Gym topology (one of an allocation that ended, before
+        the next allocation's instances are registered). Refused while a snapshot runs."""
+        self._drive(self._api.unregister_gym_instance(instance_id))
 
     def restore_plan(
         self,

@@ -123,6 +123,18 @@ def set_gate(database_url: str, run_id: str, snapshot_id: str | None) -> None:
 
 
 @pytest.fixture
+def gym() -> Iterator[Any]:
+    """One gymsim instance, ``math/replica-0`` with control token ``tok-gym``."""
+    from gymsim.testing import GymsimInstance, default_instance_config
+
+    g = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-gym", turn_seconds=0.05))
+    try:
+        yield g
+    finally:
+        g.stop()
+
+
+@pytest.fixture
 def admin_token() -> str:
     return ADMIN_TOKEN
 

@@ -21,17 +21,6 @@ pytestmark = pytest.mark.timeout(120)
 INSTANCE = "math/replica-0"
 
 
-@pytest.fixture
-def gym() -> Iterator[Any]:
-    from gymsim.testing import GymsimInstance, default_instance_config
-
-    g = GymsimInstance.start(default_instance_config(INSTANCE, token="tok-gym", turn_seconds=0.05))
-    try:
-        yield g
-    finally:
-        g.stop()
-
-
 class Recorder:
     """Stands in for the trainer's data plane: a barrier it can hold and a capture that saves
     the staging keys to a file, recording the order of what happened."""

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_demo import build_parser
-from ckpt_demo.checks import check_groups, check_mutations, check_rewards
-from ckpt_demo.runner import pids_alive
+from ckpt_demo.checks import check_groups, check_instance_map, check_mutations, check_rewards
+from ckpt_demo.runner import FIRST_ALLOCATION, INSTANCE_MAP, NEXT_ALLOCATION, pids_alive
 from ckpt_demo.trainer import DataLoader, recovery_config
 
 # Through the console script's module, as `ckpt-coordinator demo -- ARGS` (the `--` hands the
@@ -67,10 +67,48 @@ def test_demo_survives_the_crash_and_shows_every_disposition(tmp_path: Path) -> 
     assert s["workdir"] and not Path(s["workdir"]).exists()
 
 
+# Needs the coordinator's side of stopping snapshots (ledger 5.1) and instance maps (6.1, 6.2).
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("profile", ["published", "strict"])
+def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Path, profile: str) -> None:
+    out = tmp_path / "summary.json"
+    args = ["--scenario", "allocation-end", "--steps", "2", "--groups", "8", "--seed", "3", "--gym-profile", profile]
+    proc = _run([*args, "--quiet", "--json-summary", str(out)], timeout=280)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+    s = json.loads(out.read_text())
+    assert s["ok"] is True and not [c for c in s["checks"] if not c["ok"]]
+    assert "episodes follow the instance map" in {c["name"] for c in s["checks"]}
+
+    # SIGUSR1 -> a stopping snapshot that publishes; strict Gym honours the stop, published refuses it.
+    a = s["allocation_end"]
+    assert a["signal"] == "SIGUSR1" and a["outcome"] == "published"
+    assert a["stop_honoured"] is (profile == "strict")
+    assert s["restore"]["snapshot_id"] == a["snapshot_id"] and s["restore"]["anchor_step"] == 1
+    assert a["saved_instances"] == list(FIRST_ALLOCATION) and a["live_instances"] == list(NEXT_ALLOCATION)
+
+    # The mapped instances' episodes continue where they were mapped; the unmapped one's restart.
+    exported = a["exported_by_saved_instance"]
+    [unmapped] = sorted(set(FIRST_ALLOCATION) - set(INSTANCE_MAP))
+    assert exported[unmapped] > 0, exported
+    by_live = s["restore"]["continued_by_instance"]
+    assert {live: by_live.get(live, 0) for live in INSTANCE_MAP.values()} == {live: exported[saved] for saved, live in INSTANCE_MAP.items()}
+    reasons = s["restore"]["plan_reasons"]
+    assert reasons["restarted"]["instance_not_mapped"] == exported[unmapped]
+    assert reasons["continued"] == {"exported_by_gym": sum(exported[saved] for saved in INSTANCE_MAP)}
+
+    # The summary prints the plan's reasons and whether the stop was honoured.
+    assert "why (the plan's reason for each row)" in proc.stdout and "instance_not_mapped" in proc.stdout
+    assert ("stop honoured" if profile == "strict" else "stop not honoured") in proc.stdout
+    assert pids_alive(s["processes"]) == []
+    assert s["workdir"] and not Path(s["workdir"]).exists()
+
+
 def test_help_explains_every_flag() -> None:
     proc = _run(["--help"], timeout=60)
     assert proc.returncode == 0
-    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary"):
+    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary", "--scenario", "allocation-end"):
         assert flag in proc.stdout
     assert "Exit status" in proc.stdout
 
@@ -78,6 +116,7 @@ def test_help_explains_every_flag() -> None:
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--scenario", "flood"], "invalid choice"),
         (["--steps", "0"], "must be at least 1"),
         (["--groups", "many"], "not an integer"),
         (["--timeout", "0"], "--timeout must be positive"),
@@ -163,6 +202,18 @@ def test_mutation_check_catches_a_turn_applied_twice_and_a_gap_in_a_continuation
     assert not check_mutations(sessions, continued, {}).ok  # a continuation that never sealed
 
 
+def test_instance_map_check_holds_continuations_to_the_map_and_restarts_to_their_reason() -> None:
+    exported = {"old-0": 2, "old-1": 1, "old-2": 3}
+    m = {"old-0": "new-0", "old-1": "new-1"}
+    good = check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {"continued": {"exported_by_gym": 3}, "restarted": {"instance_not_mapped": 3}})
+    assert good.ok and "3 of unmapped old-2 restart" in good.detail
+    swapped = check_instance_map(exported, m, {"new-0": 1, "new-1": 2}, {"restarted": {"instance_not_mapped": 3}})
+    assert not swapped.ok and "old-0 exported 2 episodes, new-0 continues 1" in swapped.detail
+    assert not check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {"restarted": {"instance_not_mapped": 1}}).ok
+    # A coordinator that sends no reasons cannot show that the unmapped episodes restart.
+    assert "no reasons" in check_instance_map(exported, m, {"new-0": 2, "new-1": 1}, {}).detail
+
+
 def test_reward_check_flags_a_row_with_a_lost_or_doubled_turn() -> None:
     assert check_rewards(_lineage("a")).ok
     assert not check_rewards([{"group_id": "a", "rewards": [1.0, 1.25]}]).ok
@@ -181,3 +232,37 @@ def test_pids_alive_tells_our_process_from_one_that_reused_its_pid() -> None:
     assert pids_alive({"coordinator": 1 << 22, "gymsim": [me], "started": {str(1 << 22): 1.0}}) == []
     # A summary without start times falls back to the pid alone.
     assert pids_alive({"coordinator": me, "gymsim": []}) == [me]
+
+
+def test_summary_of_an_allocation_end_names_the_stop_the_map_and_the_reasons() -> None:
+    from ckpt_demo.report import render_summary
+
+    summary = {
+        "ok": True,
+        "wall_seconds": 27.0,
+        "run_id": "demo-x",
+        "scenario": "allocation-end",
+        "options": {"steps": 4, "groups": 8, "seed": 1, "generations": 4, "gym_profile": "published"},
+        "allocation_end": {
+            "stop_step": 3, "signal": "SIGUSR1", "deadline_s": 30.0, "snapshot_id": "snap-stop", "outcome": "published", "reason": "ok",
+            "stop_honoured": False, "saved_instances": list(FIRST_ALLOCATION), "live_instances": list(NEXT_ALLOCATION),
+            "instance_map": dict(INSTANCE_MAP),
+        },
+        "groups": {"expected": 32, "admitted": 32, "finalized": 32, "abandoned": 0, "consumed": 32, "rolled_back": 0},
+        "restore": {
+            "restore_id": "r1", "snapshot_id": "snap-stop", "anchor_step": 2, "gym_installed": True, "refused_not_fresh": [],
+            "counts": {"reused": 17, "continued": 3, "restarted": 2}, "continued_by_instance": {NEXT_ALLOCATION[0]: 2, NEXT_ALLOCATION[1]: 1},
+            "plan_reasons": {"continued": {"exported_by_gym": 3}, "restarted": {"instance_not_mapped": 2}, "reused": {"sealed_at_cut": 17}},
+        },
+        "snapshots": [],
+        "snapshot_totals": {"outcomes": {"published": 1}, "not_published_reasons": {}},
+        "gym_parked_seconds": 0.5,
+        "siblings": {"sealed_reports": 100, "gym_refusals": 0, "transport_failures": 0},
+        "checks": [{"name": "episodes follow the instance map", "ok": True, "detail": "..."}],
+    }
+    text = render_summary(summary)
+    assert "scenario allocation-end" in text and "SIGUSR1 -> stopping snapshot snap-stop within 30s: published; stop not honoured" in text
+    assert f"instance map {FIRST_ALLOCATION[0]} -> {NEXT_ALLOCATION[0]}" in text
+    why = [line.split() for line in text.split("why (the plan's reason for each row)", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert ["reused", "sealed_at_cut", "17"] in why and ["restarted", "instance_not_mapped", "2"] in why
+    assert [w[0] for w in why if w and not w[0].startswith("-")][1:] == ["reused", "continued", "restarted"]  # in the dispositions' order

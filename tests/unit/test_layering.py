@@ -77,8 +77,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "clients": {"clients"},
     "gymsim": {"gymsim"},
     "demo": {"demo", "clients", "gymsim"},
-    # The console script joins the service's command line with the tools beside it.
-    "launcher": {"launcher", "entry", "demo", "gymsim"},
+    # The console script joins the service's command line with the tools beside it; the
+    # operator commands are HTTP clients, so they live in the client and the launcher lists them.
+    "launcher": {"launcher", "entry", "demo", "gymsim", "clients"},
 }
 
 # Edges today's code still breaks while other work fixes them: (file, forbidden area) -> why.
