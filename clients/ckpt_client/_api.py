@@ -408,8 +408,8 @@ class Api:
             params["with_gym_state"] = "false"
         if include_reused:
             params["include_reused"] = "true"
-        # The largest page the server gives: every page recomputes the plan (~4 s at a million
-        # siblings), so 100 000-row pages join a 383 330-row plan in 4 requests instead of 39.
+        # The largest page the server gives: every page recomputes the plan, so fewer, larger
+        # pages are what make a big plan cheap to fetch (bench/README.md, restore_plan).
         params["limit"] = PLAN_PAGE_ROWS
         path = self._run_path("/restore-plan")
         doc = yield from self._call(RequestSpec("GET", path, params=params))
