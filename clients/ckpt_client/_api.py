@@ -231,9 +231,17 @@ class Api:
             body["checkpoint_ref"] = checkpoint_ref
         return TrainStep.parse((yield from self._call(RequestSpec("POST", self._run_path("/train-steps"), body))), step)
 
-    def request_snapshot(self, anchor_step: int, snapshot_id: str) -> Flow[Snapshot]:
-        body = {"snapshot_id": snapshot_id, "anchor_step": anchor_step}
+    def request_snapshot(self, anchor_step: int, snapshot_id: str, stop: bool = False, deadline_s: float | None = None) -> Flow[Snapshot]:
+        body: dict[str, Any] = {"snapshot_id": snapshot_id, "anchor_step": anchor_step}
+        # Sent only when used, so a coordinator that predates stopping snapshots sees the contract.
+        if stop:
+            body["stop"] = True
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
         return Snapshot.parse((yield from self._call(RequestSpec("POST", self._run_path("/snapshots"), body))))
+
+    def reopen(self) -> Flow[Run]:
+        return Run.parse((yield from self._call(RequestSpec("POST", self._run_path("/reopen")))))
 
     def get_snapshot(self, snapshot_id: str) -> Flow[Snapshot]:
         return Snapshot.parse((yield from self._call(RequestSpec("GET", self._run_path(f"/snapshots/{_seg(snapshot_id)}")))))
@@ -286,6 +294,8 @@ class Api:
         barrier: Callable[[], Any] | None,
         poll_interval: float,
         timeout: float,
+        stop: bool = False,
+        deadline_s: float | None = None,
     ) -> Flow[Snapshot]:
         """The trainer's side of spec section 5, from request to a terminal outcome.
 
@@ -298,7 +308,7 @@ class Api:
             raise ValueError("poll_interval and timeout must be > 0")
         sid = snapshot_id or new_id("snap")
         deadline = (yield Now()) + timeout
-        snap = yield from self.request_snapshot(step, sid)
+        snap = yield from self.request_snapshot(step, sid, stop, deadline_s)
         captured = False
         # Set once the coordinator refused the barrier because the snapshot is being aborted:
         # it will never ask again, and taking the trainer's barrier each poll would stall it.
@@ -358,8 +368,12 @@ class Api:
         body = {"instances": [row_json(i, "GymInstance") for i in instances]}
         return GymRegistration.parse((yield from self._call(RequestSpec("POST", self._run_path("/gym-instances"), body))))
 
-    def restore_plan(self, step: int | None, snapshot_id: str | None, with_gym_state: bool, include_reused: bool) -> Flow[RestorePlan]:
+    def restore_plan(
+        self, step: int | None, snapshot_id: str | None, with_gym_state: bool, include_reused: bool, instance_map: Mapping[str, str] | None = None
+    ) -> Flow[RestorePlan]:
         params: dict[str, Any] = {}
+        if instance_map:
+            params["instance_map"] = [f"{saved}={live}" for saved, live in sorted(instance_map.items())]
         if step is not None:
             params["step"] = step
         if snapshot_id is not None:
@@ -387,7 +401,14 @@ class Api:
         return plan
 
     def restore(
-        self, restore_id: str | None, snapshot_id: str | None, step: int | None, with_gym_state: bool, timeout: float, poll_interval: float
+        self,
+        restore_id: str | None,
+        snapshot_id: str | None,
+        step: int | None,
+        with_gym_state: bool,
+        timeout: float,
+        poll_interval: float,
+        instance_map: Mapping[str, str] | None = None,
     ) -> Flow[RestoreResult]:
         """Apply a restore, waiting out ``restore_in_progress`` (our own earlier try whose answer
         was lost is still running) by asking again with the same id until it answers."""
@@ -398,6 +419,8 @@ class Api:
             body["snapshot_id"] = snapshot_id
         if step is not None:
             body["step"] = step
+        if instance_map:
+            body["instance_map"] = dict(instance_map)
         deadline = (yield Now()) + timeout
         # One request may legitimately take minutes (Gym restore fan-out), so it gets the whole
         # budget rather than the client's per-call timeout; the server bounds it on its side.

@@ -21,6 +21,7 @@ __all__ = [
     "InvalidRequest",
     "Conflict",
     "GateClosed",
+    "RunStopped",
     "BatchRefused",
     "RefusedRow",
     "RunClosed",
@@ -137,6 +138,18 @@ class RefusedRow:
     detail: str
     rollout_id: str | None = None
     group_id: str | None = None
+
+
+class RunStopped(Conflict):
+    """409 ``run_stopped``: a stopping snapshot ended dispatch for this allocation (ledger
+    section 5.1). It stays refused until a restore or ``reopen()``; waiting does not help."""
+
+    default_code = "run_stopped"
+
+    @property
+    def snapshot_id(self) -> str | None:
+        value = self.problem.get("snapshot_id")
+        return str(value) if value is not None else None
 
 
 class BatchRefused(Conflict):
@@ -259,6 +272,7 @@ class SnapshotFailed(CoordinatorError):
             "superseded",
             "cancelled",
             "restored",
+            "deadline_exceeded",
         }
     )
 
@@ -300,6 +314,7 @@ _BY_CODE: dict[str, type[CoordinatorError]] = {
     "invalid_request": InvalidRequest,
     "invalid_config": InvalidRequest,
     "gate_closed": GateClosed,
+    "run_stopped": RunStopped,
     "run_closed": RunClosed,
     "fenced": Fenced,
     "snapshot_not_awaiting": SnapshotNotAwaiting,

@@ -730,6 +730,8 @@ class PlanRow:
     instance_id: str | None
     replaces_rollout_id: str | None = None
     staging_keys: list[str] | None = None
+    # Why the row does what it does (ledger section 6.2), e.g. ``exported_by_gym``.
+    reason: str | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -750,6 +752,7 @@ class PlanRow:
             instance_id=_str(d.get("instance_id")),
             replaces_rollout_id=_str(d.get("replaces_rollout_id")),
             staging_keys=_strs(d.get("staging_keys")) if isinstance(d.get("staging_keys"), list) else None,
+            reason=_str(d.get("reason")),
             raw=d,
         )
 
@@ -770,6 +773,11 @@ class RestorePlan:
     @property
     def rows_to_send(self) -> list[PlanRow]:
         return [r for r in self.rows if r.needs_send]
+
+    @property
+    def reasons(self) -> dict[str, dict[str, int]]:
+        """Rows per disposition and reason over the whole plan (ledger section 6.2)."""
+        return {str(d): {str(r): _int(n) for r, n in _dict(v).items()} for d, v in _dict(self.raw.get("reasons")).items()}
 
     @classmethod
     def parse(cls, doc: Any) -> RestorePlan:

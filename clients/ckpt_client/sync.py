@@ -250,8 +250,15 @@ class CoordinatorClient:
         on an older step that has not cut its ledger yet is aborted (the train step wins)."""
         return self._drive(self._api.announce_train_step(step, checkpoint_ref))
 
-    def request_snapshot(self, anchor_step: int, *, snapshot_id: str | None = None) -> Snapshot:
-        return self._drive(self._api.request_snapshot(anchor_step, snapshot_id or new_id("snap")))
+    def request_snapshot(
+        self, anchor_step: int, *, snapshot_id: str | None = None, stop: bool = False, deadline_s: float | None = None
+    ) -> Snapshot:
+        return self._drive(self._api.request_snapshot(anchor_step, snapshot_id or new_id("snap"), stop, deadline_s))
+
+    def reopen(self) -> Run:
+        """Reopen dispatch after a stopping snapshot when the run goes on without a restore
+        (the stop turned out not to be needed)."""
+        return self._drive(self._api.reopen())
 
     def get_snapshot(self, snapshot_id: str) -> Snapshot:
         return self._drive(self._api.get_snapshot(snapshot_id))
@@ -302,17 +309,47 @@ class CoordinatorClient:
         """
         return self._drive(self._api.snapshot(step, capture, snapshot_id, barrier, poll_interval, timeout))
 
+    def stop_snapshot(
+        self,
+        step: int,
+        capture: Callable[[list[str]], DataPlaneRef | Mapping[str, str] | tuple[str, str]],
+        *,
+        deadline_s: float,
+        snapshot_id: str | None = None,
+        barrier: Any = None,
+        poll_interval: float = 0.1,
+    ) -> Snapshot:
+        """A stopping snapshot, for the signal handler of a trainer whose allocation ends
+        (ledger section 5.1): taken like :meth:`snapshot` but within ``deadline_s`` seconds,
+        with Gym left parked after the cut and dispatch refused (``run_stopped``) until a
+        restore or :meth:`reopen`. Anchor it on the newest announced step. Returns the published
+        snapshot; raises :class:`SnapshotFailed` (``deadline_exceeded`` when it could not make
+        it: the previous snapshot stays authoritative)."""
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
+        # The client waits a moment longer than the coordinator's deadline, to read its verdict.
+        flow = self._api.snapshot(step, capture, snapshot_id, barrier, poll_interval, deadline_s + 10.0, True, deadline_s)
+        return self._drive(flow)
+
     # ---------------------------------------------------------------------------- section 6
 
     def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return self._drive(self._api.register_gym_instances(instances))
 
     def restore_plan(
-        self, step: int | None = None, snapshot_id: str | None = None, *, with_gym_state: bool = True, include_reused: bool = False
+        self,
+        step: int | None = None,
+        snapshot_id: str | None = None,
+        *,
+        with_gym_state: bool = True,
+        include_reused: bool = False,
+        instance_map: Mapping[str, str] | None = None,
     ) -> RestorePlan:
         """The plan for the newest published snapshot anchored at or before ``step`` (or the
-        named one), every page joined. A preview: :meth:`restore` applies it."""
-        return self._drive(self._api.restore_plan(step, snapshot_id, with_gym_state, include_reused))
+        named one), every page joined. A preview: :meth:`restore` applies it. ``instance_map``
+        ``{saved instance: live instance}`` restores into a deployment of another shape
+        (ledger section 6.1)."""
+        return self._drive(self._api.restore_plan(step, snapshot_id, with_gym_state, include_reused, instance_map))
 
     def restore(
         self,
@@ -323,10 +360,12 @@ class CoordinatorClient:
         with_gym_state: bool = True,
         timeout: float = 1800.0,
         poll_interval: float = 2.0,
+        instance_map: Mapping[str, str] | None = None,
     ) -> RestoreResult:
         """Apply a restore (idempotent per ``restore_id``, minted here if not given) and answer
         what to send next (every page of the answer's rows joined). ``with_gym_state=False``
         when the Gym instances survived the crash (they are not fresh): continuations become
         restarts. Waits while the same restore id
-        is still running elsewhere, up to ``timeout`` seconds in all."""
-        return self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout, poll_interval))
+        is still running elsewhere, up to ``timeout`` seconds in all. ``instance_map`` as for
+        :meth:`restore_plan`."""
+        return self._drive(self._api.restore(restore_id, snapshot_id, step, with_gym_state, timeout, poll_interval, instance_map))
