@@ -24,9 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import capture_key, mint_rollout_id
-from ..errors import Conflict, GateClosed, NotFound
+from ..errors import Conflict, GateClosed, NotFound, RunStopped
 from .db import execute, fetch, read_rows
-from .runs import lock_run
+from .runs import lock_run, stopped_by
 
 # Every batch statement here is planned for its own arguments, never run as a prepared
 # statement: after psycopg prepares a statement (its fifth run on a connection) PostgreSQL
@@ -579,6 +579,9 @@ async def dispatch(
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id)
         if run.gate_snapshot_id is not None:
+            stopped = await stopped_by(conn, run_id, run.gate_snapshot_id)
+            if stopped is not None:
+                raise RunStopped(f"run {run_id!r} was stopped by snapshot {stopped!r}; restore it or reopen it first", snapshot_id=stopped)
             raise GateClosed(
                 f"dispatch gate closed by snapshot {run.gate_snapshot_id}; retry after it reopens",
                 snapshot_id=run.gate_snapshot_id,
