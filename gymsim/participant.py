@@ -123,6 +123,7 @@ class Participant:
                 "restore_count",
                 "install_count",
                 "resume_count",
+                "stop_count",
                 "retire_count",
                 "forget_count",
                 "lease_expired",
@@ -537,6 +538,10 @@ class Participant:
             self.phase = "committed"
             self.stored[(cid, "commit")] = Stored(args, reply)
             self.counters["commit_count"] += 1
+            if args[2]:
+                # A stopping controller: the exported state stays parked with the checkpoint
+                # (admission closed) until a resume or the lease's expiry.
+                self.counters["stop_count"] += 1
             self.notifier.notify()
             return reply
 

@@ -64,6 +64,10 @@ class GateClosed(CoordinatorError):
     code, status, title = "gate_closed", 409, "Dispatch gate closed by a snapshot"
 
 
+class RunStopped(CoordinatorError):
+    code, status, title = "run_stopped", 409, "Run stopped by a stopping snapshot"
+
+
 class Fenced(CoordinatorError):
     code, status, title = "fenced", 409, "Run epoch changed under this request"
 

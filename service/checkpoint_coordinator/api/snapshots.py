@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import Field
+from pydantic import Field, StrictBool, model_validator
 
 from ..ledger import snapshots as repo
 from ..snapshots import service as snapshot_service
@@ -17,9 +17,30 @@ router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"], route_class=F
 SnapshotIdPath = Path(..., pattern=SNAPSHOT_ID_PATTERN, max_length=100)
 
 
+MAX_STOP_DEADLINE_S = 3600.0
+
+
 class SnapshotRequest(Strict):
     snapshot_id: str = Field(pattern=SNAPSHOT_ID_PATTERN, min_length=1, max_length=100)
     anchor_step: int = Field(ge=0, le=BIGINT_MAX, description="The trainer checkpoint (train step) this snapshot is anchored on.")
+    stop: StrictBool = Field(
+        default=False,
+        description="A stopping snapshot (the allocation ends): Gym is left parked after the cut and dispatch is refused "
+        "`run_stopped` until a restore or `POST .../reopen`; a train step announced meanwhile does not abort it.",
+    )
+    deadline_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_STOP_DEADLINE_S,
+        description="Stopping snapshots only: seconds from the request by which it must have taken its cut; every phase "
+        "timeout is clipped to what is left, and past it the snapshot is aborted (`deadline_exceeded`, Gym resumed).",
+    )
+
+    @model_validator(mode="after")
+    def _deadline_only_when_stopping(self) -> SnapshotRequest:
+        if self.deadline_s is not None and not self.stop:
+            raise ValueError("deadline_s applies to stopping snapshots only (stop: true)")
+        return self
 
 
 class DataPlaneRef(Strict):
@@ -55,7 +76,8 @@ async def request_snapshot(body: SnapshotRequest, request: Request, response: Re
     """Request a snapshot anchored on train step S. Idempotent by snapshot id; runs in the background."""
     app = request.app
     row, created = await snapshot_service.request_snapshot(
-        app.state.engine, app.state.snapshots, caller.run_id, body.snapshot_id, body.anchor_step, lease_ttl_s=app.state.settings.ownership_lease_s
+        app.state.engine, app.state.snapshots, caller.run_id, body.snapshot_id, body.anchor_step,
+        stop=body.stop, deadline_s=body.deadline_s, lease_ttl_s=app.state.settings.ownership_lease_s,
     )
     if not created:
         response.status_code = 200
@@ -107,6 +129,14 @@ async def abort_snapshot(body: AbortIn, request: Request, snapshot_id: str = Sna
     row = await repo.request_abort(request.app.state.engine, caller.run_id, snapshot_id, body.reason, body.detail)
     request.app.state.snapshots.abort_local(caller.run_id, [snapshot_id], body.reason)
     return row.public()
+
+
+@router.post("/reopen", operation_id="reopen_run")
+async def reopen_run(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+    """Lift the stop of a stopping snapshot when the run goes on without a restore: dispatch is
+    accepted again and Gym is resumed (best effort; its leases reopen it anyway). Idempotent: a
+    run that is not stopped is answered as it is. Answers the run."""
+    return await snapshot_service.reopen(request.app.state.engine, request.app.state.snapshots, caller.run_id)
 
 
 @router.get("/train-steps", operation_id="list_train_steps")

@@ -160,6 +160,7 @@ class SnapshotReason(_StrEnum):
     superseded = "superseded"  # the run moved on (restored, closed, or a newer request)
     cancelled = "cancelled"  # the trainer or an operator cancelled it
     restored = "restored"  # a restore ended the lineage this snapshot belonged to
+    deadline_exceeded = "deadline_exceeded"  # a stopping snapshot could not make its deadline
 
 
 REASON_OUTCOME: Mapping[SnapshotReason, SnapshotOutcome] = MappingProxyType(
@@ -178,6 +179,7 @@ REASON_OUTCOME: Mapping[SnapshotReason, SnapshotOutcome] = MappingProxyType(
         SnapshotReason.superseded: SnapshotOutcome.aborted,
         SnapshotReason.cancelled: SnapshotOutcome.aborted,
         SnapshotReason.restored: SnapshotOutcome.aborted,
+        SnapshotReason.deadline_exceeded: SnapshotOutcome.aborted,
     }
 )
 
@@ -194,6 +196,7 @@ TRANSIENT_REASONS = frozenset(
         SnapshotReason.coordinator_restart,
         SnapshotReason.superseded,
         SnapshotReason.cancelled,
+        SnapshotReason.deadline_exceeded,
     }
 )
 

@@ -6,16 +6,20 @@ from __future__ import annotations
 from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..errors import GateClosed
+from ..errors import GateClosed, RunStopped
 from .models import Run
-from .runs import RunRow
+from .runs import RunRow, stopped_by
 
 _R = Run.__table__
 
 
-def require_open(run: RunRow, *, retry_after_s: float) -> None:
-    """Refuse a dispatch while a snapshot holds the gate (read with the run's lock)."""
+async def require_open(conn: AsyncConnection, run: RunRow, *, retry_after_s: float) -> None:
+    """Refuse a dispatch while a snapshot holds the gate (read with the run's lock): for good once
+    a stopping snapshot published (until a restore or a reopen), else until the snapshot ends."""
     if run.gate_snapshot_id is not None:
+        stopped = await stopped_by(conn, run.run_id, run.gate_snapshot_id)
+        if stopped is not None:
+            raise RunStopped(f"run {run.run_id!r} was stopped by snapshot {stopped!r}; restore it or reopen it first", snapshot_id=stopped)
         raise GateClosed(
             f"dispatch gate closed by snapshot {run.gate_snapshot_id}; retry after it reopens",
             snapshot_id=run.gate_snapshot_id,

@@ -276,6 +276,10 @@ class Snapshot(Base):
     run_id: Mapped[str] = mapped_column(Text)
     snapshot_id: Mapped[str] = mapped_column(Text)
     anchor_step: Mapped[int] = mapped_column(BigInteger)
+    # A stopping snapshot (section 5.1): Gym is left parked after the cut and dispatch stays
+    # refused until a restore or a reopen; it must end by ``deadline_at``.
+    stop: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    deadline_at: Mapped[datetime | None] = mapped_column(TS)
     phase: Mapped[str] = mapped_column(Text)
     outcome: Mapped[str | None] = mapped_column(Text)
     reason: Mapped[str | None] = mapped_column(Text)

@@ -340,7 +340,7 @@ async def dispatch(
     """Mark reserved attempts as sent to Gym (to ``instance_id``) in dispatch ``dispatch_id``."""
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id)
-        require_open(run, retry_after_s=retry_after_s)
+        await require_open(conn, run, retry_after_s=retry_after_s)
         if instance_id is not None:
             gi = GymInstance.__table__
             known = (await conn.execute(select(gi.c.instance_id).where(gi.c.run_id == run_id))).scalars().all()

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ..domain.snapshot_state import SnapshotOutcome
 from ..errors import Conflict, NotFound, RunClosed
 from .db import dump_json, read_rows
 
@@ -228,3 +229,16 @@ async def lock_run(
 
         raise Fenced(f"run {run_id!r} moved to epoch {run.epoch} (request was for {expect_epoch})", epoch=run.epoch)
     return run
+
+
+async def stopped_by(conn: AsyncConnection, run_id: str, gate_snapshot_id: str | None) -> str | None:
+    """The stopping snapshot that stopped the run (recovery-ledger.md section 5.1): it published
+    and still holds the dispatch gate, until a restore or a reopen."""
+    if gate_snapshot_id is None:
+        return None
+    return (
+        await conn.execute(
+            text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND stop AND outcome = :pub"),
+            {"r": run_id, "s": gate_snapshot_id, "pub": SnapshotOutcome.published.value},
+        )
+    ).scalar()

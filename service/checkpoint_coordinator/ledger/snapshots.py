@@ -17,13 +17,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.snapshot_state import AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
-from ..errors import Conflict, NotFound
+from ..errors import Conflict, NotFound, RunStopped
 from .db import dump_json, read_rows
 from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
 from .gate import close_gate as _close_gate_of_run
 from .gate import open_gate as _open_gate_of_run
-from .runs import lock_run
+from .runs import lock_run, stopped_by
 
 P = SnapshotPhase
 TERMINAL = tuple(o.value for o in SnapshotOutcome)
@@ -55,7 +55,7 @@ class SnapshotNotAwaiting(Conflict):
 
 
 _BASE_COLS = (
-    "snapshot_id, anchor_step, phase, outcome, reason, detail, owner, gym_checkpoint_id, snapshot_dir, phase_timings, "
+    "snapshot_id, anchor_step, stop, deadline_at, phase, outcome, reason, detail, owner, gym_checkpoint_id, snapshot_dir, phase_timings, "
     "data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
     "abort_requested, cut_at, created_at, published_at, ended_at"
 )
@@ -77,6 +77,8 @@ _COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS t
 class SnapshotRow:
     snapshot_id: str
     anchor_step: int
+    stop: bool
+    deadline_at: datetime | None
     phase: str
     outcome: str | None
     reason: str | None
@@ -114,6 +116,8 @@ class SnapshotRow:
         d: dict[str, Any] = {
             "snapshot_id": self.snapshot_id,
             "anchor_step": self.anchor_step,
+            "stop": self.stop,
+            "deadline_at": _iso(self.deadline_at),
             "phase": self.phase,
             "outcome": self.outcome,
             "reason": self.reason,
@@ -164,16 +168,21 @@ async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
     return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL"), {"r": run_id})).scalar()
 
 
-async def create_in(conn: AsyncConnection, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str) -> tuple[SnapshotRow, bool]:
+async def create_in(
+    conn: AsyncConnection, run_id: str, snapshot_id: str, anchor_step: int, owner: str, snapshot_dir: str, *, stop: bool = False, deadline_s: float | None = None
+) -> tuple[SnapshotRow, bool]:
     """Create the snapshot record (phase ``requested``) in the caller's transaction; (row,
-    created). Idempotent by id."""
-    await lock_run(conn, run_id, for_update=True)
+    created). Idempotent by id. Refused ``run_stopped`` while a stopping snapshot holds the run."""
+    run = await lock_run(conn, run_id, for_update=True)
     existing = (await conn.execute(text(f"SELECT {_COLS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})).first()
     if existing is not None:
         row = SnapshotRow(**dict(existing._mapping))
-        if row.anchor_step != anchor_step:
-            raise Conflict(f"snapshot {snapshot_id!r} was requested at step {row.anchor_step}", code="snapshot_conflict")
+        if row.anchor_step != anchor_step or row.stop != stop:
+            raise Conflict(f"snapshot {snapshot_id!r} was requested at step {row.anchor_step}" + (" as a stopping snapshot" if row.stop else ""), code="snapshot_conflict")
         return row, False
+    stopped = await stopped_by(conn, run_id, run.gate_snapshot_id)
+    if stopped is not None:
+        raise RunStopped(f"run {run_id!r} was stopped by snapshot {stopped!r}; restore it or reopen it first", snapshot_id=stopped)
     newest = await newest_train_step(conn, run_id)
     if newest is not None and anchor_step < newest:
         raise Conflict(
@@ -192,10 +201,11 @@ async def create_in(conn: AsyncConnection, run_id: str, snapshot_id: str, anchor
             r = (
                 await conn.execute(
                     text(
-                        "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) "
-                        f"VALUES (:r, :s, :a, :ph, :o, :d) RETURNING {_COLS}"
+                        "INSERT INTO snapshots (run_id, snapshot_id, anchor_step, stop, deadline_at, phase, owner, snapshot_dir) "
+                        "VALUES (:r, :s, :a, :stop, CASE WHEN CAST(:dl AS float8) IS NULL THEN NULL ELSE now() + make_interval(secs => :dl) END, "
+                        f":ph, :o, :d) RETURNING {_COLS}"
                     ),
-                    {"r": run_id, "s": snapshot_id, "a": anchor_step, "ph": P.requested.value, "o": owner, "d": snapshot_dir},
+                    {"r": run_id, "s": snapshot_id, "a": anchor_step, "stop": stop, "dl": deadline_s, "ph": P.requested.value, "o": owner, "d": snapshot_dir},
                 )
             ).one()
     except IntegrityError as e:  # the one-open-snapshot index, under a race
@@ -269,11 +279,35 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
         await _close_gate_of_run(conn, run_id, snapshot_id)
 
 
-async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> None:
-    """Phase ``publish``, with the gate reopened in the same transaction (before the publish)."""
+async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, keep_gate: bool = False) -> None:
+    """Phase ``publish``, with the gate reopened in the same transaction (before the publish);
+    a stopping snapshot keeps it closed (``keep_gate``): the run is stopped."""
     async with engine.begin() as conn:
         await move_in(conn, run_id, snapshot_id, fence, P.resume, P.publish)
-        await _open_gate_of_run(conn, run_id, snapshot_id)
+        if not keep_gate:
+            await _open_gate_of_run(conn, run_id, snapshot_id)
+
+
+async def reopen(engine: AsyncEngine, run_id: str) -> SnapshotRow | None:
+    """Lift a stop: the gate of the stopping snapshot that stopped the run reopens. Returns that
+    snapshot, or None when the run was not stopped (a repeat is a no-op)."""
+    async with engine.begin() as conn:
+        run = await lock_run(conn, run_id, for_update=True)
+        sid = await stopped_by(conn, run_id, run.gate_snapshot_id)
+        if sid is None:
+            return None
+        await _open_gate_of_run(conn, run_id, sid)
+        return await get(conn, run_id, sid)
+
+
+async def deadline_left_s(conn: AsyncConnection, run_id: str, snapshot_id: str) -> float | None:
+    """Seconds until the snapshot's deadline (negative once past), by the database's clock."""
+    v = (
+        await conn.execute(
+            text("SELECT EXTRACT(EPOCH FROM deadline_at - now()) FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+        )
+    ).scalar()
+    return None if v is None else float(v)
 
 
 async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[str, int]]]:
@@ -374,8 +408,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         if snap.abort_requested is not None:
             raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} is being aborted ({snap.abort_requested})", phase=snap.phase, reason=snap.abort_requested)
         newest = await newest_train_step(conn, run_id)
-        if newest is not None and newest > snap.anchor_step:
-            # Train step wins: it was announced before this cut.
+        if newest is not None and newest > snap.anchor_step and not snap.stop:
+            # Train step wins: it was announced before this cut (not over a stopping snapshot:
+            # the trainer is stopping).
             await conn.execute(
                 text("UPDATE snapshots SET abort_requested = :why WHERE run_id = :r AND snapshot_id = :s"),
                 {"r": run_id, "s": snapshot_id, "why": SnapshotReason.train_step_committed.value},
@@ -684,6 +719,7 @@ async def end(
     gym_restarted_episodes: int | None = None,
     resume_failure: dict[str, Any] | None = None,
     keep_latest_k: int = 2,
+    keep_gate: bool = False,
 ) -> tuple[SnapshotRow, int]:
     """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
     reopen the gate if still held, count consecutive losses, apply retention on publish.
@@ -710,7 +746,8 @@ async def end(
         ).first()
         if r is None:
             raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {outcome}/{reason}", fence)
-        await _open_gate_of_run(conn, run_id, snapshot_id)
+        if not (keep_gate and outcome is SnapshotOutcome.published):
+            await _open_gate_of_run(conn, run_id, snapshot_id)
         if outcome is SnapshotOutcome.published:
             losses_sql = "0"
         elif reason is SnapshotReason.train_step_committed:
@@ -777,7 +814,7 @@ async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, check
             await conn.execute(
                 text(
                     "UPDATE snapshots SET abort_requested = :why WHERE run_id = :r AND outcome IS NULL AND cut_at IS NULL "
-                    "AND anchor_step < :s AND abort_requested IS NULL RETURNING snapshot_id"
+                    "AND anchor_step < :s AND abort_requested IS NULL AND NOT stop RETURNING snapshot_id"
                 ),
                 {"r": run_id, "s": step, "why": SnapshotReason.train_step_committed.value},
             )

@@ -132,6 +132,9 @@ class PendingSnapshot:
         self._candidates: asyncio.Task[dict[str, list[tuple[str, int]]]] | None = None
         self._started = time.monotonic()
         self._config: dict[str, Any] = {}
+        self.stop = False
+        self._deadline: float | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     # --- events from outside -------------------------------------------------------------------
 
@@ -185,6 +188,8 @@ class PendingSnapshot:
                 log.exception("snapshot %s of run %s crashed", self.snapshot_id, self.run_id)
                 await self._ending(self._end_before_cut(SnapshotReason.gym_invariant, {"error": type(e).__name__, "message": str(e)[:2000]}))
         finally:
+            if self._deadline_timer is not None:
+                self._deadline_timer.cancel()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
@@ -202,7 +207,13 @@ class PendingSnapshot:
             run = await get_run(conn, self.run_id)
             snap = await repo.get(conn, self.run_id, self.snapshot_id)
             topology = await load_topology(conn, self.run_id)
+            left = await repo.deadline_left_s(conn, self.run_id, self.snapshot_id)
         cfg = self._config = dict(run.config)
+        self.stop = snap.stop
+        if left is not None:
+            # Past the deadline before the cut: abort cleanly (Gym resumed, gate reopened).
+            self._deadline = time.monotonic() + left
+            self._deadline_timer = asyncio.get_running_loop().call_later(max(0.0, left), self.abort, SnapshotReason.deadline_exceeded)
         await self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence))
         if not topology:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
@@ -214,8 +225,8 @@ class PendingSnapshot:
         checkpoint_id = client.new_checkpoint_id(self.snapshot_id)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
         save = self.save = GymSave(
-            client, topology, snapshot_dir=snapshot_dir, drain_timeout_s=float(cfg.get("drain_timeout_s", 120)),
-            checkpoint_id=checkpoint_id, write_manifest_file=True,
+            client, topology, snapshot_dir=snapshot_dir, drain_timeout_s=self._clipped(float(cfg.get("drain_timeout_s", 120))),
+            checkpoint_id=checkpoint_id, stop=self.stop, write_manifest_file=True,
         )
         # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
         await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
@@ -238,14 +249,15 @@ class PendingSnapshot:
         manifest = await save.manifest()
         await self._settle_pre_cut()  # the barrier must find it done (or never started)
         await self._move(P.data_plane, gym_manifest=manifest)
-        await self._step(save.within_lease(self._captured(float(cfg.get("data_plane_timeout_s", 600)))))
+        await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         save.cut()
         self.cut_taken = True
         await self._move(P.resume)
         result = await save.finish()
         # The cut is taken: a database outage from here on delays the publish, it does not lose it.
+        # A stopping snapshot keeps the gate closed: the run is stopped until a restore or reopen.
         await until_database_answers(
-            lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence)),
+            lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence, keep_gate=self.stop)),
             f"snapshot {self.snapshot_id}: publishing",
         )
         resume_failure = None
@@ -263,6 +275,9 @@ class PendingSnapshot:
                 metrics.record_exported_outside_scope(kind, n)
         if unknown:
             detail["unregistered_instances"] = unknown
+        if self.stop:
+            # Per instance: left parked (stop honoured) or resumed (a Gym that refused `stop`).
+            detail["stop_honoured"] = {iid: ic.stop_supported for iid, ic in sorted(commit.instances.items())}
         await self._end(SnapshotReason.ok, detail, restarted=result.gym_restarted_episodes, resume_failure=resume_failure)
 
     # --- transitions: one fenced write each ----------------------------------------------------
@@ -302,6 +317,7 @@ class PendingSnapshot:
                 self.engine, self.run_id, self.snapshot_id, outcome, reason, fence=self.fence, expected=self.phase,
                 detail=detail, timings=timings, gym_parked_seconds=save.gym_parked_seconds if save else None,
                 gym_restarted_episodes=restarted, resume_failure=resume_failure, keep_latest_k=int(self._config.get("keep_latest_k", 2)),
+                keep_gate=self.stop,
             ),
             f"snapshot {self.snapshot_id} of run {self.run_id}: ending it {outcome}/{reason}",
         )
@@ -343,6 +359,14 @@ class PendingSnapshot:
             self._candidates.cancel()
 
     # --- waiting ------------------------------------------------------------------------------
+
+    def _clipped(self, timeout_s: float) -> float:
+        """A phase timeout, clipped to what is left of the deadline; past the clip the deadline's
+        own abort (``deadline_exceeded``) comes first, so that is the reason given."""
+        if self._deadline is None:
+            return timeout_s
+        left = self._deadline - time.monotonic()
+        return timeout_s if timeout_s < left else max(0.0, left) + 1.0
 
     async def _step(self, aw: Awaitable[T]) -> T:
         """Await one step (a Gym call, a wait) unless an abort or a lost lease comes first; then

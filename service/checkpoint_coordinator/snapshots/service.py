@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ..gym_runtime import load_topology
 from ..ledger import leases
 from ..ledger import snapshots as repo
 from ..ledger.runs import get_run, lock_run
 from .runner import SnapshotRunner
 
+log = logging.getLogger(__name__)
+
 
 async def request_snapshot(
-    engine: AsyncEngine, runner: SnapshotRunner, run_id: str, snapshot_id: str, anchor_step: int, *, lease_ttl_s: float
+    engine: AsyncEngine,
+    runner: SnapshotRunner,
+    run_id: str,
+    snapshot_id: str,
+    anchor_step: int,
+    *,
+    lease_ttl_s: float,
+    stop: bool = False,
+    deadline_s: float | None = None,
 ) -> tuple[repo.SnapshotRow, bool]:
     """Create the snapshot (idempotent by id) and have its owner drive it; (row, created).
 
@@ -28,9 +41,28 @@ async def request_snapshot(
         await lock_run(conn, run_id, for_update=True)
         epoch = await leases.acquire_in(conn, run_id, runner.owner, lease_ttl_s)
         owner = runner.owner if epoch is not None else (await repo.lease_owner(conn, run_id) or runner.owner)
-        row, created = await repo.create_in(conn, run_id, snapshot_id, anchor_step, owner, snapshot_dir)
+        row, created = await repo.create_in(conn, run_id, snapshot_id, anchor_step, owner, snapshot_dir, stop=stop, deadline_s=deadline_s)
         if created and owner != runner.owner:
             await repo.notify_created(conn, run_id, snapshot_id)
     if created and epoch is not None:
         runner.start(run_id, snapshot_id, epoch)
     return row, created
+
+
+async def reopen(engine: AsyncEngine, runner: SnapshotRunner, run_id: str) -> dict[str, Any]:
+    """Lift a stopping snapshot's stop (dispatch accepted again), then resume its Gym checkpoint
+    on the instances it left parked, best effort: their leases reopen them anyway. The run's
+    public record."""
+    stopped = await repo.reopen(engine, run_id)
+    if stopped is not None and stopped.gym_checkpoint_id:
+        async with engine.connect() as conn:
+            run = await get_run(conn, run_id)
+            topology = await load_topology(conn, run_id)
+        parked = {iid: inst for iid, inst in topology.items() if ((stopped.detail or {}).get("stop_honoured") or {}).get(iid)}
+        if parked:
+            report = await runner.gym.for_run(run_id, run.config).resume(stopped.gym_checkpoint_id, parked, raise_on_failure=False)
+            if report.failure is not None:
+                log.warning("run %s reopened; resuming Gym after stop %s failed, its leases will reopen it: %s", run_id, stopped.snapshot_id, report.failure)
+        log.info("run %s reopened after stopping snapshot %s", run_id, stopped.snapshot_id)
+    async with engine.connect() as conn:
+        return (await get_run(conn, run_id)).public()
