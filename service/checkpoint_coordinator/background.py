@@ -13,6 +13,7 @@ from .ledger import leases
 from .observability import metrics
 from .outbox.worker import OutboxDeliverer, outbox_loop
 from .snapshots.events import listen
+from .snapshots.pending import wait_event
 from .snapshots.runner import SnapshotRunner, recover_unfinished
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ async def start_background(app: FastAPI) -> None:
                 raise
             except Exception:
                 log.exception("snapshot recovery pass failed; retrying")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(runner.recovery_wanted.wait(), max(1.0, settings.ownership_lease_s / 3))
+            await wait_event(runner.recovery_wanted, max(1.0, settings.ownership_lease_s / 3))
 
     app.state.background += [
         asyncio.create_task(recovery_loop(), name="snapshot-recovery"),
@@ -54,15 +54,17 @@ async def start_background(app: FastAPI) -> None:
 
 
 async def stop_background(app: FastAPI) -> None:
-    runner = getattr(app.state, "snapshots", None)
-    if runner is not None:
-        await runner.shutdown()
+    # The loops first: a recovery pass running beside the runner's shutdown could start a
+    # snapshot after the shutdown took its list of jobs.
     tasks: list[asyncio.Task[None]] = getattr(app.state, "background", [])
     for t in tasks:
         t.cancel()
     for t in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+    runner = getattr(app.state, "snapshots", None)
+    if runner is not None:
+        await runner.shutdown()
     gym = getattr(app.state, "gym", None)
     if gym is not None:
         await gym.aclose()

@@ -9,6 +9,7 @@ counts; and a pre-cut of a snapshot that does not publish leaves nothing behind.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -125,6 +126,32 @@ async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_
     got = await _rows(engine, "SELECT status, staging_keys FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
     assert tuple(got[0]) == ("sealed", ["tq/late"])
     assert "tq/late" in row.cut_staging_keys
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_write_to_a_group_recorded_before_and_open_during_the_pre_cut_is_in_the_cut(engine: Any) -> None:
+    # g1 is recorded as changed (a committed write) before a second writer touches it again and
+    # stays open while the pre-cut runs. That writer's record must hold the pre-cut's emptying of
+    # the record back until it commits; else the copy misses its write and nothing records it.
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    tracked_from = await repo.tracking_horizon(engine)
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE attempts SET refusals = refusals + 1 WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"), {"r": RUN})
+    fence = await owner_fence(engine)
+    async with engine.begin() as writer:  # commits when the block ends
+        await writer.execute(
+            text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/held}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
+        )
+        pre = asyncio.create_task(repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from))
+        await asyncio.sleep(0.5)
+        assert not pre.done()  # waiting for this writer's record
+    assert await pre == 12
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    got = await _rows(engine, "SELECT status, staging_keys FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
+    assert tuple(got[0]) == ("sealed", ["tq/held"])
+    assert "tq/held" in row.cut_staging_keys
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 

@@ -360,9 +360,9 @@ class SnapshotCutGroup(Base):
     """Immutable copy of a live prompt group and its siblings (each with its current attempt) at a
     snapshot's ledger cut: one row per group, the siblings in one array of ``snapshot_sibling``.
 
-    One row per group, not per sibling: the cut inserts 25 000 rows and primary-key entries for
-    200 000 siblings instead of 225 000 (the per-row B-tree insert into the old per-sibling table's
-    key was most of the cut's time). Readers use the views ``snapshot_groups`` (the group columns)
+    One row per group, not per sibling: the cut inserts one row and primary-key entry per group
+    instead of one per group and per sibling (the per-row B-tree insert into the old per-sibling
+    table's key was most of the cut's time). Readers use the views ``snapshot_groups`` (the group columns)
     and ``snapshot_attempts`` (one row per sibling, ``unnest`` of the array), which have the columns
     of the former tables; their ``run_id`` / ``snapshot_id`` conditions reach this table's key.
     Writers go through ``ledger.snapshots.insert_cut_rows`` (or the cut's own statement).
@@ -539,8 +539,11 @@ CHANGED_GROUPS_TRIGGERS_UP = (
     f"    SELECT array_agg(run_id) INTO tracked FROM snapshots WHERE outcome IS NULL AND cut_at IS NULL AND phase IN ({_TRACKED});\n"
     "    IF tracked IS NOT NULL THEN\n"
     "        INSERT INTO snapshot_changed_groups (run_id, group_id)\n"
-    "        SELECT DISTINCT c.run_id, c.group_id FROM changed_rows c WHERE c.run_id = ANY(tracked)\n"
-    "        ON CONFLICT DO NOTHING;\n"
+    "        SELECT DISTINCT c.run_id, c.group_id FROM changed_rows c WHERE c.run_id = ANY(tracked) ORDER BY 1, 2\n"
+    # An update, not DO NOTHING: it locks the row, so the pre-cut's DELETE waits for this
+    # writer to commit and its copy then sees the write (DO NOTHING takes no lock, and a group
+    # recorded before could be copied without this write and never recorded again).
+    "        ON CONFLICT (run_id, group_id) DO UPDATE SET group_id = EXCLUDED.group_id;\n"
     "    END IF;\n"
     "    RETURN NULL;\n"
     "END\n"

@@ -33,20 +33,32 @@ TERMINAL = tuple(o.value for o in SnapshotOutcome)
 NOTIFY_CHANNEL = "ckptc_snapshot"
 
 
-def notify_payload(run_id: str, snapshot_id: str) -> str:
-    return f"{run_id}/{snapshot_id}"
+# Marks the notification of a new snapshot (ids hold no space): only that one makes a replica
+# that does not drive the snapshot look for work; a handshake concerns its owner alone.
+CREATED_MARK = "new "
+
+
+def notify_payload(run_id: str, snapshot_id: str, *, created: bool = False) -> str:
+    return f"{CREATED_MARK if created else ''}{run_id}/{snapshot_id}"
+
+
+def parse_notify_payload(payload: str) -> tuple[str, str, bool]:
+    """``(run_id, snapshot_id, created)`` of a notification."""
+    created = payload.startswith(CREATED_MARK)
+    run_id, _, snapshot_id = payload.removeprefix(CREATED_MARK).partition("/")
+    return run_id, snapshot_id, created
 
 
 async def notify_created(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
     """A snapshot created here for an owner on another replica: its listener starts it."""
-    await _notify(conn, run_id, [snapshot_id])
+    await _notify(conn, run_id, [snapshot_id], created=True)
 
 
-async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
+async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, created: bool = False) -> None:
     if snapshot_ids:
         await conn.execute(
             text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
-            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s) for s in snapshot_ids]},
+            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s, created=created) for s in snapshot_ids]},
         )
 
 
@@ -59,9 +71,9 @@ _BASE_COLS = (
     "data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
     "abort_requested, cut_at, created_at, published_at, ended_at"
 )
-# The Gym manifest (1.3 MB at 10 000 episodes) and the cut's staging keys (~90 000) are read only
-# when they are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``),
-# the manifest on request. Reading them on every status read cost ~120 ms of decoding each.
+# The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
+# are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
+# manifest on request; decoding them on every status read was most of its cost.
 _KEYS_WHEN_AWAITING_CAPTURE = (
     f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
     "THEN cut_staging_keys END AS cut_staging_keys"
@@ -410,11 +422,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
         newest = await newest_train_step(conn, run_id)
         if newest is not None and newest > snap.anchor_step and not snap.stop:
             # Train step wins: it was announced before this cut (not over a stopping snapshot:
-            # the trainer is stopping).
-            await conn.execute(
-                text("UPDATE snapshots SET abort_requested = :why WHERE run_id = :r AND snapshot_id = :s"),
-                {"r": run_id, "s": snapshot_id, "why": SnapshotReason.train_step_committed.value},
-            )
+            # the trainer is stopping). The announce itself asked the owner to abort.
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
         base = (
             await conn.execute(
@@ -478,9 +486,9 @@ def _cut_insert(*, only_named_groups: bool) -> str:
 
 async def _cut_settings(conn: AsyncConnection) -> None:
     """Hash joins and a hash aggregate for a whole-run copy, with room for them (the aggregate
-    holds the whole cut, ~75 MB at 200 000 siblings). With statistics the planner otherwise sorts
-    the 200 000 joined rows by group id (a linguistic sort, ~0.7 s) for a merge join and a group
-    aggregate, and planned as a nested loop the siblings' 200 000 index probes were ~1 s."""
+    holds the whole cut). With statistics the planner otherwise sorts every joined row by group
+    id (a linguistic sort) for a merge join and a group aggregate, or plans a nested loop of one
+    index probe per sibling; both were slower (bench/README.md, snapshot_overhead)."""
     await conn.execute(text("SET LOCAL enable_nestloop = off"))
     await conn.execute(text("SET LOCAL enable_sort = off"))
     await conn.execute(text("SET LOCAL work_mem = '128MB'"))
@@ -853,11 +861,14 @@ async def list_train_steps(engine: AsyncEngine, run_id: str, *, include_retired:
 async def list_snapshots(engine: AsyncEngine, run_id: str, *, limit: int, before: str | None) -> list[SnapshotRow]:
     async with engine.connect() as conn:
         await lock_run(conn, run_id, allow_closed=True)
+        if before is not None:
+            await get(conn, run_id, before, columns=_COLS_NONE)  # an unknown cursor is a 404, not an empty page
         rows = (
             await conn.execute(
                 text(
                     f"SELECT {_COLS} FROM snapshots WHERE run_id = :r "
-                    + ("AND created_at < (SELECT created_at FROM snapshots WHERE run_id = :r AND snapshot_id = :b) " if before else "")
+                    # The key of the order: snapshots created in the same instant are not skipped.
+                    + ("AND (created_at, snapshot_id) < (SELECT created_at, snapshot_id FROM snapshots WHERE run_id = :r AND snapshot_id = :b) " if before else "")
                     + "ORDER BY created_at DESC, snapshot_id DESC LIMIT :l"
                 ),
                 {"r": run_id, "b": before, "l": limit},

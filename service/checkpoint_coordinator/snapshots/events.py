@@ -12,7 +12,7 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..ledger.snapshots import NOTIFY_CHANNEL
+from ..ledger.snapshots import NOTIFY_CHANNEL, parse_notify_payload
 from .runner import SnapshotRunner
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,8 @@ async def listen(engine: AsyncEngine, runner: SnapshotRunner, *, connected: asyn
                 if connected is not None:
                     connected.set()
                 async for note in conn.notifies():
-                    run_id, _, snapshot_id = note.payload.partition("/")
-                    runner.wake(run_id, snapshot_id)
+                    run_id, snapshot_id, created = parse_notify_payload(note.payload)
+                    runner.wake(run_id, snapshot_id, created=created)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -65,6 +65,19 @@ def database_away(error: BaseException) -> str | None:
     return verdict[1] if verdict is not None and verdict[0] == "unavailable" else None
 
 
+# How long a shutdown waits for a snapshot to end (or, after its cut, to publish).
+SHUTDOWN_GRACE_S = 30.0
+
+
+async def wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    """Until ``event`` is set or ``timeout_s`` passed. ``asyncio.timeout``, not ``wait_for``: on
+    Python 3.11 ``wait_for`` swallows a cancellation that arrives as the event is set, and a
+    loop around it then never stops (a shutdown waited for it forever)."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+
+
 async def until_database_answers(write: Callable[[], Awaitable[T]], what: str) -> T:
     """Run ``write`` until the database takes it; any other failure is raised at once."""
     warned = False
@@ -124,6 +137,7 @@ class PendingSnapshot:
         self.fenced: Fenced | None = None
         self.timings: dict[str, float] = {}
         self.slowest = SlowestCalls()
+        self._finishing: asyncio.Future[None] | None = None
         self.done = asyncio.Event()
         self._interrupt = asyncio.Event()
         self._wake = asyncio.Event()
@@ -167,10 +181,16 @@ class PendingSnapshot:
         except Fenced as e:
             await self._stop_fenced(e)
         except asyncio.CancelledError:
-            # Shutdown: resume Gym and end the record, so the gate does not stay closed until the
-            # next start.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._end_before_cut(SnapshotReason.cancelled, {"why": "coordinator shutting down"}))
+            # Shutdown. After the cut the snapshot is finished (the trainer has its capture; a
+            # stopping snapshot must not resume Gym); before it Gym is resumed and the record
+            # ended, so the gate does not stay closed until the next start. Both are bounded: with
+            # the database away the row is left to the recovery of the next start.
+            ending = self._finishing or asyncio.ensure_future(
+                self._end_before_cut(SnapshotReason.cancelled, {"why": "coordinator shutting down"})
+            )
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                async with asyncio.timeout(SHUTDOWN_GRACE_S):
+                    await asyncio.shield(ending)
             raise
         except _Aborted as e:
             await self._ending(self._end_before_cut(e.reason, {}))
@@ -252,9 +272,14 @@ class PendingSnapshot:
         await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         save.cut()
         self.cut_taken = True
-        await self._move(P.resume)
+        # From here on nothing turns the snapshot into an abort: a shutdown waits for this task,
+        # and a database outage delays its writes.
+        self._finishing = asyncio.ensure_future(self._after_cut(save, commit, drained, unknown))
+        await asyncio.shield(self._finishing)
+
+    async def _after_cut(self, save: GymSave, commit: Any, drained: int, unknown: list[str]) -> None:
+        await until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase")
         result = await save.finish()
-        # The cut is taken: a database outage from here on delays the publish, it does not lose it.
         # A stopping snapshot keeps the gate closed: the run is stopped until a restore or reopen.
         await until_database_answers(
             lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence, keep_gate=self.stop)),
@@ -393,8 +418,7 @@ class PendingSnapshot:
     async def _watch(self) -> None:
         """Read the progress columns on every event and every ``poll_s`` (the fallback)."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.ctx.poll_s)
+            await wait_event(self._wake, self.ctx.poll_s)
             self._wake.clear()
             try:
                 progress = await repo.poll(self.engine, self.run_id, self.snapshot_id)
@@ -426,8 +450,7 @@ class PendingSnapshot:
                 awaiting = p.awaiting if p is not None and p.phase == P.data_plane else "barrier"
                 raise _Failed(SnapshotReason.data_plane_timeout, {"awaiting": awaiting, "timeout_s": timeout_s})
             self._progressed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._progressed.wait(), left)
+            await wait_event(self._progressed, left)
 
     async def _drained(self, pending: dict[str, set[Episode]]) -> None:
         """Until the trainer reported every pending attempt (discarding each one as it resolves)."""
@@ -464,8 +487,14 @@ class PendingSnapshot:
         # An unfinished pre-cut would otherwise write its copy after ``end`` deleted the cut rows
         # (it checks the snapshot again before committing; waiting keeps the log and timings clean).
         if self._pre_cut is not None:
-            with contextlib.suppress(BaseException):
+            try:
                 await asyncio.shield(self._pre_cut)
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if me is not None and me.cancelling():
+                    raise  # this snapshot is being cancelled, not only the pre-cut
+            except Exception:
+                pass  # a failed pre-cut leaves the barrier to copy the whole run
 
     def _timings(self) -> dict[str, float]:
         t = dict(self.timings)

@@ -58,12 +58,12 @@ class SnapshotRunner:
             if job is not None:
                 job.abort(reason)
 
-    def wake(self, run_id: str, snapshot_id: str) -> None:
+    def wake(self, run_id: str, snapshot_id: str, *, created: bool = False) -> None:
         job = self.jobs.get((run_id, snapshot_id))
         if job is not None:
             job.wake()
-        else:
-            self.recovery_wanted.set()
+        elif created:
+            self.recovery_wanted.set()  # a snapshot this replica may be the owner of
 
     def wake_all(self) -> None:
         """Events may have been missed (the listener reconnected): everyone reads again."""
@@ -100,13 +100,14 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
     write is fenced by the lease this pass took."""
     engine, gym, owner = runner.engine, runner.gym, runner.owner
     await runner.keep_leases(lease_ttl_s)
-    running = set(runner.jobs)
     ended = []
     for run_id, sid, snap_owner, cid, phase_name, abort_requested in await repo.unfinished(engine):
-        if (run_id, sid) in running:
+        # Looked up per row, after every await: a snapshot this replica started since the pass
+        # began is driven here, not an orphan.
+        if (run_id, sid) in runner.jobs:
             continue
         epoch = await leases.acquire(engine, run_id, owner, lease_ttl_s)
-        if epoch is None:
+        if epoch is None or (run_id, sid) in runner.jobs:
             continue  # its owner is alive and will finish it
         fence = Fence(owner, epoch)
         phase = SnapshotPhase(phase_name)
