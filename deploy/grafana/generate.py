@@ -235,6 +235,9 @@ def fleet_overview() -> dict[str, Any]:
               kind="stat", width=4, height=4),
         Panel("Resume failures (24h)", "Snapshots whose final Gym resume failed after the cut; Gym's lease reopened them.",
               [Target(f"sum(increase(ckptc_snapshot_resume_failures_total{{{SEL}}}[1d]))")], kind="stat", width=4, height=4),
+        Panel("Fenced writes (24h)", "Background writes refused because their replica had lost the run's lease to another one "
+              "(it stopped driving that run's snapshot or outbox there).",
+              [Target(f"sum(increase(ckptc_fenced_writes_total{{{SEL}}}[1d]))")], kind="stat", width=4, height=4),
         Row("Snapshots"),
         Panel("Snapshots per outcome", "Terminal snapshots per interval, by outcome.",
               [Target(f"sum by (outcome) (increase(ckptc_snapshots_total{{{SEL}}}[$__rate_interval]))", "{{outcome}}")]),
