@@ -306,6 +306,15 @@ class Api:
         # The answer's shape is not pinned down by the contract; a snapshot document if it is one.
         return Snapshot.parse(doc) if isinstance(doc, Mapping) and doc.get("snapshot_id") else None
 
+    def stop_snapshot(
+        self, step: int, capture: Callable[[list[str]], Any], snapshot_id: str | None, barrier: Callable[[], Any] | None, poll_interval: float, deadline_s: float
+    ) -> Flow[Snapshot]:
+        """A stopping snapshot (ledger section 5.1) within ``deadline_s`` seconds."""
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
+        # The client waits a moment longer than the coordinator's deadline, to read its verdict.
+        return self.snapshot(step, capture, snapshot_id, barrier, poll_interval, deadline_s + 10.0, True, deadline_s)
+
     def snapshot(
         self,
         step: int,

@@ -331,11 +331,7 @@ class CoordinatorClient:
         restore or :meth:`reopen`. Anchor it on the newest announced step. Returns the published
         snapshot; raises :class:`SnapshotFailed` (``deadline_exceeded`` when it could not make
         it: the previous snapshot stays authoritative)."""
-        if not deadline_s > 0:
-            raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
-        # The client waits a moment longer than the coordinator's deadline, to read its verdict.
-        flow = self._api.snapshot(step, capture, snapshot_id, barrier, poll_interval, deadline_s + 10.0, True, deadline_s)
-        return self._drive(flow)
+        return self._drive(self._api.stop_snapshot(step, capture, snapshot_id, barrier, poll_interval, deadline_s))
 
     # ---------------------------------------------------------------------------- section 6
 
