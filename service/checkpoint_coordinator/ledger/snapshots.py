@@ -62,6 +62,16 @@ async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *
         )
 
 
+def awaiting(phase: str, outcome: str | None, *, cut_taken: bool, captured: bool) -> str | None:
+    """The trainer handshake a snapshot waits for: the barrier, then the capture, both only in
+    phase ``data_plane`` of an open snapshot."""
+    if outcome is not None or phase != P.data_plane:
+        return None
+    if not cut_taken:
+        return "barrier"
+    return None if captured else "capture"
+
+
 class SnapshotNotAwaiting(Conflict):
     code = "snapshot_not_awaiting"
 
@@ -118,11 +128,7 @@ class SnapshotRow:
 
     @property
     def awaiting(self) -> str | None:
-        if self.outcome is not None or self.phase != P.data_plane:
-            return None
-        if self.cut_at is None:
-            return "barrier"
-        return "capture" if self.data_plane_ref is None else None
+        return awaiting(self.phase, self.outcome, cut_taken=self.cut_at is not None, captured=self.data_plane_ref is not None)
 
     def public(self, *, with_manifest: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -373,11 +379,7 @@ class SnapshotProgress:
 
     @property
     def awaiting(self) -> str | None:
-        if self.outcome is not None or self.phase != P.data_plane:
-            return None
-        if not self.cut_taken:
-            return "barrier"
-        return None if self.captured else "capture"
+        return awaiting(self.phase, self.outcome, cut_taken=self.cut_taken, captured=self.captured)
 
 
 async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotProgress:

@@ -23,6 +23,7 @@ from ..gym_runtime import GymClients, load_topology
 from ..ledger import outbox as repo
 from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
+from ..observability import metrics
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s
                 try:
                     await deliverer.deliver_run(run_id, epoch, instance_ids=[i for r, i in work if r == run_id])
                 except Fenced as e:
-                    record_fenced("outbox")
+                    metrics.record_fenced_write(metrics.FencedWork.OUTBOX)
                     log.warning("outbox delivery stopped, fenced: %s", e)
             await _publish_backlog(engine)
         except asyncio.CancelledError:
@@ -179,14 +180,6 @@ async def outbox_loop(engine: AsyncEngine, deliverer: OutboxDeliverer, *, poll_s
         await asyncio.sleep(poll_s)
 
 
-def record_fenced(what: str) -> None:
-    from ..observability import metrics
-
-    metrics.record_fenced_write(what)
-
-
 async def _publish_backlog(engine: AsyncEngine) -> None:
-    from ..observability import metrics
-
     for op, (n, age) in (await repo.backlog(engine)).items():
         metrics.set_outbox_backlog(op, n, age)
