@@ -104,7 +104,7 @@ class StandIn:
         m.set_ready(True)
         m.set_run_leases_held(2)
         m.set_snapshots_in_progress(rng.randint(0, 2))
-        for phase in m.SnapshotPhase:
+        for phase in m.SnapshotTiming:
             m.observe_snapshot_phase(phase, rng.uniform(0.01, 200.0))
         m.record_snapshot_outcome("published", "ok")
         m.record_snapshot_outcome("failed", rng.choice(["gym_not_ready", "drain_timeout", "gym_unavailable"]))

@@ -306,7 +306,7 @@ def test_reason_outcome_pairs_match_the_domain() -> None:
 
 def test_metric_phases_match_the_domain() -> None:
     phases = _optional("checkpoint_coordinator.domain.snapshot_state", "METRIC_PHASES")
-    assert set(phases) == {p.value for p in m.SnapshotPhase}
+    assert set(phases) == {p.value for p in m.SnapshotTiming}
 
 
 def test_gym_failure_classes_are_call_outcomes() -> None:

@@ -110,7 +110,7 @@ def test_fresh_registry_has_the_same_shape() -> None:
 def test_observe_snapshot_phase_records_and_rejects_unknown_phase() -> None:
     before = sample("ckptc_snapshot_phase_seconds_count", phase="gym_parked")
     before_sum = sample("ckptc_snapshot_phase_seconds_sum", phase="gym_parked")
-    m.observe_snapshot_phase(m.SnapshotPhase.gym_parked, 12.5)
+    m.observe_snapshot_phase(m.SnapshotTiming.gym_parked, 12.5)
     m.observe_snapshot_phase("gym_parked", 0.5)
     assert sample("ckptc_snapshot_phase_seconds_count", phase="gym_parked") == before + 2
     assert sample("ckptc_snapshot_phase_seconds_sum", phase="gym_parked") == pytest.approx(before_sum + 13.0)

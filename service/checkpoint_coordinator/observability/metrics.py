@@ -38,7 +38,7 @@ __all__ = [
     "MetricSpec",
     "MetricType",
     "MetricLabelError",
-    "SnapshotPhase",
+    "SnapshotTiming",
     "SnapshotOutcome",
     "SnapshotReason",
     "REASON_OUTCOME",
@@ -61,9 +61,8 @@ __all__ = [
 # --------------------------------------------------------------------------- label value sets
 
 
-# The snapshot vocabulary is the domain's: phases timed, outcomes, reasons and which outcome each
-# reason belongs to.
-SnapshotPhase = SnapshotTiming
+# The snapshot vocabulary is the domain's: phases timed (SnapshotTiming), outcomes, reasons and
+# which outcome each reason belongs to.
 
 
 # Counted dispositions: every one but ``dispatch`` (a row that never ran is not restored).
@@ -192,7 +191,7 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         "snapshot and phase=gym_parked the time from the first prepare sent until resume answered.",
         unit="seconds",
         attr="SNAPSHOT_PHASE_SECONDS",
-        labels={"phase": _values(SnapshotPhase)},
+        labels={"phase": _values(SnapshotTiming)},
         buckets=_SECONDS_PHASE_BUCKETS,
     ),
     MetricSpec(
@@ -431,7 +430,7 @@ def _initialize_series() -> None:
     snapshot or the first restore count in dashboards and alerts. Gym control
     calls and HTTP requests are not pre-created: their label product is large.
     """
-    for phase in SnapshotPhase:
+    for phase in SnapshotTiming:
         SNAPSHOT_PHASE_SECONDS.labels(phase=phase.value)
     for reason, outcome in REASON_OUTCOME.items():
         SNAPSHOTS_TOTAL.labels(outcome=str(outcome), reason=str(reason))
@@ -489,17 +488,17 @@ def _count(n: int, what: str) -> int:
 # --------------------------------------------------------------------------- helpers: snapshots
 
 
-def observe_snapshot_phase(phase: SnapshotPhase | str, seconds: float) -> None:
+def observe_snapshot_phase(phase: SnapshotTiming | str, seconds: float) -> None:
     """Record how long one snapshot phase took (use phase ``gym_parked`` for the park)."""
-    SNAPSHOT_PHASE_SECONDS.labels(phase=_closed(phase, SnapshotPhase, "phase")).observe(
+    SNAPSHOT_PHASE_SECONDS.labels(phase=_closed(phase, SnapshotTiming, "phase")).observe(
         _non_negative(seconds, "seconds")
     )
 
 
 @contextlib.contextmanager
-def snapshot_phase_timer(phase: SnapshotPhase | str) -> Iterator[None]:
+def snapshot_phase_timer(phase: SnapshotTiming | str) -> Iterator[None]:
     """Time a block as one snapshot phase; records even when the block raises."""
-    label = _closed(phase, SnapshotPhase, "phase")
+    label = _closed(phase, SnapshotTiming, "phase")
     start = time.perf_counter()
     try:
         yield
