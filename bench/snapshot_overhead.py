@@ -125,7 +125,42 @@ def _serve_timed(port: str, timing_file: str) -> int:
             await original_pre_cut(self)
 
     pending_snapshot.PendingSnapshot._take_pre_cut = pre_cut  # type: ignore[method-assign]
+    if os.environ.get("CKPTC_BENCH_TRACE"):
+        _trace_spans(timing_file + ".trace")
     return cli_main(["serve", "--host", "127.0.0.1", "--port", port, "--no-migrate"])
+
+
+def _trace_spans(trace_file: str) -> None:
+    """``--trace``: record the span of every ledger call and Gym step a snapshot makes (name, start,
+    end on the monotonic clock), so that the report can say where the coordinator's own time goes."""
+    import functools
+
+    from checkpoint_coordinator.gym.save import GymSave
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.outbox.worker import OutboxDeliverer
+
+    out = open(trace_file, "a")  # noqa: SIM115 - one line per span, open for the process's life
+
+    def timed(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                label = name
+                if name == "ledger.move":
+                    label = f"ledger.move->{args[5]}"
+                out.write(json.dumps((label, start, time.monotonic())) + "\n")
+                out.flush()
+        return wrapper
+
+    for fn in ("get", "close_gate", "move", "publish_phase", "deadline_left_s", "candidates", "still_pending", "poll",
+               "take_cut", "pre_cut", "captured", "end"):
+        setattr(ledger_snapshots, fn, timed(f"ledger.{fn}", getattr(ledger_snapshots, fn)))
+    for fn in ("prepare", "commit", "drain", "manifest", "finish"):
+        setattr(GymSave, fn, timed(f"gym.{fn}", getattr(GymSave, fn)))
+    OutboxDeliverer.deliver_run = timed("outbox.deliver_run", OutboxDeliverer.deliver_run)  # type: ignore[method-assign]
 
 
 class TimedCoordinator(Coordinator):
@@ -140,6 +175,13 @@ class TimedCoordinator(Coordinator):
             port=port,
             start_timeout_s=60,
         )
+
+    def spans(self) -> list[tuple[str, float, float]]:
+        try:
+            lines = Path(self.timing_file + ".trace").read_text().splitlines()
+            return [tuple(json.loads(line)) for line in lines if line.endswith("]")]  # type: ignore[misc]
+        except FileNotFoundError:
+            return []
 
     def gym_calls(self) -> list[tuple[str, float, float, str]]:
         try:
@@ -346,6 +388,7 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
     """The trainer's side of section 5, timed: request, poll, barrier (the cut), capture, captured."""
     h = {"Authorization": f"Bearer {token}"}
     out: dict[str, Any] = {}
+    marks: dict[str, float] = {}
     async with httpx.AsyncClient(base_url=f"{base}/v1/runs/{run_id}", timeout=timeout, headers=h) as c:
         t_request = time.monotonic()
         r = await c.post("/snapshots", json={"snapshot_id": sid, "anchor_step": 0})
@@ -359,6 +402,7 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
             if s["awaiting"] == "barrier" and "cut_s" not in out:
                 t_seen = time.monotonic()
                 t0 = time.monotonic()
+                marks["saw barrier"] = t0
                 b = await c.post(f"/snapshots/{sid}/barrier")
                 t1 = time.monotonic()
                 b.raise_for_status()
@@ -370,6 +414,7 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
                 t2 = time.monotonic()
                 cap = await c.post(f"/snapshots/{sid}/captured", json={"reference": {"path": str(f), "digest": digest}})
                 t3 = time.monotonic()
+                marks.update({"barrier answered": t1, "captured sent": t2, "captured answered": t3})
                 cap.raise_for_status()
                 trainer_s = (t0 - t_seen) + (t2 - t1)  # the trainer's own share of the data-plane phase
                 out.update(cut_s=t1 - t0, captured_s=t3 - t2, staging_keys=len(keys), barrier_body_bytes=len(b.content))
@@ -378,8 +423,9 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
                 raise RuntimeError(f"snapshot {sid} still in phase {s['phase']} after {timeout:.0f} s")
             await asyncio.sleep(POLL_S)
         t_done = time.monotonic()
+        marks["saw outcome"] = t_done
         full = (await c.get(f"/snapshots/{sid}", params={"manifest": "true"})).json()
-    out.update(record=full, t_request=t_request, t_done=t_done, trainer_s=trainer_s)
+    out.update(record=full, t_request=t_request, t_done=t_done, trainer_s=trainer_s, marks=marks)
     return out
 
 
@@ -568,6 +614,12 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                 for o, s0, e0, tgt in coord.gym_calls():
                     if s0 >= res["t_request"]:
                         print(f"  call {o:8} {tgt:40} +{s0 - res['t_request']:.3f} {e0 - s0:.3f} s")
+            if args.trace:
+                for name, s0, e0 in sorted(coord.spans(), key=lambda x: x[1]):
+                    if res["t_request"] <= s0 <= res["t_done"]:
+                        print(f"  span {name:32} +{s0 - res['t_request']:.3f} {e0 - s0:.3f} s")
+                for name, at in sorted(res["marks"].items(), key=lambda x: x[1]):
+                    print(f"  trainer {name:29} +{at - res['t_request']:.3f}")
             if rec["outcome"] != "published":
                 print(f"snapshot_overhead: snapshot {sid} ended {rec['outcome']}/{rec['reason']}: {json.dumps(rec['detail'])[:2000]}")
                 return 1
@@ -674,6 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
     ap.add_argument("--snapshot-timeout", type=float, default=600.0)
     ap.add_argument("--show-calls", action="store_true", help="list every Gym control call of each snapshot with its timing")
+    ap.add_argument("--trace", action="store_true",
+                    help="list the span of every ledger call and Gym step of each snapshot, and the trainer's marks")
     ap.add_argument("--ab", action="store_true",
                     help="also take --snapshots snapshots without the pre-cut, alternating (A/B in the same run; medians reported apart)")
     ap.add_argument("--no-explain", dest="explain", action="store_false", help="skip EXPLAIN ANALYZE of the cut's statements")
@@ -689,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
               f"(at most {GYMSIM_MAX_PER_INSTANCE:,} parked episodes each); using {need} instead of {args.instances}", flush=True)
         args.instances = need
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks below
+    if args.trace:
+        os.environ["CKPTC_BENCH_TRACE"] = "1"  # read by the coordinator process (_serve_timed)
     workdir = Path(tempfile.mkdtemp(prefix="ckptc-bench-snap-"))
     pg = coord = None
     gyms: list[Any] = []

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, text
 
 from checkpoint_coordinator.ledger.db import sqlalchemy_url
 from ckpt_client import CoordinatorClient, GroupSpec, GymInstance, SealedRow
-from ckpt_client.errors import SnapshotFailed
+from ckpt_client.errors import Conflict, SnapshotFailed
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..conftest import ADMIN_TOKEN
@@ -73,6 +73,7 @@ class Trainer:
         self.done = threading.Event()
         self.snapshots: list[tuple[str, str | None, str | None]] = []
         self.errors: list[BaseException] = []
+        self.stale: list[int] = []
         self.pool = ThreadPoolExecutor(max_workers=8)
 
     def run_row(self, row: Any) -> SealedRow:
@@ -130,6 +131,12 @@ class Trainer:
                     self.snapshots.append((snap.snapshot_id, snap.outcome, snap.reason))
                 except SnapshotFailed as e:
                     self.snapshots.append((e.snapshot.snapshot_id, e.outcome, e.reason))
+                except Conflict as e:
+                    # The rollout thread announced a newer step while this request waited out the
+                    # outage's 503s: the ledger refuses the older anchor, and the loop takes the newer.
+                    if e.code != "snapshot_anchor_stale":
+                        raise
+                    self.stale.append(step)
         except BaseException as e:  # noqa: BLE001
             self.errors.append(e)
 
@@ -210,7 +217,7 @@ def test_a_postgresql_restart_under_load_is_ridden_out(tmp_path: Path) -> None:
         assert open_gate is None
         assert {s["phase"] for n, s in gym.state()["servers"].items() if s.get("kind")} == {"idle"}
         print(f"\noutage: {OUTAGE_S:.1f}s; answers in the window {dict(statuses)}; snapshot {in_flight} ended "
-              f"{snap.outcome}/{snap.reason} {ended_after_return:.2f}s after the database returned; snapshots {trainer.snapshots}")
+              f"{snap.outcome}/{snap.reason} {ended_after_return:.2f}s after the database returned; snapshots {trainer.snapshots}; stale anchors retried {trainer.stale}")
     finally:
         coord.stop()
         gym.kill()

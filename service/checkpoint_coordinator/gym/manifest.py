@@ -12,7 +12,7 @@ from typing import Any
 from .files import write_file_atomically
 from .results import CommitResult
 
-__all__ = ["GYM_MANIFEST_FILENAME", "GYM_MANIFEST_VERSION", "build_gym_manifest", "write_gym_manifest"]
+__all__ = ["GYM_MANIFEST_FILENAME", "GYM_MANIFEST_VERSION", "build_gym_manifest", "encode_gym_manifest", "write_gym_manifest"]
 
 GYM_MANIFEST_VERSION = 2
 GYM_MANIFEST_FILENAME = "gym_checkpoint.json"
@@ -40,11 +40,18 @@ def build_gym_manifest(checkpoint_id: str, commit: CommitResult) -> dict[str, An
     }
 
 
-def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any]) -> str:
+def encode_gym_manifest(manifest: Mapping[str, Any]) -> str:
+    """The manifest's one text form: compact, sorted keys (the file's content, and what the
+    ledger stores, so a big manifest is encoded once per snapshot)."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any], *, encoded: str | None = None) -> str:
     """Write ``<snapshot_dir>/gym_checkpoint.json`` with sorted keys, atomically; returns the path.
+    ``encoded``: the manifest's ``encode_gym_manifest`` text, when the caller has it already.
 
     This is the one writer of the file; callers that must refuse an invalid manifest validate
     it first (``restore.gym_manifest_file``).
     """
-    data = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    data = (encoded if encoded is not None else encode_gym_manifest(manifest)).encode()
     return write_file_atomically(snapshot_dir, GYM_MANIFEST_FILENAME, data)

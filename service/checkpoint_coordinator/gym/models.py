@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
@@ -69,9 +69,11 @@ is_valid_checkpoint_id = CHECKPOINT_ID.is_valid
 is_valid_instance_id = INSTANCE_ID.is_valid
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Episode:
-    """One attempt of one rollout. Ordering is ``(rollout_id, attempt)``, the wire sort order."""
+class Episode(NamedTuple):
+    """One attempt of one rollout. Ordering is ``(rollout_id, attempt)``, the wire sort order.
+
+    A named tuple, not a dataclass: a commit sorts, hashes and compares tens of thousands of
+    them while Gym is parked, and a tuple does that in C."""
 
     rollout_id: str
     attempt: int

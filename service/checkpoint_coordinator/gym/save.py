@@ -20,7 +20,7 @@ from typing import Any
 from .client import GymControlClient, Topology
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
 from .lease import LeaseRenewer
-from .manifest import build_gym_manifest, write_gym_manifest
+from .manifest import build_gym_manifest, encode_gym_manifest, write_gym_manifest
 from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
 from .results import CommitResult, ResumeReport, SaveResult
@@ -93,6 +93,7 @@ class GymSave:
         self.gym_parked_seconds: float | None = None
         self.commit_result: CommitResult | None = None
         self._manifest: dict[str, Any] | None = None
+        self.manifest_json = ""
         self._renewer: LeaseRenewer | None = None
         self._prepared: Any = None
         self._cut_done = False
@@ -204,12 +205,24 @@ class GymSave:
 
     async def manifest(self) -> dict[str, Any]:
         """The Gym manifest of the commit (written beside the snapshot when asked to)."""
+        manifest = self.build_manifest()
+        await self.write_manifest_file_now()
+        return manifest
+
+    def build_manifest(self) -> dict[str, Any]:
+        """The Gym manifest of the commit; ``manifest_json`` is its text form."""
         assert self.commit_result is not None
         self._manifest = build_gym_manifest(self.checkpoint_id, self.commit_result)
-        if self.write_manifest_file:
-            await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, self._manifest)
+        self.manifest_json = encode_gym_manifest(self._manifest)
         self._lap("manifest")
         return self._manifest
+
+    async def write_manifest_file_now(self) -> None:
+        """Write the manifest file beside the snapshot (when asked to), from ``manifest_json``.
+        The caller may run it beside other work; it must end before the cut."""
+        assert self._manifest is not None
+        if self.write_manifest_file:
+            await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, self._manifest, encoded=self.manifest_json)
 
     async def within_lease(self, aw: Awaitable[Any]) -> Any:
         """Await ``aw`` unless a Gym lease is lost first; then cancel it and raise the loss."""

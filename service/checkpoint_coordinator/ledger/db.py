@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 DATABASE_NAME = "ckpt_coordinator"
 
 
+class JsonText(str):
+    """A value already in JSON text form, bound as jsonb as it is (a big document, such as the
+    Gym manifest, is encoded once by its producer)."""
+
+
 def dump_json(v: Any, *, default: Callable[[Any], Any] | None = None) -> str:
     """The ledger's one JSON form for values bound as jsonb: compact, with sorted keys, so equal
     documents compare equal when a repeat is checked against what was stored. ``default`` as in

@@ -53,6 +53,23 @@ async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) ->
     return [(r.run_id, r.instance_id) for r in rows]
 
 
+async def owed(engine: AsyncEngine, run_id: str, *, ignore_schedule: bool = False) -> set[tuple[str, str]]:
+    """(instance_id, op) pairs of the run with pending, unclaimed items (due ones only unless
+    ``ignore_schedule``): one index scan, so that a delivery with nothing owed costs one query."""
+    due = "" if ignore_schedule else "AND next_attempt_at <= now()"
+    async with engine.connect() as conn:
+        rows = (
+            await conn.execute(
+                text(
+                    "SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = 'pending' "
+                    f"{due} AND (claimed_until IS NULL OR claimed_until < now())"
+                ),
+                {"r": run_id},
+            )
+        ).all()
+    return {(r.instance_id, r.op) for r in rows}
+
+
 async def claim(
     engine: AsyncEngine, run_id: str, instance_id: str, op: str, fence: Fence, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
 ) -> list[OutboxItem]:

@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.snapshot_state import AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
 from ..errors import Conflict, NotFound, RunStopped
-from .db import dump_json, read_rows
+from .db import JsonText, dump_json, read_rows
 from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
 from .gate import close_gate as _close_gate_of_run
@@ -166,7 +166,7 @@ def _iso(t: datetime | None) -> str | None:
 
 
 def _j(v: Any) -> str | None:
-    return None if v is None else dump_json(v)
+    return None if v is None else v if isinstance(v, JsonText) else dump_json(v)
 
 
 async def get(

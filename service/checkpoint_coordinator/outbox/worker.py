@@ -59,14 +59,21 @@ class OutboxDeliverer:
         ``ignore_schedule`` sends items still in backoff too: before a prepare, every queued retire
         gets another try (section 7: failed retires are retried again before the next prepare).
         """
+        delivered = {"retire": 0, "forget": 0}
+        # Before every prepare this runs while Gym waits: with nothing owed it is one query, not
+        # two claim transactions per instance.
+        owed = await repo.owed(self.engine, run_id, ignore_schedule=ignore_schedule)
+        if instance_ids is not None:
+            owed = {(iid, op) for iid, op in owed if iid in instance_ids}
+        if not owed:
+            return delivered
         async with self.engine.connect() as conn:
             run = await get_run(conn, run_id)
             topology = await load_topology(conn, run_id)
         client = self.gym.for_run(run_id, run.config)
-        delivered = {"retire": 0, "forget": 0}
         for iid in instance_ids if instance_ids is not None else sorted(topology):
             inst = topology.get(iid)
-            if inst is None:
+            if inst is None or not ({(iid, "retire"), (iid, "forget")} & owed):
                 continue  # items for an unregistered instance wait until it is registered
             delivered["retire"] += await self._drain(run_id, inst, fence, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, fence, items))
             delivered["forget"] += await self._drain(run_id, inst, fence, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, fence, items))

@@ -42,7 +42,7 @@ from ..gym.save import GymSave
 from ..gym.timings import SlowestCalls, recording
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import snapshots as repo
-from ..ledger.db import classify_database_error
+from ..ledger.db import JsonText, classify_database_error
 from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 from ..observability import metrics
@@ -266,10 +266,18 @@ class PendingSnapshot:
         pending = save.pending()
         drained = sum(len(v) for v in pending.values())
         await self._step(save.drain(self._drained(pending) if pending else None, pending))
-        manifest = await save.manifest()
-        await self._settle_pre_cut()  # the barrier must find it done (or never started)
-        await self._move(P.data_plane, gym_manifest=manifest)
-        await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
+        save.build_manifest()
+        # The manifest file is needed by the cut, not by the trainer's barrier: it is written
+        # beside the phase write and the trainer's handshakes.
+        manifest_file = asyncio.ensure_future(save.write_manifest_file_now())
+        try:
+            await self._settle_pre_cut()  # the barrier must find it done (or never started)
+            await self._move(P.data_plane, gym_manifest=JsonText(save.manifest_json))
+            await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
+        except BaseException:
+            manifest_file.add_done_callback(_retrieved)
+            raise
+        await self._step(manifest_file)
         save.cut()
         self.cut_taken = True
         # From here on nothing turns the snapshot into an abort: a shutdown waits for this task,
@@ -517,6 +525,12 @@ class PendingSnapshot:
 
 
 _TIMED = frozenset(t.value for t in SnapshotTiming)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """A side task whose result no longer matters: its failure is logged, not left unretrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a snapshot side task failed after its snapshot ended: %s", task.exception())
 
 
 def _gym_detail(e: GymControlError) -> dict[str, Any]:
