@@ -384,7 +384,7 @@ async def admit_and_dispatch(base: str, run_id: str, token: str, gyms: list[Any]
     return by_inst
 
 
-async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float) -> dict[str, Any]:
+async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float, delta: bool = True) -> dict[str, Any]:
     """The trainer's side of section 5, timed: request, poll, barrier (the cut), capture, captured."""
     h = {"Authorization": f"Bearer {token}"}
     out: dict[str, Any] = {}
@@ -395,18 +395,32 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
         r.raise_for_status()
         deadline = t_request + timeout
         trainer_s = 0.0
+        base: list[str] | None = None
         while True:
             s = (await c.get(f"/snapshots/{sid}")).json()
             if s["outcome"] is not None:
                 break
+            if delta and base is None and s["awaiting"] is None and s["counts"].get("cut_pre_cut_keys") is not None:
+                # As the client does: the pre-cut's keys while Gym commits, the barrier's delta later.
+                t = time.monotonic()
+                k = (await c.get(f"/snapshots/{sid}/staging-keys")).json()
+                if k["as_of"] == "pre_cut":
+                    base = k["staging_keys"]
+                    out.update(base_keys=len(base), base_fetch_s=time.monotonic() - t)
             if s["awaiting"] == "barrier" and "cut_s" not in out:
                 t_seen = time.monotonic()
                 t0 = time.monotonic()
                 marks["saw barrier"] = t0
-                b = await c.post(f"/snapshots/{sid}/barrier")
+                b = await c.post(f"/snapshots/{sid}/barrier", params={"staging_keys": "delta"} if base is not None else None)
                 t1 = time.monotonic()
                 b.raise_for_status()
-                keys = b.json()["staging_keys"]
+                answer = b.json()
+                if "staging_keys_delta" in answer:
+                    d = answer["staging_keys_delta"]
+                    keys = sorted((set(base or []) - set(d["removed"])) | set(d["added"]))
+                    out.update(delta_added=len(d["added"]), delta_removed=len(d["removed"]))
+                else:
+                    keys = answer["staging_keys"]
                 capture_dir.mkdir(parents=True, exist_ok=True)
                 f = capture_dir / f"{sid}.json"
                 f.write_text(json.dumps(keys))
@@ -608,7 +622,7 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                 no_pre_cut.unlink(missing_ok=True)
             else:
                 no_pre_cut.touch()
-            res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout)
+            res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout, delta=not args.full_keys)
             rec = res["record"]
             if args.show_calls:
                 for o, s0, e0, tgt in coord.gym_calls():
@@ -642,7 +656,10 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                             "keys": res["staging_keys"], "body": res["barrier_body_bytes"], "trainer": res["trainer_s"]})
             x = results[-1]
             print(f"snapshot_overhead: {sid} published: cut {x['cut_groups']:,} groups + {x['cut_siblings']:,} siblings, "
-                  f"{x['exported']:,} episodes exported, {x['drained']} drained, {x['keys']:,} staging keys")
+                  f"{x['exported']:,} episodes exported, {x['drained']} drained, {x['keys']:,} staging keys"
+                  + (f" (the barrier answered {res['delta_added']:,} added and {res['delta_removed']:,} removed against the pre-cut's "
+                     f"{res['base_keys']:,}, fetched while Gym committed in {fmt_s(res['base_fetch_s'])})" if "delta_added" in res else
+                     " (the barrier answered them all)"))
             print("snapshot_overhead:   phases " + ", ".join(f"{k} {pt[k]:.3f}" for k in PHASES if k in pt) + f" s; gym_parked_seconds {x['parked']:.3f}")
             print(f"snapshot_overhead:   Gym control calls in flight {fmt_s(gym_busy)} (" + ", ".join(f"{k} {v:.3f}" for k, v in by_op.items())
                   + f"); trainer's share {fmt_s(x['trainer'])}; coordinator's own time {fmt_s(own)}")
@@ -726,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
     ap.add_argument("--snapshot-timeout", type=float, default=600.0)
     ap.add_argument("--show-calls", action="store_true", help="list every Gym control call of each snapshot with its timing")
+    ap.add_argument("--full-keys", action="store_true",
+                    help="the trainer asks the barrier for every staging key (as a client before the delta did), not the delta against the pre-cut's")
     ap.add_argument("--trace", action="store_true",
                     help="list the span of every ledger call and Gym step of each snapshot, and the trainer's marks")
     ap.add_argument("--ab", action="store_true",

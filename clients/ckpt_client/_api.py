@@ -21,6 +21,7 @@ ABORT_REASONS = ("data_plane_failed", "cancelled", "superseded")
 from .models import (
     AdmitResult,
     BarrierResult,
+    CutKeys,
     DataPlaneRef,
     DispatchResult,
     FailResult,
@@ -295,9 +296,14 @@ class Api:
             snap = yield from self.get_snapshot(snapshot_id)
         return snap
 
-    def snapshot_barrier(self, snapshot_id: str) -> Flow[BarrierResult]:
+    def snapshot_barrier(self, snapshot_id: str, delta: bool = False) -> Flow[BarrierResult]:
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/barrier")
-        return BarrierResult.parse((yield from self._call(RequestSpec("POST", path, {}))))
+        params = {"staging_keys": "delta"} if delta else None
+        return BarrierResult.parse((yield from self._call(RequestSpec("POST", path, {}, params=params))))
+
+    def snapshot_staging_keys(self, snapshot_id: str) -> Flow[CutKeys]:
+        path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/staging-keys")
+        return CutKeys.parse((yield from self._call(RequestSpec("GET", path))))
 
     def snapshot_captured(self, snapshot_id: str, reference: Any) -> Flow[Snapshot | None]:
         ref = DataPlaneRef.coerce(reference)
@@ -342,10 +348,17 @@ class Api:
         # Set once the coordinator refused the barrier because the snapshot is being aborted:
         # it will never ask again, and taking the trainer's barrier each poll would stall it.
         barrier_refused = False
+        # The pre-cut's keys, fetched while Gym commits: the barrier (while the trainer and Gym
+        # wait) then answers only what changed since. Not fetched once the barrier is awaited.
+        base: list[str] | None = None
         while not snap.terminal:
+            if base is None and not captured and snap.awaiting is None and snap.counts.get("cut_pre_cut_keys") is not None:
+                keys = yield from self.snapshot_staging_keys(sid)
+                if keys.as_of == "pre_cut":
+                    base = keys.staging_keys
             if not captured and not barrier_refused and _wants_barrier(snap):
                 try:
-                    after = yield from self._barrier_and_capture(snap, capture, barrier)
+                    after = yield from self._barrier_and_capture(snap, capture, barrier, base)
                 except SnapshotNotAwaiting as e:
                     barrier_refused = e.reason is not None
                     after = None
@@ -363,7 +376,9 @@ class Api:
             return snap
         raise SnapshotFailed(snap)
 
-    def _barrier_and_capture(self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None) -> Flow[Snapshot]:
+    def _barrier_and_capture(
+        self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None, base: list[str] | None = None
+    ) -> Flow[Snapshot]:
         """Barrier, capture, captured; answers the snapshot after the captured report.
 
         Raises :class:`SnapshotNotAwaiting` (barrier released, nothing captured) when the
@@ -376,7 +391,7 @@ class Api:
                 # snapshot id died after the barrier); only the capture is owed.
                 keys = snap.staging_keys
             else:
-                keys = (yield from self.snapshot_barrier(snap.snapshot_id)).staging_keys
+                keys = (yield from self.snapshot_barrier(snap.snapshot_id, delta=base is not None)).with_base(base or [])
             ref = DataPlaneRef.coerce((yield Invoke(capture, (keys,))))
         except BaseException as e:
             if barrier is not None:

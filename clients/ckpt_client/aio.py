@@ -18,6 +18,7 @@ from .helpers import new_id
 from .models import (
     AdmitResult,
     BarrierResult,
+    CutKeys,
     DataPlaneRef,
     DispatchResult,
     FailedRow,
@@ -270,8 +271,13 @@ class AsyncCoordinatorClient:
         """:meth:`CoordinatorClient.abort_snapshot`, awaited."""
         return await self._drive(self._api.abort_snapshot(snapshot_id, reason, detail, wait, timeout, poll_interval))
 
-    async def snapshot_barrier(self, snapshot_id: str) -> BarrierResult:
-        return await self._drive(self._api.snapshot_barrier(snapshot_id))
+    async def snapshot_barrier(self, snapshot_id: str, delta: bool = False) -> BarrierResult:
+        """``delta``: the caller holds the pre-cut's keys (:meth:`snapshot_staging_keys`); see
+        :meth:`BarrierResult.with_base`."""
+        return await self._drive(self._api.snapshot_barrier(snapshot_id, delta))
+
+    async def snapshot_staging_keys(self, snapshot_id: str) -> CutKeys:
+        return await self._drive(self._api.snapshot_staging_keys(snapshot_id))
 
     async def snapshot_captured(self, snapshot_id: str, reference: DataPlaneRef | Mapping[str, str] | tuple[str, str]) -> Snapshot | None:
         return await self._drive(self._api.snapshot_captured(snapshot_id, reference))

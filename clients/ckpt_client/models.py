@@ -691,15 +691,44 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class BarrierResult:
-    """The staging keys that must exist in the trainer's data-plane capture."""
+    """The staging keys that must exist in the trainer's data-plane capture. A barrier asked for
+    the delta against the pre-cut's keys answers ``added`` and ``removed`` instead (``delta``);
+    :meth:`with_base` turns it into the whole list."""
 
     staging_keys: list[str]
     raw: Json = field(default_factory=dict, repr=False, compare=False)
+    delta: bool = False
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
 
     @classmethod
     def parse(cls, doc: Any) -> BarrierResult:
         d = _obj(doc, "barrier")
+        delta = d.get("staging_keys_delta")
+        if isinstance(delta, Mapping):
+            return cls([], d, True, _strs(delta.get("added")), _strs(delta.get("removed")))
         return cls(_strs(d.get("staging_keys")), d)
+
+    def with_base(self, base: list[str]) -> list[str]:
+        """The whole key list: ``staging_keys``, or the pre-cut's ``base`` with the delta applied
+        (sorted by code point, as the coordinator sorts them)."""
+        if not self.delta:
+            return self.staging_keys
+        return sorted((set(base) - set(self.removed)) | set(self.added))
+
+
+@dataclass(frozen=True)
+class CutKeys:
+    """``GET .../staging-keys``: the cut's keys as they stand (``as_of``: ``pre_cut``, ``cut`` or ``none``)."""
+
+    as_of: str
+    staging_keys: list[str]
+    raw: Json = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def parse(cls, doc: Any) -> CutKeys:
+        d = _obj(doc, "staging keys")
+        return cls(str(d.get("as_of") or "none"), _strs(d.get("staging_keys")), d)
 
 
 @dataclass(frozen=True)

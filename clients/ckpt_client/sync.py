@@ -17,6 +17,7 @@ from .helpers import new_id
 from .models import (
     AdmitResult,
     BarrierResult,
+    CutKeys,
     DataPlaneRef,
     DispatchResult,
     FailedRow,
@@ -289,8 +290,13 @@ class CoordinatorClient:
         :class:`SnapshotTimeout` after ``timeout`` seconds."""
         return self._drive(self._api.abort_snapshot(snapshot_id, reason, detail, wait, timeout, poll_interval))
 
-    def snapshot_barrier(self, snapshot_id: str) -> BarrierResult:
-        return self._drive(self._api.snapshot_barrier(snapshot_id))
+    def snapshot_barrier(self, snapshot_id: str, delta: bool = False) -> BarrierResult:
+        """``delta``: the caller holds the pre-cut's keys (:meth:`snapshot_staging_keys`); see
+        :meth:`BarrierResult.with_base`."""
+        return self._drive(self._api.snapshot_barrier(snapshot_id, delta))
+
+    def snapshot_staging_keys(self, snapshot_id: str) -> CutKeys:
+        return self._drive(self._api.snapshot_staging_keys(snapshot_id))
 
     def snapshot_captured(self, snapshot_id: str, reference: DataPlaneRef | Mapping[str, str] | tuple[str, str]) -> Snapshot | None:
         return self._drive(self._api.snapshot_captured(snapshot_id, reference))

@@ -182,3 +182,50 @@ async def test_train_step_wins_over_a_snapshot_at_the_barrier(
     assert stale.value.code == "snapshot_anchor_stale"
     admin = make_client(coordinator.url, ADMIN_TOKEN, run_id="run-1")
     assert (await admin.get_snapshot("s-lost")).reason == "train_step_committed"
+
+
+def test_the_snapshot_helper_fetches_the_pre_cut_keys_during_commit_and_asks_the_barrier_for_the_delta(
+    coordinator: LiveServer, gym: Any, tmp_path: Path
+) -> None:
+    import httpx
+
+    class Seen(httpx.HTTPTransport):
+        def __init__(self) -> None:
+            super().__init__()
+            self.requests: list[str] = []
+
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            self.requests.append(f"{request.method} {request.url.path}?{request.url.query.decode()}")
+            return super().handle_request(request)
+
+    admin = CoordinatorClient(coordinator.url, ADMIN_TOKEN)
+    token = admin.create_run("run-d", str(coordinator.checkpoint_root), {"target_level": "sibling"}).run_token
+    seen = Seen()
+    run = CoordinatorClient(coordinator.url, token, run_id="run-d", transport=seen)
+    run.register_gym_instances([GymInstance(gym.instance_id, gym.token, gym.servers)])
+    admitted = run.admit_groups([group("g0"), group("g1"), group("g2")])
+    run.dispatch([r.rollout_id for r in admitted.rows], dispatch_id="d-1", instance_id=INSTANCE)
+    by_group = {g.group_id: g.rows for g in admitted.groups}
+    run.report_sealed([sealed(r) for r in by_group["g0"]])
+    # Gym's commit takes a second: the pre-cut is done before the barrier is awaited.
+    gym.admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "commit", "type": "delay", "seconds": 1.0})
+    rec = Recorder(tmp_path / "s1")
+
+    original = run._api.snapshot_barrier
+
+    def barrier_after_a_late_seal(snapshot_id: str, delta: bool = False) -> Any:
+        # A row sealed after the pre-cut and before the barrier: its key comes in the delta.
+        run.report_sealed([sealed(by_group["g1"][0])])
+        return original(snapshot_id, delta)
+
+    run._api.snapshot_barrier = barrier_after_a_late_seal  # type: ignore[method-assign]
+    snap = run.snapshot(0, rec.capture, snapshot_id="s1", barrier=rec.barrier_sync, poll_interval=0.05, timeout=60)
+    assert snap.published
+    keys_calls = [r for r in seen.requests if r.startswith("GET /v1/runs/run-d/snapshots/s1/staging-keys")]
+    barrier_calls = [r for r in seen.requests if "/barrier" in r]
+    assert len(keys_calls) == 1 and barrier_calls == ["POST /v1/runs/run-d/snapshots/s1/barrier?staging_keys=delta"]
+    expected = sorted(f"tq/{r.capture_key}/0" for r in [*by_group["g0"], by_group["g1"][0]])
+    assert rec.captured_keys == expected
+    # The published snapshot keeps the same list (its key rows moved into its record).
+    stored = httpx.get(f"{coordinator.url}/v1/runs/run-d/snapshots/s1", params={"manifest": "true"}, headers={"Authorization": f"Bearer {token}"})
+    assert stored.json()["staging_keys"] == expected

@@ -247,3 +247,64 @@ async def test_the_barrier_records_the_xid_basis_a_restore_compares_rows_with(en
         engine, f"SELECT rollout_id FROM attempts WHERE run_id = :r AND age(xmin) <= age(CAST('{cx % 2**32}' AS xid)) ORDER BY rollout_id"
     )
     assert [r[0] for r in newer] == ["g1-2-dispatched"]
+
+
+def _merged(base: list[str], added: list[str], removed: list[str]) -> list[str]:
+    """What a trainer holding the pre-cut's keys makes of the barrier's delta."""
+    return sorted((set(base) - set(removed)) | set(added))
+
+
+async def test_the_barrier_after_a_pre_cut_answers_its_keys_as_a_delta_that_rebuilds_the_whole_list(engine: Any) -> None:
+    await _quiet_groups(engine)
+    async with engine.begin() as conn:
+        # Two groups name the same key: it stays while one of them does.
+        await _add_group(conn, "h1", keys=["tq/shared"])
+        await _add_group(conn, "h2", keys=["tq/shared"])
+    await _committing(engine, "p")
+    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 14
+    as_of, base = await repo.cut_keys(engine, RUN, "p")
+    assert as_of == "pre_cut" and base == sorted(base) and {"tq/shared", "tq/\u00e9", "tq/q00"} <= set(base)
+    assert "model/x" not in base  # the manifest's keys come in at the barrier
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/new}' WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"), {"r": RUN}
+        )
+        await conn.execute(text("DELETE FROM prompt_groups WHERE run_id = :r AND group_id IN ('g2', 'h1')"), {"r": RUN})
+        await _add_group(conn, "g5", keys=["tq/g5"])
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert row.counts["cut_recopied_groups"] == 4 and row.cut_staging_keys is None
+    assert row.cut_keys_added == ["model/x", "tq/g5", "tq/new"]
+    assert row.cut_keys_removed == ["tq/Z", "tq/\u00e9"]  # g2's; tq/shared is still h2's, tq/a g1's and the manifest's
+    as_of, full = await repo.cut_keys(engine, RUN, "p")
+    assert as_of == "cut" and full == _merged(base, row.cut_keys_added, row.cut_keys_removed)
+    # A repeated barrier answers the same delta (and the whole list).
+    again = await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert (again.cut_keys_added, again.cut_keys_removed, again.cut_staging_keys) == (row.cut_keys_added, row.cut_keys_removed, full)
+    row.cut_staging_keys = full
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_published_snapshot_keeps_its_keys_in_its_row_and_its_key_rows_go(engine: Any) -> None:
+    await _committing(engine, "p")
+    fence = await owner_fence(engine)
+    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    await repo.captured(engine, RUN, "p", {"path": "/d", "digest": "sha256:0"})
+    await repo.end(engine, RUN, "p", "published", "ok", fence=fence, expected=SnapshotPhase.data_plane)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]
+    stored = await _rows(engine, "SELECT cut_staging_keys FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
+    assert stored[0][0] == row.cut_staging_keys and "model/x" in row.cut_staging_keys
+    async with engine.connect() as conn:
+        assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == row.cut_staging_keys
+
+
+async def test_a_snapshot_that_does_not_publish_leaves_no_key_rows(engine: Any) -> None:
+    await _committing(engine, "p")
+    fence = await owner_fence(engine)
+    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    assert (await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'"))[0][0] > 0
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]

@@ -105,15 +105,40 @@ async def get_snapshot(
 
 
 @router.post("/snapshots/{snapshot_id}/barrier", operation_id="snapshot_barrier_held", response_model=dict[str, Any])
-async def barrier_held(request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> Any:
+async def barrier_held(
+    request: Request,
+    snapshot_id: str = SnapshotIdPath,
+    staging_keys: Literal["full", "delta"] = Query(
+        "full",
+        description="full: answer every staging key that must exist (`staging_keys`). delta: the trainer holds the "
+        "pre-cut's keys (`GET .../staging-keys` answered `as_of: pre_cut`): answer `staging_keys_delta` "
+        "(`added`, `removed` against them) when the cut was taken on that pre-cut, else `staging_keys` as for full.",
+    ),
+    caller: Caller = Depends(require_run_access),
+) -> Any:
     """The trainer holds its data-plane barrier: the coordinator takes the ledger cut and answers
     the staging keys that must exist in the capture. 409 `snapshot_not_awaiting` when too early or aborted."""
-    row = await repo.take_cut(request.app.state.engine, caller.run_id, snapshot_id)
+    engine = request.app.state.engine
+    row = await repo.take_cut(engine, caller.run_id, snapshot_id, full_keys=staging_keys == "full")
     out = row.public()
-    out["staging_keys"] = row.cut_staging_keys or []
+    if staging_keys == "delta" and row.cut_keys_added is not None and row.cut_keys_removed is not None:
+        out["staging_keys_delta"] = {"base": "pre_cut", "added": row.cut_keys_added, "removed": row.cut_keys_removed}
+    else:
+        keys = row.cut_staging_keys
+        out["staging_keys"] = keys if keys is not None else (await repo.cut_keys(engine, caller.run_id, snapshot_id))[1]
     # Tens of thousands of keys: serialized once natively, not walked by FastAPI's encoder first
     # (4x slower, on the event loop the runner and other requests share).
     return FastJSON(out)
+
+
+@router.get("/snapshots/{snapshot_id}/staging-keys", operation_id="snapshot_staging_keys", response_model=dict[str, Any])
+async def snapshot_staging_keys(request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)) -> Any:
+    """The cut's staging keys as they stand: `as_of` `pre_cut` once the pre-cut was taken (the
+    record's `counts.cut_pre_cut_keys`) and until the barrier, `cut` after it, `none` before
+    either. A trainer fetches the pre-cut's keys while Gym commits and asks its barrier for the
+    delta only, so the barrier's answer grows with what changed, not with the run."""
+    as_of, keys = await repo.cut_keys(request.app.state.engine, caller.run_id, snapshot_id)
+    return FastJSON({"snapshot_id": snapshot_id, "as_of": as_of, "staging_keys": keys})
 
 
 @router.post("/snapshots/{snapshot_id}/captured", operation_id="snapshot_data_plane_captured")

@@ -291,6 +291,9 @@ class Snapshot(Base):
     candidates: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     gym_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSONB)
     cut_staging_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    # The barrier's answer against the pre-cut's keys (sorted), when a pre-cut was taken.
+    cut_keys_added: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
+    cut_keys_removed: Mapped[list[str] | None] = mapped_column(ARRAY(Text))
     # The pre-cut (``ledger.snapshots.pre_cut``): the 64-bit xmin of the snapshot its copy was
     # read under. At the barrier, only groups with a row written by a transaction at or after it
     # (or gone since) are copied again; NULL while no pre-cut was taken.
@@ -354,6 +357,24 @@ class SnapshotChangedGroup(Base):
     __table_args__ = (PrimaryKeyConstraint("run_id", "group_id"),)
     run_id: Mapped[str] = mapped_column(Text)
     group_id: Mapped[str] = mapped_column(Text)
+
+
+class SnapshotCutKey(Base):
+    """The staging keys of a pending snapshot's cut while it is pending, one row per key with the
+    number of cut groups (and Gym manifest instances) that name it. Written by the pre-cut for
+    the groups it copied; the barrier then changes only the keys of the groups it copies again and
+    of the manifest, so its cost (and its answer, ``added``/``removed`` against the pre-cut's keys)
+    grows with what changed, not with the run. At the snapshot's end the keys move into
+    ``snapshots.cut_staging_keys`` (published) and these rows go."""
+
+    __tablename__ = "snapshot_cut_keys"
+    # No foreign key, as for the cut's groups: written and deleted with them.
+    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "key"),)
+    run_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    # Byte order: the keys are answered sorted by code point, and the key's index gives that order.
+    key: Mapped[str] = mapped_column(Text(collation="C"))
+    refs: Mapped[int] = mapped_column(Integer)
 
 
 class SnapshotCutGroup(Base):

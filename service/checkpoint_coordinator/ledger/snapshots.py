@@ -84,13 +84,19 @@ _BASE_COLS = (
 # The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
 # are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
 # manifest on request; decoding them on every status read was most of its cost.
+# A pending snapshot's cut keys are rows of ``snapshot_cut_keys`` (sorted by the key's index);
+# an ended one's are in ``cut_staging_keys``.
+_KEYS = (
+    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL THEN (SELECT COALESCE(array_agg(k.key ORDER BY k.key), '{}') "
+    "FROM snapshot_cut_keys k WHERE k.run_id = snapshots.run_id AND k.snapshot_id = snapshots.snapshot_id) END)"
+)
 _KEYS_WHEN_AWAITING_CAPTURE = (
     f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
-    "THEN cut_staging_keys END AS cut_staging_keys"
+    f"THEN {_KEYS} END AS cut_staging_keys"
 )
 _COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
-_COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, cut_staging_keys"
-_COLS_FULL = f"{_BASE_COLS}, gym_manifest, cut_staging_keys"
+_COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
+_COLS_FULL = f"{_BASE_COLS}, gym_manifest, {_KEYS} AS cut_staging_keys"
 # Only what ``SnapshotRow`` does not need at all.
 _COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS text[]) AS cut_staging_keys"
 
@@ -121,6 +127,9 @@ class SnapshotRow:
     created_at: datetime
     published_at: datetime | None
     ended_at: datetime | None
+    # What the barrier added to and removed from the pre-cut's keys (``take_cut``); None without a pre-cut.
+    cut_keys_added: list[str] | None = None
+    cut_keys_removed: list[str] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -398,22 +407,25 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
-async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotRow:
+async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
     """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
-    transaction, and answer the staging keys that must exist. Idempotent.
+    transaction, and record the staging keys that must exist. Idempotent.
 
     When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
     groups written since are copied again: those ``snapshot_changed_groups`` recorded as they
-    were written; otherwise the whole run is copied (one row per group, its siblings in an array).
-    Then one statement answers the staging keys (the cut's and the Gym manifest's, unnested in the
-    database) and updates the snapshot row. ``counts`` says which way it went
-    (``cut_recopied_groups``). The run is locked FOR UPDATE: no report lands between the reading
-    of the changed groups and their copy."""
+    were written; their keys and the Gym manifest's are counted into the pre-cut's key rows, and
+    what that added and removed is recorded (``cut_keys_added``, ``cut_keys_removed``): the
+    barrier's work and its delta answer grow with what changed, not with the run. Otherwise the
+    whole run is copied (one row per group, its siblings in an array) and its keys written.
+    ``counts`` says which way it went (``cut_recopied_groups``). The run is locked FOR UPDATE: no
+    report lands between the reading of the changed groups and their copy. The row answered
+    carries the whole key list (``cut_staging_keys``) unless ``full_keys`` is False (a trainer
+    that asked for the delta; a repeat carries it anyway)."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
-        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_WITH_KEYS)
+        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_NONE)
         if snap.cut_at is not None and snap.outcome is None:
-            return snap
+            return await get(conn, run_id, snapshot_id, columns=_COLS_WITH_KEYS)
         if snap.outcome is not None or snap.phase != P.data_plane:
             raise SnapshotNotAwaiting(
                 f"snapshot {snapshot_id!r} is in phase {snap.phase}" + (f" ({snap.outcome}: {snap.reason})" if snap.outcome else "") + "; not awaiting the barrier",
@@ -430,39 +442,99 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str) -> Snapsh
             await conn.execute(
                 text(
                     f"SELECT cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups "
+                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
+                    "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings "
                     "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
                 ),
                 {"r": run_id, "s": snapshot_id},
             )
         ).one()
+        p = {"r": run_id, "s": snapshot_id}
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
-        recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), {"r": run_id})).scalars())
-        if base.cut_base_xid is not None and base.pre_cut_groups > 0:
+        recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), p)).scalars())
+        if base.cut_base_xid is not None and base.pre_cut_groups > 0 and base.pre_cut_siblings is not None:
             changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base.pre_cut_groups:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
         if changed is not None:
+            old_keys: list[str] = []
+            new_keys: list[str] = []
+            groups, siblings = base.pre_cut_groups, base.pre_cut_siblings
             if changed:
-                await conn.execute(
-                    text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[]))"),
-                    {"r": run_id, "s": snapshot_id, "g": changed},
-                )
+                for keys, n in await conn.execute(
+                    text(
+                        "DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[])) "
+                        "RETURNING staging_keys, cardinality(siblings)"
+                    ),
+                    {**p, "g": changed},
+                ):
+                    old_keys.extend(keys or ())
+                    groups, siblings = groups - 1, siblings - (n or 0)
                 if len(changed) > _DELTA_HASH_FROM:
                     await _cut_settings(conn)
-                await conn.execute(text(_cut_insert(only_named_groups=True)), {"r": run_id, "s": snapshot_id, "g": changed})
+                for keys, n in await conn.execute(text(_cut_insert(only_named_groups=True) + " RETURNING staging_keys, cardinality(siblings)"), {**p, "g": changed}):
+                    new_keys.extend(keys or ())
+                    groups, siblings = groups + 1, siblings + (n or 0)
+            delta = (await conn.execute(text(_COUNT_KEYS_SQL), {**p, "old": old_keys, "new": new_keys})).one()
             extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
+            r = (
+                await conn.execute(
+                    text(_FINISH_CUT_SQL.format(tot=_TOT_GIVEN, keys="cut_keys_added = :added, cut_keys_removed = :removed, ")),
+                    {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id, "g": groups, "n": siblings,
+                     "added": list(delta.added), "removed": list(delta.removed)},
+                )
+            ).one()
         else:
+            # No pre-cut, or one that most groups changed since: copy everything.
+            await delete_cut_rows(conn, run_id, [snapshot_id])
             if base.pre_cut_groups:
-                # A pre-cut that most groups changed since: copy everything.
-                await delete_cut_rows(conn, run_id, [snapshot_id])
                 extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
-            await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})
-        r = (await conn.execute(text(_FINISH_CUT_SQL), {"r": run_id, "s": snapshot_id, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id})).one()
+            await conn.execute(text(_cut_insert(only_named_groups=False)), p)
+            await conn.execute(text(_INSERT_KEYS_SQL.format(manifest=f"UNION ALL SELECT k FROM ({_MANIFEST_KEYS}) m")), p)
+            r = (
+                await conn.execute(
+                    text(_FINISH_CUT_SQL.format(tot=_TOT_COUNTED, keys="cut_keys_added = NULL, cut_keys_removed = NULL, ")),
+                    {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id},
+                )
+            ).one()
+        row = SnapshotRow(**dict(r._mapping))
+        if full_keys:
+            row.cut_staging_keys = list(
+                (await conn.execute(text("SELECT COALESCE(array_agg(key ORDER BY key), '{}') FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = :s"), p)).scalar()
+            )
         await _notify(conn, run_id, [snapshot_id])
-        return SnapshotRow(**dict(r._mapping))
+        return row
+
+
+async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str) -> tuple[str, list[str]]:
+    """The keys the trainer may fetch ahead of the barrier: ``("pre_cut", keys)`` once a pre-cut
+    was taken and until the barrier, ``("cut", keys)`` after it, ``("none", [])`` before either.
+    A trainer that holds the pre-cut's keys asks the barrier for its delta only."""
+    async with engine.connect() as conn:
+        st = (
+            await conn.execute(
+                text(
+                    "SELECT cut_at IS NOT NULL AS cut, counts ->> 'cut_pre_cut_keys' IS NOT NULL AND cut_base_xid IS NOT NULL AS pre_cut, "
+                    f"{_KEYS} AS keys FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
+                ),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).first()
+        if st is None:
+            raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
+        if st.cut:
+            return "cut", list(st.keys or [])
+        if not st.pre_cut:
+            return "none", []
+        keys = (
+            await conn.execute(
+                text("SELECT COALESCE(array_agg(key ORDER BY key), '{}') FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = :s"),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).scalar()
+        return "pre_cut", list(keys)
 
 
 _GROUP_COLS = ", ".join(SNAPSHOT_GROUP_COLUMNS)
@@ -537,23 +609,47 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-# The barrier's answer and the snapshot row: the staging keys (the cut's, those of the Gym
-# manifest unnested in the database) and the counts.
+# The staging keys of the Gym manifest, one row per (instance, key).
+_MANIFEST_KEYS = (
+    "SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
+    "THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
+    "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
+    "WHERE sn.run_id = :r AND sn.snapshot_id = :s"
+)
+# The key rows of a whole cut: every key of its groups (and ``{manifest}``), with how many name it.
+_INSERT_KEYS_SQL = (
+    "INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, x.k, count(*) FROM ("
+    "SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s {manifest}"
+    ") x GROUP BY x.k"
+)
+# The barrier after a pre-cut: the keys of the groups copied again (``:new``) and of the Gym
+# manifest counted in, those of their pre-cut copies (``:old``) counted out; a key whose count
+# reaches zero goes. Answers what that added and removed, sorted by code point. Only the keys
+# that changed are touched (index lookups), never the whole cut.
+_COUNT_KEYS_SQL = (
+    "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
+    f" SELECT k, 1 AS n FROM ({_MANIFEST_KEYS}) m"
+    " UNION ALL SELECT k, 1 FROM unnest(CAST(:new AS text[])) AS k"
+    " UNION ALL SELECT k, -1 FROM unnest(CAST(:old AS text[])) AS k) x GROUP BY x.k HAVING sum(x.n) <> 0), "
+    "prev AS (SELECT chg.k COLLATE \"C\" AS k, chg.n, COALESCE(ck.refs, 0) AS before FROM chg LEFT JOIN snapshot_cut_keys ck "
+    " ON ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = chg.k COLLATE \"C\"), "
+    "up AS (INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, k, before + n FROM prev WHERE before + n > 0 "
+    " ON CONFLICT (run_id, snapshot_id, key) DO UPDATE SET refs = EXCLUDED.refs), "
+    "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0) "
+    "SELECT COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before <= 0 AND before + n > 0), '{}') AS added, "
+    "COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before > 0 AND before + n <= 0), '{}') AS removed FROM prev"
+)
+_TOT_COUNTED = (
+    "(SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s)"
+)
+_TOT_GIVEN = "(SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n)"
+# The snapshot row at the barrier: cut, its counts (``{tot}``), the keys' delta (``{keys}``).
 _FINISH_CUT_SQL = (
-    "WITH manifest_keys AS ("
-    " SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
-    " THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
-    " jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
-    " WHERE sn.run_id = :r AND sn.snapshot_id = :s), "
-    "all_keys AS (SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s "
-    " UNION ALL SELECT k FROM manifest_keys), "
-    "tot AS (SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s) "
-    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
-    # Sorted by code point, as Python's sorted() did.
-    " cut_staging_keys = (SELECT COALESCE(array_agg(DISTINCT k COLLATE \"C\" ORDER BY k COLLATE \"C\"), '{}') FROM all_keys), "
-    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
+    "WITH tot AS {tot} "
+    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, {keys}"
+    " counts = COALESCE(counts, '{{}}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
     " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
-    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_WITH_KEYS}"
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE.replace('{', '{{').replace('}', '}}')}, cut_keys_added, cut_keys_removed"
 )
 
 
@@ -601,14 +697,24 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         await _cut_settings(conn)
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
+        # Its keys as rows (the barrier then counts only what changed) and its size, so that the
+        # barrier's counts need no pass over the cut either.
+        keys = (await conn.execute(text(_INSERT_KEYS_SQL.format(manifest="")), {"r": run_id, "s": snapshot_id})).rowcount
+        sibs = (
+            await conn.execute(
+                text("SELECT COALESCE(sum(cardinality(siblings)), 0) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s"),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).scalar()
         done = (
             await conn.execute(
                 text(
-                    "UPDATE snapshots SET cut_base_xid = :b, counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_pre_cut_groups', CAST(:n AS bigint)) "
+                    "UPDATE snapshots SET cut_base_xid = :b, counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_pre_cut_groups', CAST(:n AS bigint), "
+                    "'cut_pre_cut_siblings', CAST(:sib AS bigint), 'cut_pre_cut_keys', CAST(:keys AS bigint)) "
                     "WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
                     f"AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> :dp AND owner = :fence_owner AND {fence_sql()}"
                 ),
-                {"r": run_id, "s": snapshot_id, "b": base, "n": n, "dp": P.data_plane.value, **fence.params()},
+                {"r": run_id, "s": snapshot_id, "b": base, "n": n, "sib": int(sibs), "keys": keys, "dp": P.data_plane.value, **fence.params()},
             )
         ).rowcount
         if done != 1:
@@ -744,7 +850,9 @@ async def end(
                     "UPDATE snapshots SET phase = :ph, outcome = :o, reason = :rs, detail = COALESCE(CAST(:d AS jsonb), detail), "
                     "phase_timings = COALESCE(CAST(:t AS jsonb), phase_timings), gym_parked_seconds = COALESCE(:gp, gym_parked_seconds), "
                     "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
-                    "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END "
+                    "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END, "
+                    # The cut's keys, rows while it was pending (after Gym was resumed: off the park).
+                    f"cut_staging_keys = CASE WHEN :published THEN {_KEYS} ELSE cut_staging_keys END "
                     f"WHERE {_FENCED_MOVE} RETURNING {_COLS}"
                 ),
                 {
@@ -778,9 +886,8 @@ async def end(
                     {"r": run_id, "k": keep_latest_k, "pub": SnapshotOutcome.published.value},
                 )
             ).scalars().all()
-            if gone:
-                # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
-                await delete_cut_rows(conn, run_id, list(gone))
+            # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
+            await delete_cut_rows(conn, run_id, list(gone), keys_of=[snapshot_id])
         else:
             # Only a published snapshot is ever restored from or exported: the cut (or pre-cut) of a
             # failed or aborted one (a data-plane failure after the barrier, a lost resume, a train
@@ -791,9 +898,14 @@ async def end(
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 
-async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
-    """Delete the cut of these snapshots, in the caller's transaction (the one deleting the rows)."""
-    await conn.execute(text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
+async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, keys_of: list[str] = ()) -> None:  # type: ignore[assignment]
+    """Delete the cut of these snapshots (and the key rows of ``keys_of`` too, whose keys are
+    kept in their row), in the caller's transaction (the one deleting the rows)."""
+    if snapshot_ids:
+        await conn.execute(text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
+    ids = [*snapshot_ids, *keys_of]
+    if ids:
+        await conn.execute(text("DELETE FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": ids})
 
 
 async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, checkpoint_ref: str | None) -> tuple[dict[str, Any], list[str]]:
