@@ -115,7 +115,9 @@ def _plan(
     attempts = cut.attempts
     try:
         return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids, mapped)
-    except (_Broken, TypeError, ValueError, LookupError, AttributeError):
+    except (_Broken, ManifestLedgerMismatch, TypeError, ValueError, LookupError, AttributeError):
+        # A broken cut wins over a manifest that disagrees with it, as the service checks the
+        # cut first: the manifest is compared with a ledger that is not what it claims.
         issues = cut_issues(cut)
         if issues:
             raise CutError(issues) from None
