@@ -162,6 +162,39 @@ def _trace_spans(trace_file: str) -> None:
         setattr(GymSave, fn, timed(f"gym.{fn}", getattr(GymSave, fn)))
     OutboxDeliverer.deliver_run = timed("outbox.deliver_run", OutboxDeliverer.deliver_run)  # type: ignore[method-assign]
 
+    # Every SQL statement of 2 ms or more, named by its first words: what a ledger call spends.
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    @event.listens_for(Engine, "before_cursor_execute")
+    def _sql_start(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        conn.info.setdefault("_trace_start", []).append(time.monotonic())
+
+    @event.listens_for(Engine, "after_cursor_execute")
+    def _sql_end(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
+        start = conn.info["_trace_start"].pop()
+        end = time.monotonic()
+        if end - start >= 0.002:
+            out.write(json.dumps(("sql " + " ".join(statement.split())[:90], start, end)) + "\n")
+            out.flush()
+
+    # ... and every COMMIT of 2 ms or more (a commit waits for the WAL written before it).
+    from sqlalchemy.engine.default import DefaultDialect
+
+    do_commit = DefaultDialect.do_commit
+
+    def _timed_commit(self: Any, dbapi_connection: Any) -> None:
+        start = time.monotonic()
+        try:
+            do_commit(self, dbapi_connection)
+        finally:
+            end = time.monotonic()
+            if end - start >= 0.002:
+                out.write(json.dumps(("sql COMMIT", start, end)) + "\n")
+                out.flush()
+
+    DefaultDialect.do_commit = _timed_commit  # type: ignore[method-assign]
+
 
 class TimedCoordinator(Coordinator):
     """The coordinator process (``_common.Coordinator``), started through ``_serve_timed``."""

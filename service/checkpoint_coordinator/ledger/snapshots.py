@@ -625,7 +625,8 @@ _INSERT_KEYS_SQL = (
 # The barrier after a pre-cut: the keys of the groups copied again (``:new``) and of the Gym
 # manifest counted in, those of their pre-cut copies (``:old``) counted out; a key whose count
 # reaches zero goes. Answers what that added and removed, sorted by code point. Only the keys
-# that changed are touched (index lookups), never the whole cut.
+# that changed are touched (index lookups), never the whole cut. New keys are plain inserts, not
+# an upsert (a third of its cost): the run's lock keeps every other writer of these rows out.
 _COUNT_KEYS_SQL = (
     "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
     f" SELECT k, 1 AS n FROM ({_MANIFEST_KEYS}) m"
@@ -633,8 +634,9 @@ _COUNT_KEYS_SQL = (
     " UNION ALL SELECT k, -1 FROM unnest(CAST(:old AS text[])) AS k) x GROUP BY x.k HAVING sum(x.n) <> 0), "
     "prev AS (SELECT chg.k COLLATE \"C\" AS k, chg.n, COALESCE(ck.refs, 0) AS before FROM chg LEFT JOIN snapshot_cut_keys ck "
     " ON ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = chg.k COLLATE \"C\"), "
-    "up AS (INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, k, before + n FROM prev WHERE before + n > 0 "
-    " ON CONFLICT (run_id, snapshot_id, key) DO UPDATE SET refs = EXCLUDED.refs), "
+    "up AS (INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, k, n FROM prev WHERE before = 0 AND n > 0), "
+    "upd AS (UPDATE snapshot_cut_keys ck SET refs = prev.before + prev.n FROM prev "
+    " WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before > 0 AND prev.before + prev.n > 0), "
     "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0) "
     "SELECT COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before <= 0 AND before + n > 0), '{}') AS added, "
     "COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before > 0 AND before + n <= 0), '{}') AS removed FROM prev"
