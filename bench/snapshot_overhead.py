@@ -141,6 +141,12 @@ def _trace_spans(trace_file: str) -> None:
 
     out = open(trace_file, "a")  # noqa: SIM115 - one line per span, open for the process's life
 
+    def span(label: str, start: float, *, at_least_s: float = 0.0) -> None:
+        end = time.monotonic()
+        if end - start >= at_least_s:
+            out.write(json.dumps((label, start, end)) + "\n")
+            out.flush()
+
     def timed(name: str, fn: Any) -> Any:
         @functools.wraps(fn)
         async def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -148,11 +154,7 @@ def _trace_spans(trace_file: str) -> None:
             try:
                 return await fn(*args, **kwargs)
             finally:
-                label = name
-                if name == "ledger.move":
-                    label = f"ledger.move->{args[5]}"
-                out.write(json.dumps((label, start, time.monotonic())) + "\n")
-                out.flush()
+                span(f"ledger.move->{args[5]}" if name == "ledger.move" else name, start)
         return wrapper
 
     for fn in ("get", "close_gate", "move", "publish_phase", "deadline_left_s", "candidates", "still_pending", "poll",
@@ -172,11 +174,13 @@ def _trace_spans(trace_file: str) -> None:
 
     @event.listens_for(Engine, "after_cursor_execute")
     def _sql_end(conn: Any, cursor: Any, statement: str, params: Any, context: Any, executemany: bool) -> None:
-        start = conn.info["_trace_start"].pop()
-        end = time.monotonic()
-        if end - start >= 0.002:
-            out.write(json.dumps(("sql " + " ".join(statement.split())[:90], start, end)) + "\n")
-            out.flush()
+        span("sql " + " ".join(statement.split())[:90], conn.info["_trace_start"].pop(), at_least_s=0.002)
+
+    @event.listens_for(Engine, "handle_error")
+    def _sql_failed(ctx: Any) -> None:
+        # A failed statement has no after_cursor_execute: drop its start, or later ones pair wrongly.
+        if ctx.connection is not None and ctx.connection.info.get("_trace_start"):
+            ctx.connection.info["_trace_start"].pop()
 
     # ... and every COMMIT of 2 ms or more (a commit waits for the WAL written before it).
     from sqlalchemy.engine.default import DefaultDialect
@@ -188,10 +192,7 @@ def _trace_spans(trace_file: str) -> None:
         try:
             do_commit(self, dbapi_connection)
         finally:
-            end = time.monotonic()
-            if end - start >= 0.002:
-                out.write(json.dumps(("sql COMMIT", start, end)) + "\n")
-                out.flush()
+            span("sql COMMIT", start, at_least_s=0.002)
 
     DefaultDialect.do_commit = _timed_commit  # type: ignore[method-assign]
 
