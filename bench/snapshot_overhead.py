@@ -17,8 +17,8 @@ the policy model, which counts as a turn boundary, so it is exported by every pa
 episode, model staging key, resources session) and never blocks readiness. A long ``turn_seconds``
 alone would not do: an episode inside a turn's work blocks prepare.
 
-Then ``--snapshots`` snapshots go through the real API, the trainer side driven from here (poll,
-barrier, capture file, captured). Reported per snapshot and as medians:
+Then ``--snapshots`` snapshots go through the real API, the trainer side driven from here (a long
+poll of the record as the client waits, or ``--poll S``; barrier, capture file, captured). Reported per snapshot and as medians:
 
 * the phase timings of the snapshot record (gate, prepare, commit, drain, data_plane, resume, total)
   and ``gym_parked_seconds``;
@@ -77,7 +77,7 @@ GYMSIM_NICE = 10
 TURNS = 10_000  # never finishes: the episode stays in flight for the whole benchmark
 HOLD_S = 86_400.0
 PHASES = ("gate", "prepare", "commit", "drain", "data_plane", "resume", "total")
-POLL_S = 0.02  # the trainer's poll of the snapshot record (tests/e2e/harness.py polls as often)
+POLL_S = 0.02  # with --poll: tests/e2e/harness.py polls as often
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,8 +418,11 @@ async def admit_and_dispatch(base: str, run_id: str, token: str, gyms: list[Any]
     return by_inst
 
 
-async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float, delta: bool = True) -> dict[str, Any]:
-    """The trainer's side of section 5, timed: request, poll, barrier (the cut), capture, captured."""
+async def drive_snapshot(
+    base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float, delta: bool = True, poll_s: float | None = None
+) -> dict[str, Any]:
+    """The trainer's side of section 5, timed: request, wait (a long poll, as the client does; a
+    poll every ``poll_s`` if given), barrier (the cut), capture, captured."""
     h = {"Authorization": f"Bearer {token}"}
     out: dict[str, Any] = {}
     marks: dict[str, float] = {}
@@ -430,11 +433,11 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
         deadline = t_request + timeout
         trainer_s = 0.0
         base: list[str] | None = None
+        s = (await c.get(f"/snapshots/{sid}")).json()
         while True:
-            s = (await c.get(f"/snapshots/{sid}")).json()
             if s["outcome"] is not None:
                 break
-            if delta and base is None and s["awaiting"] is None and s["counts"].get("cut_pre_cut_keys") is not None:
+            if delta and base is None and s["phase"] in ("prepare", "commit") and s["counts"].get("cut_pre_cut_keys") is not None:
                 # As the client does: the pre-cut's keys while Gym commits, the barrier's delta later.
                 t = time.monotonic()
                 k = (await c.get(f"/snapshots/{sid}/staging-keys")).json()
@@ -466,10 +469,15 @@ async def drive_snapshot(base: str, run_id: str, token: str, sid: str, capture_d
                 cap.raise_for_status()
                 trainer_s = (t0 - t_seen) + (t2 - t1)  # the trainer's own share of the data-plane phase
                 out.update(cut_s=t1 - t0, captured_s=t3 - t2, staging_keys=len(keys), barrier_body_bytes=len(b.content))
+                s = (await c.get(f"/snapshots/{sid}")).json()
                 continue
             if time.monotonic() > deadline:
                 raise RuntimeError(f"snapshot {sid} still in phase {s['phase']} after {timeout:.0f} s")
-            await asyncio.sleep(POLL_S)
+            if poll_s is None and s.get("watch_token"):
+                s = (await c.get(f"/snapshots/{sid}", params={"wait_s": "10", "watch_token": s["watch_token"]})).json()
+            else:
+                await asyncio.sleep(poll_s or POLL_S)
+                s = (await c.get(f"/snapshots/{sid}")).json()
         t_done = time.monotonic()
         marks["saw outcome"] = t_done
         full = (await c.get(f"/snapshots/{sid}", params={"manifest": "true"})).json()
@@ -656,7 +664,7 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
                 no_pre_cut.unlink(missing_ok=True)
             else:
                 no_pre_cut.touch()
-            res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout, delta=not args.full_keys)
+            res = await drive_snapshot(base, run_id, token, sid, workdir / "capture", args.snapshot_timeout, delta=not args.full_keys, poll_s=args.poll)
             rec = res["record"]
             if args.show_calls:
                 for o, s0, e0, tgt in coord.gym_calls():
@@ -776,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connect-burst", type=int, default=200, help="/run connections being opened at once")
     ap.add_argument("--park-timeout", type=float, default=900.0, help="seconds to wait for every episode to park")
     ap.add_argument("--snapshot-timeout", type=float, default=600.0)
+    ap.add_argument("--poll", type=float, default=None, metavar="S",
+                    help=f"the trainer polls the snapshot every S seconds (the harness polls every {POLL_S}) instead of waiting on it (long poll)")
     ap.add_argument("--show-calls", action="store_true", help="list every Gym control call of each snapshot with its timing")
     ap.add_argument("--full-keys", action="store_true",
                     help="the trainer asks the barrier for every staging key (as a client before the delta did), not the delta against the pre-cut's")

@@ -47,6 +47,12 @@ R = TypeVar("R")
 #: for admit) and 8 MiB per body; 1 000 keeps each transaction short, so a trainer's report
 #: never holds group locks long enough to stall a concurrent snapshot drain.
 DEFAULT_BATCH_SIZE = 1000
+# How long one long poll of a snapshot waits (the coordinator's bound is 20 s), and how much longer
+# its HTTP request may take than that.
+LONG_POLL_S = 10.0
+# The phases in which Gym is still at work, so fetching the pre-cut's keys costs the park nothing.
+PRE_CUT_FETCH_PHASES = ("prepare", "commit")
+WAIT_MARGIN_S = 10.0
 #: Server caps, checked client-side only where splitting is impossible (stream ended).
 MAX_STREAM_RETURNED = 20_000
 
@@ -244,8 +250,23 @@ class Api:
     def reopen(self) -> Flow[Run]:
         return Run.parse((yield from self._call(RequestSpec("POST", self._run_path("/reopen")))))
 
-    def get_snapshot(self, snapshot_id: str) -> Flow[Snapshot]:
-        return Snapshot.parse((yield from self._call(RequestSpec("GET", self._run_path(f"/snapshots/{_seg(snapshot_id)}")))))
+    def get_snapshot(self, snapshot_id: str, wait_s: float | None = None, watch_token: str | None = None) -> Flow[Snapshot]:
+        """The snapshot document; with ``wait_s`` and ``watch_token`` (the last document's), answered
+        as soon as the snapshot moves on from it, at most after ``wait_s``."""
+        path = self._run_path(f"/snapshots/{_seg(snapshot_id)}")
+        if wait_s is None or watch_token is None:
+            return Snapshot.parse((yield from self._call(RequestSpec("GET", path))))
+        spec = RequestSpec("GET", path, params={"wait_s": f"{wait_s:.3f}", "watch_token": watch_token}, timeout=wait_s + WAIT_MARGIN_S)
+        return Snapshot.parse((yield from self._call(spec)))
+
+    def _next_snapshot(self, snap: Snapshot, poll_interval: float, remaining: float) -> Flow[Snapshot]:
+        """The snapshot once it moved on: a long poll when the coordinator offers one (the trainer
+        sees the barrier at once, not up to ``poll_interval`` late, and Gym is parked all that
+        time), else a sleep of ``poll_interval`` and a read."""
+        if snap.watch_token is not None:
+            return (yield from self.get_snapshot(snap.snapshot_id, wait_s=min(LONG_POLL_S, remaining), watch_token=snap.watch_token))
+        yield Sleep(min(poll_interval, remaining))
+        return (yield from self.get_snapshot(snap.snapshot_id))
 
     def list_snapshots(self) -> Flow[list[Snapshot]]:
         doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots")))
@@ -348,11 +369,12 @@ class Api:
         # Set once the coordinator refused the barrier because the snapshot is being aborted:
         # it will never ask again, and taking the trainer's barrier each poll would stall it.
         barrier_refused = False
-        # The pre-cut's keys, fetched while Gym commits: the barrier (while the trainer and Gym
-        # wait) then answers only what changed since. Not fetched once the barrier is awaited.
+        # The pre-cut's keys, fetched while Gym prepares or commits: the barrier (while the
+        # trainer and Gym wait) then answers only what changed since. Not fetched later: from the
+        # drain on, the barrier may be awaited any moment, and the fetch would delay it.
         base: list[str] | None = None
         while not snap.terminal:
-            if base is None and not captured and snap.awaiting is None and snap.counts.get("cut_pre_cut_keys") is not None:
+            if base is None and snap.phase in PRE_CUT_FETCH_PHASES and snap.counts.get("cut_pre_cut_keys") is not None:
                 keys = yield from self.snapshot_staging_keys(sid)
                 if keys.as_of == "pre_cut":
                     base = keys.staging_keys
@@ -370,8 +392,7 @@ class Api:
             if remaining <= 0:
                 state = "after the capture" if captured else f"in phase {snap.phase}, awaiting {snap.awaiting}"
                 raise SnapshotTimeout(f"snapshot {sid} not finished after {timeout:.0f}s ({state})", snap)
-            yield Sleep(min(poll_interval, remaining))
-            snap = yield from self.get_snapshot(sid)
+            snap = yield from self._next_snapshot(snap, poll_interval, remaining)
         if snap.published:
             return snap
         raise SnapshotFailed(snap)

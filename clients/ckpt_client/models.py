@@ -640,6 +640,9 @@ class Snapshot:
     counts: dict[str, Any]
     data_plane_ref: DataPlaneRef | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
+    #: Opaque: a coordinator that sends it answers ``get_snapshot(..., wait_s=, watch_token=)``
+    #: as soon as the snapshot moves on from it (a long poll); None from one that does not.
+    watch_token: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -686,6 +689,7 @@ class Snapshot:
             counts=_dict(d.get("counts")),
             data_plane_ref=DataPlaneRef.parse(d.get("data_plane_ref") or d.get("reference")),
             raw=d,
+            watch_token=_str(d.get("watch_token")),
         )
 
 

@@ -261,8 +261,9 @@ class CoordinatorClient:
         (the stop turned out not to be needed)."""
         return self._drive(self._api.reopen())
 
-    def get_snapshot(self, snapshot_id: str) -> Snapshot:
-        return self._drive(self._api.get_snapshot(snapshot_id))
+    def get_snapshot(self, snapshot_id: str, *, wait_s: float | None = None, watch_token: str | None = None) -> Snapshot:
+        """The snapshot; with ``wait_s`` and a document's ``watch_token``, once it moved on from that document (at most ``wait_s``)."""
+        return self._drive(self._api.get_snapshot(snapshot_id, wait_s, watch_token))
 
     def list_snapshots(self) -> list[Snapshot]:
         return self._drive(self._api.list_snapshots())
@@ -317,7 +318,9 @@ class CoordinatorClient:
         just before the coordinator cuts its ledger until ``capture`` returned: take the
         trainer's data-plane barrier there. ``capture(staging_keys)`` saves the data plane and
         returns ``{path, digest}``. Returns the published snapshot; raises
-        :class:`SnapshotFailed` (failed/aborted) or :class:`SnapshotTimeout`.
+        :class:`SnapshotFailed` (failed/aborted) or :class:`SnapshotTimeout`. The helper waits
+        on the coordinator (a long poll) and hears of each step as it happens; ``poll_interval``
+        applies only to a coordinator that offers no long poll.
         """
         return self._drive(self._api.snapshot(step, capture, snapshot_id, barrier, poll_interval, timeout))
 

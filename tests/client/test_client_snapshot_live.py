@@ -131,6 +131,20 @@ async def test_snapshot_publishes_and_restore_reruns_what_was_in_flight(
     assert len(sent.rows) == 3
 
 
+async def test_the_snapshot_helper_waits_on_the_coordinator_not_on_its_poll_interval(
+    coordinator: LiveServer, make_client: MakeClient, gym: Any, tmp_path: Path
+) -> None:
+    """The coordinator offers a long poll (``watch_token``): the helper hears of each step as
+    it is written. Polling every 120 s, it could not finish within its 60 s timeout."""
+    run = await _registered_run(coordinator, make_client, gym)
+    admitted = await run.admit_groups([group("g0")])
+    await run.dispatch([r.rollout_id for r in admitted.rows], dispatch_id="d-1", instance_id=INSTANCE)
+    rec = Recorder(tmp_path / "s-wait")
+    snap = await run.snapshot(0, rec.capture, snapshot_id="s-wait", barrier=rec.barrier_for(run), poll_interval=120, timeout=60)
+    assert snap.published and snap.watch_token is not None
+    assert rec.events == ["barrier:enter", "capture", "barrier:exit"]
+
+
 async def test_snapshot_without_gym_fails_typed_and_reopens_the_gate(coordinator: LiveServer, make_client: MakeClient, tmp_path: Path) -> None:
     run = await open_run(coordinator, make_client)
     rows = (await run.admit_groups([group("g0")])).rows

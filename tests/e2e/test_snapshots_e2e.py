@@ -311,3 +311,67 @@ async def test_snapshots_that_keep_losing_to_train_steps_raise_the_warning(clien
     ok = await drive_snapshot(api, "won", 2, tmp_path / "dp")
     assert ok["outcome"] == "published"
     assert (await api.get(""))["consecutive_snapshot_losses"] == 0 and await gauge() == 0.0
+
+
+async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, admin, app, gyms, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """`GET ...?wait_s=&watch_token=`: the answer comes when the snapshot moves on (the phase
+    moves notify), not at the end of the wait; with the fallback re-read pushed past the wait,
+    only the notifications can have woken it."""
+    import json
+    import time
+    from urllib.parse import quote
+
+    from checkpoint_coordinator.snapshots import watch
+
+    monkeypatch.setattr(watch, "FALLBACK_S", 60.0)
+    api = await _setup(client, admin, app, gyms)
+    trainer = Trainer(api, gyms, turns=8)
+    await trainer.admit_and_dispatch([group_body("g0", 2)], "math/replica-0")
+    await asyncio.sleep(0.12)
+    await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
+    snap = await api.get("/snapshots/s1")
+    seen = [snap["watch_token"]]
+    waits = []
+
+    async def next_state(s: dict) -> dict:  # type: ignore[type-arg]
+        t = time.monotonic()
+        got = await api.get(f"/snapshots/s1?wait_s=15&watch_token={quote(s['watch_token'])}")
+        waits.append(time.monotonic() - t)
+        assert got["watch_token"] != s["watch_token"], (s["watch_token"], waits)  # it moved on: no timed-out wait
+        seen.append(got["watch_token"])
+        return got
+
+    while snap["awaiting"] != "barrier":
+        assert snap["outcome"] is None, snap
+        snap = await next_state(snap)
+    b = await api.post("/snapshots/s1/barrier", {})
+    f = tmp_path / "dp.json"
+    f.write_text(json.dumps(b["staging_keys"]))
+    await api.post("/snapshots/s1/captured", {"reference": {"path": str(f), "digest": "sha256:x"}})
+    snap = await api.get("/snapshots/s1")
+    while snap["outcome"] is None:
+        snap = await next_state(snap)
+    await trainer.wait_idle()
+    assert snap["outcome"] == "published", snap
+    assert max(waits) < 10, waits
+    assert any(t.startswith("data_plane.-.barrier.") for t in seen), seen
+    # A wait on the document as it stands (nothing moves any more) answers it unchanged at the end.
+    t = time.monotonic()
+    same = await api.get(f"/snapshots/s1?wait_s=0.3&watch_token={quote(snap['watch_token'])}")
+    assert same["watch_token"] == snap["watch_token"] and time.monotonic() - t >= 0.3
+    assert app.state.snapshots.watch.waiting() == 0  # no waiter left registered
+
+
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [("wait_s=5", "watch_token"), ("watch_token=x", "wait_s"), ("wait_s=21&watch_token=x", "wait_s"), ("wait_s=0&watch_token=x", "wait_s"),
+     ("wait_s=1&watch_token=", "watch_token")],
+)
+async def test_a_bad_wait_is_a_clear_422(client, admin, query: str, field: str) -> None:  # type: ignore[no-untyped-def]
+    api = await new_run(client, admin)
+    await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
+    r = await client.get(f"/v1/runs/run-1/snapshots/s1?{query}", headers=api.h)
+    assert r.status_code == 422, r.text
+    assert r.json()["code"] == "invalid_request" and field in {e["field"].split(".")[-1] for e in r.json()["errors"]}, r.text
+    missing = await client.get("/v1/runs/run-1/snapshots/nope?wait_s=1&watch_token=x", headers=api.h)
+    assert missing.status_code == 404 and missing.json()["code"] == "snapshot_not_found"

@@ -7,8 +7,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, StrictBool, model_validator
 
+from ..errors import BadRequest
 from ..ledger import snapshots as repo
 from ..snapshots import service as snapshot_service
+from ..snapshots.watch import MAX_WAIT_S
 from .auth import Caller, require_run_access
 from .common import BIGINT_MAX, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
 
@@ -98,10 +100,33 @@ async def list_snapshots(
 
 @router.get("/snapshots/{snapshot_id}", operation_id="get_snapshot")
 async def get_snapshot(
-    request: Request, snapshot_id: str = SnapshotIdPath, manifest: bool = Query(False, description="include the Gym manifest"), caller: Caller = Depends(require_run_access)
+    request: Request,
+    snapshot_id: str = SnapshotIdPath,
+    manifest: bool = Query(False, description="include the Gym manifest"),
+    wait_s: float | None = Query(
+        None, gt=0, le=MAX_WAIT_S,
+        description="Wait up to this long for the snapshot to move on from `watch_token` (required with it), then answer it as it "
+        "stands: a trainer learns of the barrier within moments instead of one poll interval later, while Gym is parked.",
+    ),
+    watch_token: str | None = Query(None, min_length=1, max_length=200, description="The `watch_token` of the document last read."),
+    caller: Caller = Depends(require_run_access),
 ) -> dict[str, Any]:
-    async with request.app.state.engine.connect() as conn:
-        return (await repo.get(conn, caller.run_id, snapshot_id, with_manifest=manifest)).public(with_manifest=manifest)
+    """The snapshot record. With `wait_s` and `watch_token`: answered as soon as its `watch_token`
+    differs (phase, outcome, awaited handshake, pre-cut keys available), at most after `wait_s`."""
+    if (wait_s is None) != (watch_token is None):
+        missing = "watch_token" if watch_token is None else "wait_s"
+        raise BadRequest("wait_s and watch_token go together", errors=[{"field": missing, "message": "required with the other"}])
+    engine = request.app.state.engine
+
+    async def read() -> repo.SnapshotRow:
+        async with engine.connect() as conn:
+            return await repo.get(conn, caller.run_id, snapshot_id, with_manifest=manifest)
+
+    if wait_s is None:
+        row = await read()
+    else:
+        row = await request.app.state.snapshots.watch.until(caller.run_id, snapshot_id, read, lambda r: r.watch_token != watch_token, wait_s)
+    return row.public(with_manifest=manifest)
 
 
 @router.post("/snapshots/{snapshot_id}/barrier", operation_id="snapshot_barrier_held", response_model=dict[str, Any])

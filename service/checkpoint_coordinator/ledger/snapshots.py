@@ -36,17 +36,24 @@ NOTIFY_CHANNEL = "ckptc_snapshot"
 # Marks the notification of a new snapshot (ids hold no space): only that one makes a replica
 # that does not drive the snapshot look for work; a handshake concerns its owner alone.
 CREATED_MARK = "new "
+# Marks a notification of progress the owner wrote itself (a phase move, the pre-cut): it
+# concerns only the trainers waiting on the snapshot (``GET ...?wait_s=``), not the owner.
+PROGRESS_MARK = "moved "
 
 
-def notify_payload(run_id: str, snapshot_id: str, *, created: bool = False) -> str:
-    return f"{CREATED_MARK if created else ''}{run_id}/{snapshot_id}"
+def notify_payload(run_id: str, snapshot_id: str, *, created: bool = False, progress: bool = False) -> str:
+    return f"{CREATED_MARK if created else PROGRESS_MARK if progress else ''}{run_id}/{snapshot_id}"
 
 
-def parse_notify_payload(payload: str) -> tuple[str, str, bool]:
-    """``(run_id, snapshot_id, created)`` of a notification."""
-    created = payload.startswith(CREATED_MARK)
-    run_id, _, snapshot_id = payload.removeprefix(CREATED_MARK).partition("/")
-    return run_id, snapshot_id, created
+def parse_notify_payload(payload: str) -> tuple[str, str, str]:
+    """``(run_id, snapshot_id, kind)`` of a notification, kind ``created``, ``progress`` or ``handshake``."""
+    kind = "handshake"
+    for mark, name in ((CREATED_MARK, "created"), (PROGRESS_MARK, "progress")):
+        if payload.startswith(mark):
+            kind, payload = name, payload.removeprefix(mark)
+            break
+    run_id, _, snapshot_id = payload.partition("/")
+    return run_id, snapshot_id, kind
 
 
 async def notify_created(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
@@ -54,11 +61,11 @@ async def notify_created(conn: AsyncConnection, run_id: str, snapshot_id: str) -
     await _notify(conn, run_id, [snapshot_id], created=True)
 
 
-async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, created: bool = False) -> None:
+async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, created: bool = False, progress: bool = False) -> None:
     if snapshot_ids:
         await conn.execute(
             text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
-            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s, created=created) for s in snapshot_ids]},
+            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s, created=created, progress=progress) for s in snapshot_ids]},
         )
 
 
@@ -139,6 +146,13 @@ class SnapshotRow:
     def awaiting(self) -> str | None:
         return awaiting(self.phase, self.outcome, cut_taken=self.cut_at is not None, captured=self.data_plane_ref is not None)
 
+    @property
+    def watch_token(self) -> str:
+        """What a trainer waits on changing (``GET ...?wait_s=&watch_token=``): the phase, the
+        outcome, the handshake awaited, and whether the pre-cut's keys can be fetched."""
+        pre_cut = 1 if (self.counts or {}).get("cut_pre_cut_keys") is not None else 0
+        return f"{self.phase}.{self.outcome or '-'}.{self.awaiting or '-'}.{pre_cut}"
+
     def public(self, *, with_manifest: bool = False) -> dict[str, Any]:
         d: dict[str, Any] = {
             "snapshot_id": self.snapshot_id,
@@ -150,6 +164,7 @@ class SnapshotRow:
             "reason": self.reason,
             "detail": self.detail,
             "awaiting": self.awaiting,
+            "watch_token": self.watch_token,
             "gym_checkpoint_id": self.gym_checkpoint_id,
             "snapshot_dir": self.snapshot_dir,
             "phase_timings": self.phase_timings,
@@ -266,7 +281,11 @@ async def move_in(
         else:
             sets.append(f"{k} = :{k}")
             params[k] = v
-    n = (await conn.execute(text(f"UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE}"), params)).rowcount
+    # The notification rides on the statement (no extra round trip): trainers waiting on the
+    # snapshot, on any replica, read it again at once.
+    params.update(ch=NOTIFY_CHANNEL, np=notify_payload(run_id, snapshot_id, progress=True))
+    sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1) SELECT pg_notify(:ch, :np) FROM u"
+    n = len((await conn.execute(text(sql), params)).all())
     if n != 1:
         raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {to}", fence)
 
@@ -724,6 +743,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         ).rowcount
         if done != 1:
             raise _PreCutVoid()
+        await _notify(conn, run_id, [snapshot_id], progress=True)  # a waiting trainer fetches the pre-cut's keys
         return int(n)
 
 
@@ -869,6 +889,7 @@ async def end(
         ).first()
         if r is None:
             raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {outcome}/{reason}", fence)
+        await _notify(conn, run_id, [snapshot_id])  # its waiting trainers, and an owner elsewhere
         if not (keep_gate and outcome is SnapshotOutcome.published):
             await _open_gate_of_run(conn, run_id, snapshot_id)
         if outcome is SnapshotOutcome.published:

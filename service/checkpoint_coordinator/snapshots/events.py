@@ -38,8 +38,8 @@ async def listen(engine: AsyncEngine, runner: SnapshotRunner, *, connected: asyn
                 if connected is not None:
                     connected.set()
                 async for note in conn.notifies():
-                    run_id, snapshot_id, created = parse_notify_payload(note.payload)
-                    runner.wake(run_id, snapshot_id, created=created)
+                    run_id, snapshot_id, kind = parse_notify_payload(note.payload)
+                    runner.wake(run_id, snapshot_id, created=kind == "created", progress=kind == "progress")
         except asyncio.CancelledError:
             raise
         except Exception as e:

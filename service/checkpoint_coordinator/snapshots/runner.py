@@ -18,6 +18,7 @@ from ..ledger.runs import get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
 from .pending import PendingSnapshot, SnapshotContext, outcome_of
+from .watch import SnapshotWatch
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class SnapshotRunner:
         # Set by an event naming a snapshot this replica does not drive yet (one requested on
         # another replica for a run whose lease is here): the recovery pass starts it at once.
         self.recovery_wanted = asyncio.Event()
+        # Trainers waiting on a snapshot's progress: woken by the same notifications.
+        self.watch = SnapshotWatch()
 
     def start(self, run_id: str, snapshot_id: str, epoch: int) -> PendingSnapshot:
         key = (run_id, snapshot_id)
@@ -58,7 +61,10 @@ class SnapshotRunner:
             if job is not None:
                 job.abort(reason)
 
-    def wake(self, run_id: str, snapshot_id: str, *, created: bool = False) -> None:
+    def wake(self, run_id: str, snapshot_id: str, *, created: bool = False, progress: bool = False) -> None:
+        self.watch.changed(run_id, snapshot_id)
+        if progress:
+            return  # the owner's own writes: news only to the waiting trainers
         job = self.jobs.get((run_id, snapshot_id))
         if job is not None:
             job.wake()
@@ -67,6 +73,7 @@ class SnapshotRunner:
 
     def wake_all(self) -> None:
         """Events may have been missed (the listener reconnected): everyone reads again."""
+        self.watch.changed_all()
         for job in list(self.jobs.values()):
             job.wake()
         self.recovery_wanted.set()
