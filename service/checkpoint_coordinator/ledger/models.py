@@ -360,11 +360,12 @@ class SnapshotChangedGroup(Base):
 
 
 class SnapshotCutKey(Base):
-    """The staging keys of a pending snapshot's cut while it is pending, one row per key with the
-    number of cut groups (and Gym manifest instances) that name it. Written by the pre-cut for
-    the groups it copied; the barrier then changes only the keys of the groups it copies again and
-    of the manifest, so its cost (and its answer, ``added``/``removed`` against the pre-cut's keys)
-    grows with what changed, not with the run. At the snapshot's end the keys move into
+    """The staging keys of a pending snapshot's cut groups while it is pending, one row per key
+    with the number of cut groups that name it (the Gym manifest's keys stay in the manifest and
+    are unioned in where the keys are read). Written by the pre-cut for the groups it copied; the
+    barrier then changes only the keys of the groups it copies again and looks the manifest's up,
+    so its cost (and its answer, ``added``/``removed`` against the pre-cut's keys) grows with what
+    changed, not with the run. At the snapshot's end the keys move into
     ``snapshots.cut_staging_keys`` (published) and these rows go."""
 
     __tablename__ = "snapshot_cut_keys"

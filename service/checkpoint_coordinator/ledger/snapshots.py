@@ -91,11 +91,15 @@ _BASE_COLS = (
 # The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
 # are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
 # manifest on request; decoding them on every status read was most of its cost.
-# A pending snapshot's cut keys are rows of ``snapshot_cut_keys`` (sorted by the key's index);
-# an ended one's are in ``cut_staging_keys``.
+# A pending snapshot's cut keys are its groups' keys, rows of ``snapshot_cut_keys``, and its Gym
+# manifest's; an ended one's are in ``cut_staging_keys``. Sorted by code point.
 _KEYS = (
-    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL THEN (SELECT COALESCE(array_agg(k.key ORDER BY k.key), '{}') "
-    "FROM snapshot_cut_keys k WHERE k.run_id = snapshots.run_id AND k.snapshot_id = snapshots.snapshot_id) END)"
+    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
+    "SELECT k.key AS k FROM snapshot_cut_keys k WHERE k.run_id = snapshots.run_id AND k.snapshot_id = snapshots.snapshot_id "
+    "UNION SELECT m.k COLLATE \"C\" FROM jsonb_each(CASE WHEN jsonb_typeof(snapshots.gym_manifest -> 'instances') = 'object' "
+    "THEN snapshots.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
+    "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS m(k)"
+    ") u) END)"
 )
 _KEYS_WHEN_AWAITING_CAPTURE = (
     f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
@@ -432,8 +436,8 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
 
     When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
     groups written since are copied again: those ``snapshot_changed_groups`` recorded as they
-    were written; their keys and the Gym manifest's are counted into the pre-cut's key rows, and
-    what that added and removed is recorded (``cut_keys_added``, ``cut_keys_removed``): the
+    were written; their keys are counted into the pre-cut's key rows, and what they and the Gym
+    manifest's keys added and removed is recorded (``cut_keys_added``, ``cut_keys_removed``): the
     barrier's work and its delta answer grow with what changed, not with the run. Otherwise the
     whole run is copied (one row per group, its siblings in an array) and its keys written.
     ``counts`` says which way it went (``cut_recopied_groups``). The run is locked FOR UPDATE: no
@@ -495,13 +499,11 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
                 for keys, n in await conn.execute(text(_cut_insert(only_named_groups=True) + " RETURNING staging_keys, cardinality(siblings)"), {**p, "g": changed}):
                     new_keys.extend(keys or ())
                     groups, siblings = groups + 1, siblings + (n or 0)
-            delta = (await conn.execute(text(_COUNT_KEYS_SQL), {**p, "old": old_keys, "new": new_keys})).one()
             extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
             r = (
                 await conn.execute(
-                    text(_FINISH_CUT_SQL.format(tot=_TOT_GIVEN, keys="cut_keys_added = :added, cut_keys_removed = :removed, ")),
-                    {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id, "g": groups, "n": siblings,
-                     "added": list(delta.added), "removed": list(delta.removed)},
+                    text(_DELTA_CUT_SQL),
+                    {**p, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id, "g": groups, "n": siblings},
                 )
             ).one()
         else:
@@ -511,18 +513,11 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
                 extra = {"cut_pre_cut_groups": base.pre_cut_groups}
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
-            await conn.execute(text(_INSERT_KEYS_SQL.format(manifest=f"UNION ALL SELECT k FROM ({_MANIFEST_KEYS}) m")), p)
-            r = (
-                await conn.execute(
-                    text(_FINISH_CUT_SQL.format(tot=_TOT_COUNTED, keys="cut_keys_added = NULL, cut_keys_removed = NULL, ")),
-                    {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id},
-                )
-            ).one()
+            await conn.execute(text(_INSERT_KEYS_SQL), p)
+            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id})).one()
         row = SnapshotRow(**dict(r._mapping))
         if full_keys:
-            row.cut_staging_keys = list(
-                (await conn.execute(text("SELECT COALESCE(array_agg(key ORDER BY key), '{}') FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = :s"), p)).scalar()
-            )
+            row.cut_staging_keys = list((await conn.execute(text(f"SELECT {_KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
         await _notify(conn, run_id, [snapshot_id])
         return row
 
@@ -635,45 +630,54 @@ _MANIFEST_KEYS = (
     "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
     "WHERE sn.run_id = :r AND sn.snapshot_id = :s"
 )
-# The key rows of a whole cut: every key of its groups (and ``{manifest}``), with how many name it.
+# The key rows of a whole cut: every key of its groups, with how many of them name it.
 # Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to
 # the index's rightmost pages instead of touching random ones (bench/README.md has the figures).
 _INSERT_KEYS_SQL = (
     "INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, y.k, y.n FROM ("
     "SELECT x.k COLLATE \"C\" AS k, count(*) AS n FROM ("
-    "SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s {manifest}"
+    "SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s"
     ") x GROUP BY x.k) y ORDER BY y.k"
 )
-# The barrier after a pre-cut: the keys of the groups copied again (``:new``) and of the Gym
-# manifest counted in, those of their pre-cut copies (``:old``) counted out; a key whose count
-# reaches zero goes. Answers what that added and removed, sorted by code point. Only the keys
-# that changed are touched (index lookups), never the whole cut. New keys are plain inserts, not
-# an upsert (a third of its cost): the run's lock keeps every other writer of these rows out.
-_COUNT_KEYS_SQL = (
+# The barrier after a pre-cut, one statement: the keys of the groups copied again (``:new``)
+# counted in, those of their pre-cut copies (``:old``) counted out (a key whose count reaches
+# zero goes); what that and the Gym manifest's keys added to and removed from the pre-cut's keys,
+# sorted by code point, is recorded with the cut. Only the changed keys are touched and the
+# manifest's looked up (index lookups), never the whole cut. New key rows are plain inserts, not
+# an upsert: the run's lock keeps every other writer of these rows out.
+_DELTA_CUT_SQL = (
     "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
-    f" SELECT k, 1 AS n FROM ({_MANIFEST_KEYS}) m"
-    " UNION ALL SELECT k, 1 FROM unnest(CAST(:new AS text[])) AS k"
+    " SELECT k, 1 AS n FROM unnest(CAST(:new AS text[])) AS k"
     " UNION ALL SELECT k, -1 FROM unnest(CAST(:old AS text[])) AS k) x GROUP BY x.k HAVING sum(x.n) <> 0), "
     "prev AS (SELECT chg.k COLLATE \"C\" AS k, chg.n, COALESCE(ck.refs, 0) AS before FROM chg LEFT JOIN snapshot_cut_keys ck "
     " ON ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = chg.k COLLATE \"C\"), "
     "up AS (INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, k, n FROM prev WHERE before = 0 AND n > 0 ORDER BY k), "
     "upd AS (UPDATE snapshot_cut_keys ck SET refs = prev.before + prev.n FROM prev "
     " WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before > 0 AND prev.before + prev.n > 0), "
-    "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0) "
-    "SELECT COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before <= 0 AND before + n > 0), '{}') AS added, "
-    "COALESCE(array_agg(k ORDER BY k) FILTER (WHERE before > 0 AND before + n <= 0), '{}') AS removed FROM prev"
+    "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0), "
+    f"man AS (SELECT DISTINCT m.k COLLATE \"C\" AS k FROM ({_MANIFEST_KEYS}) m), "
+    # Every statement part reads the key rows as they were before it: the pre-cut's.
+    "added AS (SELECT COALESCE(array_agg(a.k ORDER BY a.k), '{}') AS ks FROM (SELECT k FROM prev WHERE before <= 0 AND before + n > 0 "
+    " UNION SELECT man.k FROM man WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = man.k)) a), "
+    "removed AS (SELECT COALESCE(array_agg(d.k ORDER BY d.k), '{}') AS ks FROM prev d "
+    " WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM man WHERE man.k = d.k)), "
+    "tot AS (SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n) "
+    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
+    " cut_keys_added = (SELECT ks FROM added), cut_keys_removed = (SELECT ks FROM removed), "
+    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
+    " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed"
 )
 _TOT_COUNTED = (
     "(SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s)"
 )
-_TOT_GIVEN = "(SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n)"
-# The snapshot row at the barrier: cut, its counts (``{tot}``), the keys' delta (``{keys}``).
+# The snapshot row at a whole-run barrier: cut, and its counts.
 _FINISH_CUT_SQL = (
-    "WITH tot AS {tot} "
-    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, {keys}"
-    " counts = COALESCE(counts, '{{}}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
+    f"WITH tot AS {_TOT_COUNTED} "
+    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, cut_keys_added = NULL, cut_keys_removed = NULL, "
+    " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
     " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
-    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE.replace('{', '{{').replace('}', '}}')}, cut_keys_added, cut_keys_removed"
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed"
 )
 
 
@@ -723,7 +727,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
         # Its keys as rows (the barrier then counts only what changed) and its size, so that the
         # barrier's counts need no pass over the cut either.
-        keys = (await conn.execute(text(_INSERT_KEYS_SQL.format(manifest="")), {"r": run_id, "s": snapshot_id})).rowcount
+        keys = (await conn.execute(text(_INSERT_KEYS_SQL), {"r": run_id, "s": snapshot_id})).rowcount
         sibs = (
             await conn.execute(
                 text("SELECT COALESCE(sum(cardinality(siblings)), 0) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s"),
