@@ -50,9 +50,9 @@ DEFAULT_BATCH_SIZE = 1000
 # How long one long poll of a snapshot waits (the coordinator's bound is 20 s), and how much longer
 # its HTTP request may take than that.
 LONG_POLL_S = 10.0
+WAIT_MARGIN_S = 10.0
 # The phases in which Gym is still at work, so fetching the pre-cut's keys costs the park nothing.
 PRE_CUT_FETCH_PHASES = ("prepare", "commit")
-WAIT_MARGIN_S = 10.0
 #: Server caps, checked client-side only where splitting is impossible (stream ended).
 MAX_STREAM_RETURNED = 20_000
 
@@ -264,7 +264,9 @@ class Api:
         sees the barrier at once, not up to ``poll_interval`` late, and Gym is parked all that
         time), else a sleep of ``poll_interval`` and a read."""
         if snap.watch_token is not None:
-            return (yield from self.get_snapshot(snap.snapshot_id, wait_s=min(LONG_POLL_S, remaining), watch_token=snap.watch_token))
+            # The server takes 0 < wait_s: a sliver of time left still waits a millisecond.
+            wait = max(0.001, min(LONG_POLL_S, remaining))
+            return (yield from self.get_snapshot(snap.snapshot_id, wait_s=wait, watch_token=snap.watch_token))
         yield Sleep(min(poll_interval, remaining))
         return (yield from self.get_snapshot(snap.snapshot_id))
 

@@ -2,9 +2,11 @@
 answers only what changed since its pre-cut
 
 The pre-cut writes the keys of the groups it copied (``snapshot_cut_keys``, a count of the cut
-groups naming each); the barrier updates the keys of the groups it copies again and of the Gym
-manifest, and records what that added and removed against the pre-cut's keys (``cut_keys_added``,
-``cut_keys_removed``) for a trainer that fetched them before the barrier. At the snapshot's end the
+groups naming each); the barrier updates the keys of the groups it copies again (the Gym
+manifest's keys stay in the manifest and are looked up: changed after this revision, no schema
+change), and records
+what it added and removed against the pre-cut's keys (``cut_keys_added``, ``cut_keys_removed``)
+for a trainer that fetched them before the barrier. At the snapshot's end the
 keys move into ``snapshots.cut_staging_keys`` as before.
 
 Revision ID: 0007

@@ -323,8 +323,20 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
 
     from checkpoint_coordinator.snapshots import watch
 
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+
     monkeypatch.setattr(watch, "FALLBACK_S", 60.0)
     api = await _setup(client, admin, app, gyms)
+    # Gym's commit takes a second and the pre-cut starts half a second late: it ends inside the
+    # commit, and only its own notification can tell a waiting trainer.
+    gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "commit", "type": "delay", "seconds": 1.0})
+    pre_cut = ledger_snapshots.pre_cut
+
+    async def late_pre_cut(*args, **kwargs):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.5)
+        return await pre_cut(*args, **kwargs)
+
+    monkeypatch.setattr(ledger_snapshots, "pre_cut", late_pre_cut)
     trainer = Trainer(api, gyms, turns=8)
     await trainer.admit_and_dispatch([group_body("g0", 2)], "math/replica-0")
     await asyncio.sleep(0.12)
@@ -355,11 +367,16 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
     assert snap["outcome"] == "published", snap
     assert max(waits) < 10, waits
     assert any(t.startswith("data_plane.-.barrier.") for t in seen), seen
+    assert {"commit.-.-.0", "commit.-.-.1"} <= set(seen), seen  # the pre-cut's keys became fetchable while Gym committed
     # A wait on the document as it stands (nothing moves any more) answers it unchanged at the end.
     t = time.monotonic()
     same = await api.get(f"/snapshots/s1?wait_s=0.3&watch_token={quote(snap['watch_token'])}")
     assert same["watch_token"] == snap["watch_token"] and time.monotonic() - t >= 0.3
     assert app.state.snapshots.watch.waiting() == 0  # no waiter left registered
+    # The waits are timed under a route label of their own, apart from the plain reads.
+    exposed = (await client.get("/metrics")).text
+    assert 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}?wait_s"' in exposed
+    assert 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}"' in exposed
 
 
 @pytest.mark.parametrize(

@@ -308,3 +308,33 @@ async def test_a_snapshot_that_does_not_publish_leaves_no_key_rows(engine: Any) 
     assert (await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'"))[0][0] > 0
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
     assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]
+
+
+async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not_removed(engine: Any) -> None:
+    await _quiet_groups(engine)
+    async with engine.begin() as conn:
+        await _add_group(conn, "h3", keys=["model/x", "tq/h3"])  # model/x is in the Gym manifest too
+    await _committing(engine, "p")
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 13  # g1, g2, q00-q09, h3
+    _, base = await repo.cut_keys(engine, RUN, "p")
+    assert {"model/x", "tq/a"} <= set(base)  # h3's and g1's, both in the manifest too
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM prompt_groups WHERE run_id = :r AND group_id = 'h3'"), {"r": RUN})
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert row.cut_keys_removed == ["tq/h3"]  # model/x left its group, the manifest keeps it
+    assert row.cut_keys_added == []  # the manifest names nothing the pre-cut did not hold
+    _, full = await repo.cut_keys(engine, RUN, "p")
+    assert full == _merged(base, row.cut_keys_added, row.cut_keys_removed) and "model/x" in full
+
+
+async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) -> None:
+    await _committing(engine, "p")
+    fence = await owner_fence(engine)
+    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    await _to_data_plane(engine, "p")
+    assert (await repo.take_cut(engine, RUN, "p")).cut_staging_keys
+    await repo.end(engine, RUN, "p", "failed", "data_plane_failed", fence=fence, expected=SnapshotPhase.data_plane)
+    assert await repo.cut_keys(engine, RUN, "p") == ("cut", [])
+    async with engine.connect() as conn:
+        assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == []

@@ -9,6 +9,7 @@ from pydantic import Field, StrictBool, model_validator
 
 from ..errors import BadRequest
 from ..ledger import snapshots as repo
+from ..observability.http import LONG_POLL_SCOPE_KEY
 from ..snapshots import service as snapshot_service
 from ..snapshots.watch import MAX_WAIT_S
 from .auth import Caller, require_run_access
@@ -125,6 +126,7 @@ async def get_snapshot(
     if wait_s is None:
         row = await read()
     else:
+        request.scope[LONG_POLL_SCOPE_KEY] = True  # its latency is the wait: a route label of its own
         row = await request.app.state.snapshots.watch.until(caller.run_id, snapshot_id, read, lambda r: r.watch_token != watch_token, wait_s)
     return row.public(with_manifest=manifest)
 

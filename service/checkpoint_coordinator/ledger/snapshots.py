@@ -92,9 +92,10 @@ _BASE_COLS = (
 # are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
 # manifest on request; decoding them on every status read was most of its cost.
 # A pending snapshot's cut keys are its groups' keys, rows of ``snapshot_cut_keys``, and its Gym
-# manifest's; an ended one's are in ``cut_staging_keys``. Sorted by code point.
+# manifest's; a published one's are in ``cut_staging_keys``; one that ended otherwise has none.
+# Sorted by code point.
 _KEYS = (
-    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
+    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL AND outcome IS NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
     "SELECT k.key AS k FROM snapshot_cut_keys k WHERE k.run_id = snapshots.run_id AND k.snapshot_id = snapshots.snapshot_id "
     "UNION SELECT m.k COLLATE \"C\" FROM jsonb_each(CASE WHEN jsonb_typeof(snapshots.gym_manifest -> 'instances') = 'object' "
     "THEN snapshots.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "

@@ -77,6 +77,12 @@ def _match_routes(routes: Iterable[Any], scope: Scope, prefix: str) -> str | Non
     return partial
 
 
+# Set in the request's scope by a handler that waited on purpose (a long poll): its time is the
+# wait asked for, so it is recorded under its own route label, apart from the route's answers.
+LONG_POLL_SCOPE_KEY = "ckptc.long_poll"
+LONG_POLL_SUFFIX = "?wait_s"
+
+
 class HttpMetricsMiddleware:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer streaming bodies)."""
 
@@ -108,6 +114,8 @@ class HttpMetricsMiddleware:
             elapsed = time.perf_counter() - start
             try:
                 route = self._route_template(scope, original_scope)
+                if scope.get(LONG_POLL_SCOPE_KEY):
+                    route += LONG_POLL_SUFFIX
                 metrics.observe_http_request(route, scope.get("method", "GET"), status_code, elapsed)
                 if self.readiness_path is not None and route == self.readiness_path:
                     metrics.set_ready(200 <= status_code < 300)
