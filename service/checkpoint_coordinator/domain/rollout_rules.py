@@ -167,6 +167,17 @@ class ChangePlan:
             self.retires.append(a)
         self.set_attempt(a, **changes)
 
+    def unmint(self, a: AttemptRow) -> bool:
+        """Drop an attempt this plan minted and has not written: a cohort replaced later in the
+        same report supersedes it, and it must never have existed (two current attempts of one
+        sibling otherwise)."""
+        for k, row in enumerate(self.new_attempts):
+            if row["rollout_id"] == a.rollout_id:
+                del self.new_attempts[k]
+                self.transitions[A.reserved.value] -= 1
+                return True
+        return False
+
     def mint(self, group_id: str, generation_index: int, group_attempt: int) -> dict[str, Any]:
         row = {
             "group_id": group_id,
@@ -188,12 +199,11 @@ class ChangePlan:
 class GroupState:
     """One locked group and its current attempts while a report decides its fate."""
 
-    __slots__ = ("g", "current", "minted")
+    __slots__ = ("g", "current")
 
     def __init__(self, g: GroupRow, current: Iterable[AttemptRow]) -> None:
         self.g = g
         self.current = {a.generation_index: a for a in current}
-        self.minted: list[dict[str, Any]] = []
 
     @property
     def granularity(self) -> str:
@@ -210,9 +220,13 @@ class GroupState:
         return {"group_id": g.group_id, "status": g.status, "group_attempt": g.group_attempt, "rows_to_send": send}
 
 
+# The attempt id of an attempt a plan minted and has not written yet.
+MINTED_ID = -1
+
+
 def _minted_view(row: dict[str, Any]) -> AttemptRow:
     return AttemptRow(
-        attempt_id=-1, group_id=row["group_id"], generation_index=row["generation_index"], rollout_id=row["rollout_id"],
+        attempt_id=MINTED_ID, group_id=row["group_id"], generation_index=row["generation_index"], rollout_id=row["rollout_id"],
         gym_instance_id=None, gym_attempt=0, group_attempt=row["group_attempt"], status=A.reserved.value, is_current=True,
         refusals=0, receipt=None, reward=None, mask_sample=None, staging_keys=None, gym_owned=False, dispatch_id=None,
         retirement=RetirementState.none.value,
@@ -227,6 +241,8 @@ def replace_cohort(plan: ChangePlan, st: GroupState, budgets: Budgets, *, data: 
     """End the group's current cohort; mint a fresh one under group_attempt + 1, or abandon the
     group when its budget (data failures, or group attempts) is spent."""
     for a in list(st.current.values()):
+        if a.attempt_id == MINTED_ID and plan.unmint(a):
+            continue  # a sibling replaced earlier in this report: its replacement goes with the cohort
         if a.status in LIVE_ATTEMPT_STATUSES:
             plan.end_attempt(a, A.abandoned.value)
         else:
@@ -248,7 +264,6 @@ def replace_cohort(plan: ChangePlan, st: GroupState, budgets: Budgets, *, data: 
     for i in range(g.expected_generations):
         row = plan.mint(g.group_id, i, g.group_attempt)
         plan.row_attempts[(g.group_id, i)] = 0
-        st.minted.append(row)
         st.current[i] = _minted_view(row)
 
 
@@ -267,7 +282,6 @@ def transport_failure(plan: ChangePlan, st: GroupState, a: AttemptRow, budgets: 
         return
     plan.row_attempts[(a.group_id, a.generation_index)] = used
     row = plan.mint(a.group_id, a.generation_index, st.g.group_attempt)
-    st.minted.append(row)
     view = _minted_view(row)
     view.row_attempts_used = used
     st.current[a.generation_index] = view
