@@ -135,8 +135,8 @@ def send_row(a: AttemptRow, level: str, instance_id: str | None = None) -> dict[
 class ChangePlan:
     """The writes one report decides, collected row by row and applied by ``ledger/`` at once.
 
-    ``status_updates``: attempt id -> changed columns; ``new_attempts``: attempts to mint
-    (group, sibling, rollout id, group attempt); ``retires``: attempts to retire on Gym (section
+    ``status_updates``: attempt id -> changed columns; ``new_attempts``: rollout id -> attempt to
+    mint (group, sibling, rollout id, group attempt); ``retires``: attempts to retire on Gym (section
     7); ``group_updates``: group id -> changed columns; ``row_attempts``: sibling -> row
     attempts used; ``transitions``: target state -> count, for metrics."""
 
@@ -145,7 +145,7 @@ class ChangePlan:
     def __init__(self, mint_id: Mint) -> None:
         self.mint_id = mint_id
         self.status_updates: dict[int, dict[str, Any]] = {}
-        self.new_attempts: list[dict[str, Any]] = []
+        self.new_attempts: dict[str, dict[str, Any]] = {}  # by rollout id, in minting order
         self.retires: list[AttemptRow] = []
         self.group_updates: dict[str, dict[str, Any]] = {}
         self.row_attempts: dict[tuple[str, int], int] = {}
@@ -171,12 +171,10 @@ class ChangePlan:
         """Drop an attempt this plan minted and has not written: a cohort replaced later in the
         same report supersedes it, and it must never have existed (two current attempts of one
         sibling otherwise)."""
-        for k, row in enumerate(self.new_attempts):
-            if row["rollout_id"] == a.rollout_id:
-                del self.new_attempts[k]
-                self.transitions[A.reserved.value] -= 1
-                return True
-        return False
+        if self.new_attempts.pop(a.rollout_id, None) is None:
+            return False
+        self.transitions[A.reserved.value] -= 1
+        return True
 
     def mint(self, group_id: str, generation_index: int, group_attempt: int) -> dict[str, Any]:
         row = {
@@ -185,7 +183,7 @@ class ChangePlan:
             "rollout_id": self.mint_id(group_id, generation_index),
             "group_attempt": group_attempt,
         }
-        self.new_attempts.append(row)
+        self.new_attempts[row["rollout_id"]] = row
         self.transitions[A.reserved.value] += 1
         return row
 

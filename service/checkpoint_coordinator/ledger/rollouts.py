@@ -122,16 +122,17 @@ async def apply_plan(conn: AsyncConnection, run_id: str, plan: ChangePlan) -> No
     """Write what ``plan`` names, set-based, and count its transitions."""
     await _apply_attempt_updates(conn, plan)
     if plan.new_attempts:
+        new = plan.new_attempts.values()
         await _execute(
             conn,
             "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
             "SELECT %(r)s, g, i, ro, ga FROM unnest(%(g)s::text[], %(i)s::int[], %(ro)s::text[], %(ga)s::int[]) AS t(g, i, ro, ga)",
             {
                 "r": run_id,
-                "g": [x["group_id"] for x in plan.new_attempts],
-                "i": [x["generation_index"] for x in plan.new_attempts],
-                "ro": [x["rollout_id"] for x in plan.new_attempts],
-                "ga": [x["group_attempt"] for x in plan.new_attempts],
+                "g": [x["group_id"] for x in new],
+                "i": [x["generation_index"] for x in new],
+                "ro": [x["rollout_id"] for x in new],
+                "ga": [x["group_attempt"] for x in new],
             },
         )
     if plan.row_attempts:
