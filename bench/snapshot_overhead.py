@@ -60,6 +60,7 @@ from typing import Any
 
 import httpx
 import psutil
+from ckpt_client._api import PRE_CUT_FETCH_PHASES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import Coordinator, Postgres, free_port, mib  # noqa: E402
@@ -437,7 +438,7 @@ async def drive_snapshot(
         while True:
             if s["outcome"] is not None:
                 break
-            if delta and base is None and s["phase"] in ("prepare", "commit") and s["counts"].get("cut_pre_cut_keys") is not None:
+            if delta and base is None and s["phase"] in PRE_CUT_FETCH_PHASES and s["counts"].get("cut_pre_cut_keys") is not None:
                 # As the client does: the pre-cut's keys while Gym commits, the barrier's delta later.
                 t = time.monotonic()
                 k = (await c.get(f"/snapshots/{sid}/staging-keys")).json()

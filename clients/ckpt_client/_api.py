@@ -254,9 +254,11 @@ class Api:
         """The snapshot document; with ``wait_s`` and ``watch_token`` (the last document's), answered
         as soon as the snapshot moves on from it, at most after ``wait_s``."""
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}")
-        if wait_s is None or watch_token is None:
-            return Snapshot.parse((yield from self._call(RequestSpec("GET", path))))
-        spec = RequestSpec("GET", path, params={"wait_s": f"{wait_s:.3f}", "watch_token": watch_token}, timeout=wait_s + WAIT_MARGIN_S)
+        spec = (
+            RequestSpec("GET", path)
+            if wait_s is None or watch_token is None
+            else RequestSpec("GET", path, params={"wait_s": f"{wait_s:.3f}", "watch_token": watch_token}, timeout=wait_s + WAIT_MARGIN_S)
+        )
         return Snapshot.parse((yield from self._call(spec)))
 
     def _next_snapshot(self, snap: Snapshot, poll_interval: float, remaining: float) -> Flow[Snapshot]:

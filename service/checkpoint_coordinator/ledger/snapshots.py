@@ -91,15 +91,22 @@ _BASE_COLS = (
 # The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
 # are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
 # manifest on request; decoding them on every status read was most of its cost.
+def _manifest_key_rows(manifest: str) -> str:
+    """FROM items yielding ``k``, one row per (instance, staging key) of the Gym manifest ``manifest``."""
+    return (
+        f"jsonb_each(CASE WHEN jsonb_typeof({manifest} -> 'instances') = 'object' THEN {manifest} -> 'instances' ELSE '{{}}'::jsonb END) "
+        "AS i(iid, inst), "
+        "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k"
+    )
+
+
 # A pending snapshot's cut keys are its groups' keys, rows of ``snapshot_cut_keys``, and its Gym
 # manifest's; a published one's are in ``cut_staging_keys``; one that ended otherwise has none.
 # Sorted by code point.
 _KEYS = (
     "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL AND outcome IS NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
-    "SELECT k.key AS k FROM snapshot_cut_keys k WHERE k.run_id = snapshots.run_id AND k.snapshot_id = snapshots.snapshot_id "
-    "UNION SELECT m.k COLLATE \"C\" FROM jsonb_each(CASE WHEN jsonb_typeof(snapshots.gym_manifest -> 'instances') = 'object' "
-    "THEN snapshots.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
-    "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS m(k)"
+    "SELECT ck.key AS k FROM snapshot_cut_keys ck WHERE ck.run_id = snapshots.run_id AND ck.snapshot_id = snapshots.snapshot_id "
+    f"UNION SELECT k COLLATE \"C\" FROM {_manifest_key_rows('snapshots.gym_manifest')}"
     ") u) END)"
 )
 _KEYS_WHEN_AWAITING_CAPTURE = (
@@ -625,12 +632,7 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
 
 
 # The staging keys of the Gym manifest, one row per (instance, key).
-_MANIFEST_KEYS = (
-    "SELECT k FROM snapshots sn, jsonb_each(CASE WHEN jsonb_typeof(sn.gym_manifest -> 'instances') = 'object' "
-    "THEN sn.gym_manifest -> 'instances' ELSE '{}'::jsonb END) AS i(iid, inst), "
-    "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k "
-    "WHERE sn.run_id = :r AND sn.snapshot_id = :s"
-)
+_MANIFEST_KEYS = f"SELECT k FROM snapshots sn, {_manifest_key_rows('sn.gym_manifest')} WHERE sn.run_id = :r AND sn.snapshot_id = :s"
 # The key rows of a whole cut: every key of its groups, with how many of them name it.
 # Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to
 # the index's rightmost pages instead of touching random ones (bench/README.md has the figures).
