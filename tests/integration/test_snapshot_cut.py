@@ -262,3 +262,47 @@ async def test_an_end_by_a_replica_that_lost_the_lease_is_refused(engine: Any) -
     async with engine.connect() as conn:
         row = await repo.get(conn, RUN, "s1")
     assert (row.phase, row.outcome) == ("data_plane", None)
+
+
+async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fenced(engine: Any) -> None:
+    """Moves into ``UNFLUSHED_MOVES`` commit asynchronously (the owner does not wait for the log
+    flush), every other move flushes; both are visible at once and both are fenced."""
+    from sqlalchemy import event
+
+    from checkpoint_coordinator.domain.snapshot_state import UNFLUSHED_MOVES
+
+    P = SnapshotPhase
+    # Recovery resumes Gym and aborts alike from each of them; prepare carries the checkpoint id.
+    assert P.prepare not in UNFLUSHED_MOVES and P.resume not in UNFLUSHED_MOVES
+    assert all(p.gym_touched for p in UNFLUSHED_MOVES)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, 's1', 0, 'retire', 'test')"), {"r": RUN}
+        )
+    fence = await owner_fence(engine)
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "UPDATE snapshots SET phase" in statement:
+            sent.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", record)
+    try:
+        for expected, to in ((P.retire, P.prepare), (P.prepare, P.commit), (P.commit, P.drain), (P.drain, P.data_plane), (P.data_plane, P.resume)):
+            await repo.move(engine, RUN, "s1", fence, expected, to)
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", record)
+    assert ["synchronous_commit" in s for s in sent] == [False, True, True, True, False]
+    async with engine.begin() as conn:  # the setting is the transaction's only
+        await repo.move_in(conn, RUN, "s1", fence, P.resume, P.publish, flush=False)
+        assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "off"
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
+        assert (await repo.get(conn, RUN, "s1")).phase == "publish"
+    async with engine.begin() as conn:  # another replica took the run over
+        await conn.execute(text("UPDATE ownership_leases SET owner = 'other', epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})
+        await conn.execute(text("UPDATE snapshots SET phase = 'commit' WHERE run_id = :r"), {"r": RUN})
+    with pytest.raises(leases.Fenced):
+        await repo.move(engine, RUN, "s1", fence, P.commit, P.drain)
+    async with engine.connect() as conn:
+        assert (await repo.get(conn, RUN, "s1")).phase == "commit"

@@ -338,3 +338,28 @@ async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) 
     assert await repo.cut_keys(engine, RUN, "p") == ("cut", [])
     async with engine.connect() as conn:
         assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == []
+
+
+async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any) -> None:
+    """Its commit is asynchronous (the barrier's flushed commit comes later and flushes it); the
+    setting stays inside its transaction."""
+    from sqlalchemy import event
+
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    sent: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        sent.append(statement)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", record)
+    try:
+        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", record)
+    lazy = [i for i, s in enumerate(sent) if "synchronous_commit = off" in s]
+    copy = [i for i, s in enumerate(sent) if s.startswith("INSERT INTO snapshot_cut_groups")]
+    assert len(lazy) == 1 and len(copy) == 1 and lazy[0] < copy[0]
+    async with engine.connect() as conn:
+        assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
+    assert await _stored(engine, "p") == 12

@@ -117,6 +117,16 @@ _GYM_PHASES = frozenset(
     }
 )
 
+# Moves into these phases need not reach the disk before the owner goes on (PostgreSQL's
+# asynchronous commit: visible to every session at once, flushed within ``wal_writer_delay``).
+# Recovery treats a row in any of them as one in ``prepare`` (Gym resumed, snapshot aborted), so
+# a database crash that loses such a move loses nothing recovery needs; the checkpoint id comes
+# with the move to ``prepare``, which is flushed, and every later flushed write (the barrier's
+# cut, ``resume``) flushes them before it. Flushing them made the owner wait for the pre-cut's
+# log writes while Gym stood parked.
+UNFLUSHED_MOVES = frozenset({SnapshotPhase.commit, SnapshotPhase.drain, SnapshotPhase.data_plane})
+
+
 class SnapshotTiming(_StrEnum):
     """The durations a snapshot records (``phase_timings`` and ``ckptc_snapshot_phase_seconds{phase}``):
     phases, plus ``total`` and ``gym_parked`` (first prepare sent until resume answered), which

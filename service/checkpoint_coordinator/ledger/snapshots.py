@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..domain.snapshot_state import AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
+from ..domain.snapshot_state import UNFLUSHED_MOVES, AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
 from ..errors import Conflict, NotFound, RunStopped
 from .db import JsonText, dump_json, read_rows
 from .leases import Fence, Fenced, fence_sql
@@ -275,10 +275,11 @@ _MOVE_FIELDS = _JSON_FIELDS | {"gym_checkpoint_id", "snapshot_dir"}
 
 
 async def move_in(
-    conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any
+    conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, *, flush: bool = True, **fields: Any
 ) -> None:
     """Move the snapshot ``expected -> to`` (with ``fields``) in one fenced statement, in the
-    caller's transaction; :class:`Fenced` when it matched no row."""
+    caller's transaction; :class:`Fenced` when it matched no row. ``flush=False`` makes the
+    transaction's commit asynchronous (``UNFLUSHED_MOVES``)."""
     sets = ["phase = :to"]
     params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "to": to.value, "expected": expected.value, **fence.params()}
     for k, v in fields.items():
@@ -296,7 +297,8 @@ async def move_in(
     # The notification rides on the statement (no extra round trip): trainers waiting on the
     # snapshot, on any replica, read it again at once.
     params.update(ch=NOTIFY_CHANNEL, np=notify_payload(run_id, snapshot_id, progress=True))
-    sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1) SELECT pg_notify(:ch, :np) FROM u"
+    lazy = "" if flush else ", set_config('synchronous_commit', 'off', true)"
+    sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1) SELECT pg_notify(:ch, :np){lazy} FROM u"
     n = len((await conn.execute(text(sql), params)).all())
     if n != 1:
         raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {to}", fence)
@@ -304,7 +306,7 @@ async def move_in(
 
 async def move(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any) -> None:
     async with engine.begin() as conn:
-        await move_in(conn, run_id, snapshot_id, fence, expected, to, **fields)
+        await move_in(conn, run_id, snapshot_id, fence, expected, to, flush=to not in UNFLUSHED_MOVES, **fields)
 
 
 async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase) -> None:
@@ -720,6 +722,10 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         ).first()
         if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == P.data_plane:
             return None
+        # Not flushed at its commit: nothing reads it before the barrier, whose flushed commit
+        # comes later in the log and so flushes this one too. A database crash that loses it
+        # leaves no ``cut_base_xid``: the barrier then copies the whole run.
+        await conn.execute(text("SET LOCAL synchronous_commit = off"))
         # Taken before the copy's own statement snapshot: anything the copy saw that this base
         # does not is counted as changed at the barrier, never the other way round.
         base = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar()
