@@ -165,6 +165,23 @@ def _trace_spans(trace_file: str) -> None:
         setattr(GymSave, fn, timed(f"gym.{fn}", getattr(GymSave, fn)))
     OutboxDeliverer.deliver_run = timed("outbox.deliver_run", OutboxDeliverer.deliver_run)  # type: ignore[method-assign]
 
+    # The coordinator's own CPU steps inside Gym's commit (while no call may be in flight).
+    from checkpoint_coordinator.gym import commit as gym_commit
+
+    def timed_sync(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                span(name, start, at_least_s=0.001)
+        return wrapper
+
+    gym_commit.validate_commit = timed_sync("gym.validate_commit", gym_commit.validate_commit)
+    gym_commit._Fanout.body = timed_sync("gym.commit_body", gym_commit._Fanout.body)  # type: ignore[method-assign]
+    GymSave.build_manifest = timed_sync("gym.build_manifest", GymSave.build_manifest)  # type: ignore[method-assign]
+
     # Every SQL statement of 2 ms or more, named by its first words: what a ledger call spends.
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
