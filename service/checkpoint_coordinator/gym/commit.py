@@ -20,6 +20,7 @@ from .context import Control, catch
 from .commit_check import validate_commit
 from .errors import GymControlError, ServerFailure, parts_summary, sample
 from .files import make_dirs
+from .manifest import encode_instance_entry
 from .models import CommitReply, Episode, InstanceTopology, Participant, StatusReply, Topology
 from .results import CommitResult, InstanceCommit
 
@@ -51,14 +52,33 @@ async def commit(
     # Participants write into the directory; creating it is the coordinator's job.
     await asyncio.to_thread(make_dirs, dirs.values())
     fan = _Fanout(ctl, checkpoint_id, deadline, dirs, topology, scope_of, stop)
-    await fan.send(range(len(fan.pairs)))
+
+    def validate(iid: str) -> InstanceCommit | dict[str, ServerFailure]:
+        replies, sent = fan.of_instance(iid)
+        return validate_commit(checkpoint_id, topology[iid], dirs[iid], scope_of[iid], restarts_of[iid], replies, sent)
+
+    async def first_round(iid: str) -> InstanceCommit | dict[str, ServerFailure] | None:
+        # Each instance on its own: its body is encoded while the first instances' calls are on
+        # the wire, and it is validated while the slower instances still commit. An instance
+        # with a refusal waits for the second tries below.
+        await fan.send([i for i, (pid, _, _) in enumerate(fan.pairs) if pid == iid])
+        replies, _ = fan.of_instance(iid)
+        if any(isinstance(r, CallFailed) for r in replies.values()):
+            return None
+        outcome = validate(iid)
+        if isinstance(outcome, InstanceCommit):
+            outcome = replace(outcome, manifest_entry=encode_instance_entry(outcome))
+        return outcome
+
+    early = dict(zip(topology, await asyncio.gather(*(first_round(iid) for iid in topology))))
     stop_refused = await _retry_without_stop(fan) if stop else {}
     await _recommit_grown_restarts(ctl, fan, scope_of, restarts_of)
     results: dict[str, InstanceCommit] = {}
     parts: dict[str, dict[str, ServerFailure]] = {}
-    for iid, inst in topology.items():
-        replies, sent = fan.of_instance(iid)
-        outcome = validate_commit(checkpoint_id, inst, dirs[iid], scope_of[iid], restarts_of[iid], replies, sent)
+    for iid in topology:
+        outcome = early[iid]
+        if outcome is None:
+            outcome = validate(iid)
         if isinstance(outcome, InstanceCommit):
             if stop:
                 outcome = replace(outcome, stop_supported=iid not in stop_refused)

@@ -10,32 +10,41 @@ from collections.abc import Mapping
 from typing import Any
 
 from .files import write_file_atomically
-from .results import CommitResult
+from .results import CommitResult, InstanceCommit
 
-__all__ = ["GYM_MANIFEST_FILENAME", "GYM_MANIFEST_VERSION", "build_gym_manifest", "encode_gym_manifest", "write_gym_manifest"]
+__all__ = [
+    "GYM_MANIFEST_FILENAME",
+    "GYM_MANIFEST_VERSION",
+    "build_gym_manifest",
+    "encode_gym_manifest",
+    "encode_gym_manifest_of",
+    "encode_instance_entry",
+    "write_gym_manifest",
+]
 
 GYM_MANIFEST_VERSION = 2
 GYM_MANIFEST_FILENAME = "gym_checkpoint.json"
 
 
-def build_gym_manifest(checkpoint_id: str, commit: CommitResult) -> dict[str, Any]:
-    """Plain-dict manifest with every list sorted and keys in sorted order.
+def instance_entry(ic: InstanceCommit) -> dict[str, Any]:
+    """One instance's entry of the manifest.
 
     ``participants`` are the servers that committed the instance, which a restore requires
     to be live again; ``staging_keys`` are those of the exported episodes only.
     """
-    instances: dict[str, Any] = {}
-    for iid in sorted(commit.instances):
-        ic = commit.instances[iid]
-        instances[iid] = {
-            "episodes": [ep.to_wire() for ep in sorted(ic.episodes)],
-            "participants": sorted(ic.participants),
-            "restarts": [ep.to_wire() for ep in sorted(ic.restarts)],
-            "staging_keys": sorted(ic.staging_keys),
-        }
+    return {
+        "episodes": [ep.to_wire() for ep in sorted(ic.episodes)],
+        "participants": sorted(ic.participants),
+        "restarts": [ep.to_wire() for ep in sorted(ic.restarts)],
+        "staging_keys": sorted(ic.staging_keys),
+    }
+
+
+def build_gym_manifest(checkpoint_id: str, commit: CommitResult) -> dict[str, Any]:
+    """Plain-dict manifest with every list sorted and keys in sorted order."""
     return {
         "checkpoint_id": checkpoint_id,
-        "instances": instances,
+        "instances": {iid: instance_entry(commit.instances[iid]) for iid in sorted(commit.instances)},
         "schema_version": GYM_MANIFEST_VERSION,
     }
 
@@ -44,6 +53,25 @@ def encode_gym_manifest(manifest: Mapping[str, Any]) -> str:
     """The manifest's one text form: compact, sorted keys (the file's content, and what the
     ledger stores, so a big manifest is encoded once per snapshot)."""
     return json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def encode_instance_entry(ic: InstanceCommit) -> str:
+    """``instance_entry`` in the manifest's text form: what the commit encodes for an instance
+    as soon as it is validated, while other instances still commit."""
+    return encode_gym_manifest(instance_entry(ic))
+
+
+def encode_gym_manifest_of(checkpoint_id: str, commit: CommitResult) -> str:
+    """``encode_gym_manifest(build_gym_manifest(...))``, the same text, joined from the
+    instances' encoded entries (``InstanceCommit.manifest_entry``, encoded here when empty)."""
+    entries = ",".join(
+        encode_gym_manifest(iid) + ":" + (commit.instances[iid].manifest_entry or encode_instance_entry(commit.instances[iid]))
+        for iid in sorted(commit.instances)
+    )
+    return (
+        '{"checkpoint_id":' + encode_gym_manifest(checkpoint_id) + ',"instances":{' + entries + '},"schema_version":'
+        + encode_gym_manifest(GYM_MANIFEST_VERSION) + "}"
+    )
 
 
 def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any], *, encoded: str | None = None) -> str:

@@ -73,6 +73,9 @@ class InstanceCommit:
     stranded: int = 0
     # Whether every participant took the commit's ``stop``; None when no stop was asked for.
     stop_supported: bool | None = None
+    # This instance's entry of the Gym manifest in its text form (``manifest.encode_instance_entry``),
+    # encoded by the commit once the instance is validated; empty when not encoded yet.
+    manifest_entry: str = ""
 
     @property
     def exported_outside_scope(self) -> int:

@@ -20,7 +20,7 @@ from typing import Any
 from .client import GymControlClient, Topology
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
 from .lease import LeaseRenewer
-from .manifest import build_gym_manifest, encode_gym_manifest, write_gym_manifest
+from .manifest import build_gym_manifest, encode_gym_manifest_of, write_gym_manifest
 from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
 from .results import CommitResult, ResumeReport, SaveResult
@@ -148,11 +148,15 @@ class GymSave:
         self._renewer.check()
         self._lap("renew")
 
+    def offer_candidates(self, candidates: Mapping[str, Iterable[Episode]]) -> None:
+        """Replace the constructor's candidates (the caller's query may answer while prepare is
+        in flight: they are checked and sorted then, not while Gym waits for its commit)."""
+        self.candidates = self._checked(candidates)
+
     async def commit(self, candidates: Mapping[str, Iterable[Episode]] | None = None) -> CommitResult:
-        """Commit every instance; ``candidates`` (when given) replace the constructor's: the
-        caller's candidate query may run while prepare is in flight."""
+        """Commit every instance; ``candidates`` (when given) replace the offered ones."""
         if candidates is not None:
-            self.candidates = self._checked(candidates)
+            self.offer_candidates(candidates)
         scopes: dict[str, list[Episode]] = {}
         restarted: dict[str, list[Episode]] = {}
         for iid in self.topology:
@@ -205,24 +209,31 @@ class GymSave:
 
     async def manifest(self) -> dict[str, Any]:
         """The Gym manifest of the commit (written beside the snapshot when asked to)."""
-        manifest = self.build_manifest()
+        self.build_manifest()
         await self.write_manifest_file_now()
-        return manifest
-
-    def build_manifest(self) -> dict[str, Any]:
-        """The Gym manifest of the commit; ``manifest_json`` is its text form."""
-        assert self.commit_result is not None
-        self._manifest = build_gym_manifest(self.checkpoint_id, self.commit_result)
-        self.manifest_json = encode_gym_manifest(self._manifest)
-        self._lap("manifest")
+        assert self._manifest is not None
         return self._manifest
 
+    def build_manifest(self) -> None:
+        """The Gym manifest of the commit in its text form, ``manifest_json`` (the plain dict
+        comes with ``write_manifest_file_now``)."""
+        assert self.commit_result is not None
+        self.manifest_json = encode_gym_manifest_of(self.checkpoint_id, self.commit_result)
+        self._lap("manifest")
+
     async def write_manifest_file_now(self) -> None:
-        """Write the manifest file beside the snapshot (when asked to), from ``manifest_json``.
-        The caller may run it beside other work; it must end before the cut."""
-        assert self._manifest is not None
-        if self.write_manifest_file:
-            await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, self._manifest, encoded=self.manifest_json)
+        """Build the manifest's plain dict and write the file beside the snapshot (when asked
+        to), from ``manifest_json``, in a thread. The caller may run it beside other work; it
+        must end before the cut."""
+        assert self.commit_result is not None and self.manifest_json
+        commit = self.commit_result
+
+        def work() -> None:
+            self._manifest = build_gym_manifest(self.checkpoint_id, commit)
+            if self.write_manifest_file:
+                write_gym_manifest(self.snapshot_dir, self._manifest, encoded=self.manifest_json)
+
+        await asyncio.to_thread(work)
 
     async def within_lease(self, aw: Awaitable[Any]) -> Any:
         """Await ``aw`` unless a Gym lease is lost first; then cancel it and raise the loss."""

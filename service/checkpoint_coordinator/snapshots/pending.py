@@ -37,7 +37,7 @@ from ..domain.snapshot_state import (
     reason_for_gym_failure,
 )
 from ..gym.errors import GymControlError
-from ..gym.models import Episode
+from ..gym.models import Episode, Topology
 from ..gym.save import GymSave
 from ..gym.timings import SlowestCalls, recording
 from ..gym_runtime import GymClients, load_topology
@@ -143,7 +143,7 @@ class PendingSnapshot:
         self._wake = asyncio.Event()
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
-        self._candidates: asyncio.Task[dict[str, list[tuple[str, int]]]] | None = None
+        self._candidates: asyncio.Task[dict[str, Any]] | None = None
         self._started = time.monotonic()
         self._config: dict[str, Any] = {}
         self.stop = False
@@ -239,15 +239,15 @@ class PendingSnapshot:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
         await self._move(P.retire)
         client = self.ctx.gym.for_run(self.run_id, cfg)
-        # The gate is closed, no dispatch adds to the candidates: their query runs beside the
-        # retire delivery and the prepare calls (the commit scopes are their first use).
-        self._candidates = asyncio.create_task(repo.candidates(self.engine, self.run_id))
         checkpoint_id = client.new_checkpoint_id(self.snapshot_id)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
         save = self.save = GymSave(
             client, topology, snapshot_dir=snapshot_dir, drain_timeout_s=self._clipped(float(cfg.get("drain_timeout_s", 120))),
             checkpoint_id=checkpoint_id, stop=self.stop, write_manifest_file=True,
         )
+        # The gate is closed, no dispatch adds to the candidates: their query, and their sorting
+        # into commit scopes, run beside the retire delivery and the prepare calls.
+        self._candidates = asyncio.create_task(self._load_candidates(save, topology))
         # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
         await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
         await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
@@ -256,12 +256,10 @@ class PendingSnapshot:
         # the trainer wait) copies only the groups written since.
         self._pre_cut = asyncio.create_task(self._take_pre_cut())
         await self._step(save.prepare())
-        found = await self._step(self._candidates)
-        unknown = sorted(set(found) - set(topology))
-        candidates = {iid: [Episode(r, a) for r, a in found.get(iid, [])] for iid in topology}
-        counts = {"candidates": sum(len(v) for v in candidates.values()), "unknown_instances": unknown}
+        counts = await self._step(self._candidates)
         await self._move(P.commit, counts=counts)
-        commit = await self._step(save.commit(candidates))
+        commit = await self._step(save.commit())
+        unknown = counts["unknown_instances"]
         await self._move(P.drain)
         pending = save.pending()
         drained = sum(len(v) for v in pending.values())
@@ -477,6 +475,12 @@ class PendingSnapshot:
                             eps.discard(e)
             if any(pending.values()):
                 await asyncio.sleep(DRAIN_POLL_S)
+
+    async def _load_candidates(self, save: GymSave, topology: Topology) -> dict[str, Any]:
+        """The candidates, handed to ``save`` for its commit; returns their counts."""
+        found = await repo.candidates(self.engine, self.run_id)
+        save.offer_candidates({iid: [Episode(r, a) for r, a in found.get(iid, [])] for iid in topology})
+        return {"candidates": sum(len(found.get(iid, ())) for iid in topology), "unknown_instances": sorted(set(found) - set(topology))}
 
     # --- the pre-cut ----------------------------------------------------------------------------
 
