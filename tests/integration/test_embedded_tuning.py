@@ -48,11 +48,12 @@ def _show(url: str, *names: str) -> dict[str, str]:
 def test_server_starts_with_the_tuning_and_overrides_keep_durability(data_dir: Path) -> None:
     emb = start_embedded(data_dir, settings={"work_mem": "48MB"})
     try:
-        got = _show(emb.url, "shared_buffers", "work_mem", "max_wal_size", "fsync", "synchronous_commit", "full_page_writes")
+        got = _show(emb.url, "shared_buffers", "work_mem", "max_wal_size", "wal_writer_delay", "fsync", "synchronous_commit", "full_page_writes")
     finally:
         emb.stop()
     assert got["shared_buffers"] == EMBEDDED_PG_TUNING["shared_buffers"]
     assert got["max_wal_size"] == EMBEDDED_PG_TUNING["max_wal_size"]
+    assert got["wal_writer_delay"] == "10ms"  # unflushed snapshot moves reach the disk soon
     assert got["work_mem"] == "48MB"  # the override wins over the built-in value
     assert (got["fsync"], got["synchronous_commit"], got["full_page_writes"]) == ("on", "on", "on")
     conf = (data_dir / "pgdata" / "postgresql.conf").read_text()
