@@ -628,12 +628,13 @@ async def read_costs(url: str, run_id: str, sid: str, reps: int) -> dict[str, An
             c = await repo.candidates(engine, run_id)
             cands.append(time.perf_counter() - t)
         async with engine.connect() as conn:
+            plan = list((await conn.exec_driver_sql("EXPLAIN (ANALYZE, BUFFERS) " + repo._CANDIDATES_SQL, {"r": run_id})).scalars())
             sizes = (await conn.execute(text("SELECT pg_column_size(gym_manifest), pg_column_size(cut_staging_keys), "
                                              "octet_length(gym_manifest::text), cardinality(cut_staging_keys) FROM snapshots "
                                              "WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": sid})).one()
         return {"poll_s": statistics.median(polls), "narrow_poll_s": statistics.median(narrow), "candidates_s": statistics.median(cands),
                 "candidates": sum(len(v) for v in c.values()), "manifest_stored": sizes[0], "keys_stored": sizes[1],
-                "manifest_text": sizes[2], "keys": sizes[3]}
+                "manifest_text": sizes[2], "keys": sizes[3], "candidates_plan": plan}
     finally:
         await engine.dispose()
 
@@ -773,6 +774,8 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
           f"(manifest {costs['manifest_text'] / 1e6:.1f} MB as text, {costs['keys']:,} cut staging keys, {(costs['manifest_stored'] + costs['keys_stored']) / 1e6:.1f} MB stored) "
           f"vs {costs['narrow_poll_s'] * 1000:.1f} ms for the columns the polls look at; candidates query {costs['candidates_s'] * 1000:.1f} ms "
           f"({costs['candidates']:,} candidates)")
+    for line in costs.pop("candidates_plan"):
+        print("snapshot_overhead: candidates EXPLAIN ANALYZE " + line)
     print(f"snapshot_overhead: coordinator peak RSS {mib(coord.peak_rss)}")
     summary = {"live": args.live, "in_flight": args.in_flight, "instances": len(gyms), "snapshots": results, "read_costs": costs,
                "medians": {"coord_total": m("coord_total"), "own": m("own"), "gym_busy": m("gym_busy"), "cut": m("cut"), "ref": m("ref"),

@@ -370,24 +370,21 @@ async def deadline_left_s(conn: AsyncConnection, run_id: str, snapshot_id: str) 
     return None if v is None else float(v)
 
 
+_CANDIDATES_SQL = (
+    "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g "
+    "ON g.run_id = a.run_id AND g.group_id = a.group_id "
+    f"WHERE a.run_id = %(r)s AND a.is_current AND g.restore_level = 'turn' AND g.status = '{GroupStatus.generating}' "
+    "AND a.gym_instance_id IS NOT NULL "
+    f"AND (a.status = '{AttemptStatus.dispatched}' OR (a.status = '{AttemptStatus.reserved}' AND (a.gym_owned OR a.gym_attempt > 0)))"
+)
+
+
 async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[str, int]]]:
-    """Per instance, the live turn-level attempts Gym may hold state for (section 5 step 5)."""
-    async with engine.connect() as conn:
-        rows = (
-            await conn.execute(
-                text(
-                    "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g "
-                    "ON g.run_id = a.run_id AND g.group_id = a.group_id "
-                    f"WHERE a.run_id = :r AND a.is_current AND g.restore_level = 'turn' AND g.status = '{GroupStatus.generating}' "
-                    "AND a.gym_instance_id IS NOT NULL "
-                    f"AND (a.status = '{AttemptStatus.dispatched}' OR (a.status = '{AttemptStatus.reserved}' AND (a.gym_owned OR a.gym_attempt > 0)))"
-                ),
-                {"r": run_id},
-            )
-        ).all()
+    """Per instance, the live turn-level attempts Gym may hold state for (section 5 step 5).
+    Tens of thousands of rows while Gym may wait for them: plain driver tuples, no row objects."""
     out: dict[str, list[tuple[str, int]]] = {}
-    for r in rows:
-        out.setdefault(r.gym_instance_id, []).append((r.rollout_id, r.gym_attempt))
+    for iid, rollout_id, attempt in await read_rows(engine, _CANDIDATES_SQL, {"r": run_id}):
+        out.setdefault(iid, []).append((rollout_id, attempt))
     return out
 
 
