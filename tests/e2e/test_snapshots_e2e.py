@@ -152,6 +152,34 @@ async def test_train_step_during_commit_aborts(client, admin, app, gyms, tmp_pat
     assert (await api.get(""))["dispatch_gate"]["open"]
 
 
+async def test_a_commit_move_the_database_lost_ends_the_snapshot_and_resumes_gym(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The move to ``commit`` is not flushed: a database crash can lose it while the owner goes on.
+    The owner's next move then finds the row in ``prepare``, still its own: it resumes Gym and
+    ends the snapshot as ``database_unavailable`` instead of stopping as if fenced."""
+    from sqlalchemy import text
+
+    api = await _setup(client, admin, app, gyms)
+    gyms["math/replica-1"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "commit", "type": "delay", "seconds": 1.0, "times": 1})
+    await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    for _ in range(200):
+        if (await api.get("/snapshots/s1"))["phase"] == "commit":
+            break
+        await asyncio.sleep(0.02)
+    async with app.state.engine.begin() as conn:  # what a crash that lost the unflushed move leaves
+        n = (await conn.execute(text("UPDATE snapshots SET phase = 'prepare' WHERE run_id = 'run-1' AND snapshot_id = 's1' AND phase = 'commit'"))).rowcount
+    assert n == 1
+    for _ in range(300):
+        s = await api.get("/snapshots/s1")
+        if s["outcome"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (s["outcome"], s["reason"]) == ("failed", "database_unavailable"), s
+    assert s["detail"]["phase"] == "prepare" and "commit" in s["detail"]["why"], s
+    assert (await api.get(""))["dispatch_gate"]["open"]
+    for g in gyms.values():
+        assert all(x["phase"] == "idle" for x in g.state()["servers"].values() if x.get("participant"))
+
+
 async def test_not_ready_fails_with_blockers_and_resumes(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = await _setup(client, admin, app, gyms, prepare_timeout_s=0.3, stall_timeout_s=2000)
     # a multi-worker policy model with a worker that never reports: never ready

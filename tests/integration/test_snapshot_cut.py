@@ -272,8 +272,9 @@ async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fence
     from checkpoint_coordinator.domain.snapshot_state import UNFLUSHED_MOVES
 
     P = SnapshotPhase
-    # Recovery resumes Gym and aborts alike from each of them; prepare carries the checkpoint id.
-    assert P.prepare not in UNFLUSHED_MOVES and P.resume not in UNFLUSHED_MOVES
+    # Recovery resumes Gym and aborts alike from each of them; prepare carries the checkpoint id,
+    # the trainer acts on data_plane.
+    assert P.prepare not in UNFLUSHED_MOVES and P.resume not in UNFLUSHED_MOVES and P.data_plane not in UNFLUSHED_MOVES
     assert all(p.gym_touched for p in UNFLUSHED_MOVES)
     async with engine.begin() as conn:
         await conn.execute(
@@ -292,7 +293,7 @@ async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fence
             await repo.move(engine, RUN, "s1", fence, expected, to)
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
-    assert ["synchronous_commit" in s for s in sent] == [False, True, True, True, False]
+    assert ["synchronous_commit" in s for s in sent] == [False, True, False, False, False]
     async with engine.begin() as conn:  # the setting is the transaction's only
         await repo.move_in(conn, RUN, "s1", fence, P.resume, P.publish, flush=False)
         assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "off"

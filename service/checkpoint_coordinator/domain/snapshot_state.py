@@ -118,13 +118,14 @@ _GYM_PHASES = frozenset(
 )
 
 # Moves into these phases need not reach the disk before the owner goes on (PostgreSQL's
-# asynchronous commit: visible to every session at once, flushed within ``wal_writer_delay``).
-# Recovery treats a row in any of them as one in ``prepare`` (Gym resumed, snapshot aborted), so
-# a database crash that loses such a move loses nothing recovery needs; the checkpoint id comes
-# with the move to ``prepare``, which is flushed, and every later flushed write (the barrier's
-# cut, ``resume``) flushes them before it. Flushing them made the owner wait for the pre-cut's
-# log writes while Gym stood parked.
-UNFLUSHED_MOVES = frozenset({SnapshotPhase.commit, SnapshotPhase.drain, SnapshotPhase.data_plane})
+# asynchronous commit: visible to every session at once, flushed by the WAL writer soon after).
+# Recovery treats a row in ``commit`` as one in ``prepare`` (Gym resumed, snapshot aborted), and
+# the next move, flushed, flushes it too; a database crash that loses it leaves the row one phase
+# behind its owner, whose next fenced move then finds ``prepare`` and ends the snapshot as
+# ``database_unavailable`` (Gym resumed). Flushing it made the owner wait for the pre-cut's log
+# writes while Gym stood parked. ``drain`` and ``data_plane`` stay flushed: the trainer acts on
+# ``data_plane``, and a lost one would leave the owner waiting for a barrier that is refused.
+UNFLUSHED_MOVES = frozenset({SnapshotPhase.commit})
 
 
 class SnapshotTiming(_StrEnum):

@@ -70,7 +70,11 @@ async def commit(
             outcome = replace(outcome, manifest_entry=encode_instance_entry(outcome))
         return outcome
 
-    early = dict(zip(topology, await asyncio.gather(*(first_round(iid) for iid in topology))))
+    rounds = await asyncio.gather(*(first_round(iid) for iid in topology), return_exceptions=True)
+    for r in rounds:  # raised only once every instance's calls are answered, as before
+        if isinstance(r, BaseException):
+            raise r
+    early = dict(zip(topology, rounds))
     stop_refused = await _retry_without_stop(fan) if stop else {}
     await _recommit_grown_restarts(ctl, fan, scope_of, restarts_of)
     results: dict[str, InstanceCommit] = {}
@@ -135,9 +139,13 @@ class _Fanout:
 
     async def send(self, indices: Iterable[int]) -> None:
         indices = list(indices)
-        answers = await asyncio.gather(
-            *(self.ctl.call(self.pairs[i][1], self.pairs[i][2], "commit", self.body(i), self.deadline, CommitReply) for i in indices)
-        )
+
+        async def one(i: int) -> CommitReply | CallFailed:
+            # Encoded in the call's own task: the first calls go on the wire while later bodies
+            # are still being encoded.
+            return await self.ctl.call(self.pairs[i][1], self.pairs[i][2], "commit", self.body(i), self.deadline, CommitReply)
+
+        answers = await asyncio.gather(*(one(i) for i in indices))
         for i, answer in zip(indices, answers):
             self.replies[i] = answer
 

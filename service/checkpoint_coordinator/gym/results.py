@@ -75,7 +75,8 @@ class InstanceCommit:
     stop_supported: bool | None = None
     # This instance's entry of the Gym manifest in its text form (``manifest.encode_instance_entry``),
     # encoded by the commit once the instance is validated; empty when not encoded yet.
-    manifest_entry: str = ""
+    # Not compared nor shown: it is derived from the fields above (hundreds of kilobytes).
+    manifest_entry: str = field(default="", compare=False, repr=False)
 
     @property
     def exported_outside_scope(self) -> int:

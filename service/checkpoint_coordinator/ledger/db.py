@@ -303,8 +303,9 @@ EMBEDDED_PG_TUNING: dict[str, str] = {
     "effective_cache_size": "4GB",
     "max_wal_size": "4GB",
     "checkpoint_timeout": "15min",
-    # Asynchronous commits (a snapshot's phase moves, its pre-cut) reach the disk within this;
-    # the default 200 ms left them to the barrier's flushed commit, while Gym stood parked.
+    # Asynchronous commits (a snapshot's move to commit, its pre-cut) reach the disk within a
+    # few of these; at the default 200 ms a later flushed commit had to flush them, while Gym
+    # stood parked.
     "wal_writer_delay": "10ms",
 }
 TUNING_FILE = "ckptc-tuning.conf"

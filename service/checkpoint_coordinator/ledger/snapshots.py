@@ -719,9 +719,11 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         ).first()
         if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == P.data_plane:
             return None
-        # Not flushed at its commit: nothing reads it before the barrier, whose flushed commit
-        # comes later in the log and so flushes this one too. A database crash that loses it
-        # leaves no ``cut_base_xid``: the barrier then copies the whole run.
+        # Not flushed at its commit: the flushed commits after it (the move to data_plane, which
+        # waits for this copy, and the barrier) come later in the log and flush it too. A crash
+        # that loses it leaves no ``cut_base_xid``: the barrier then copies the whole run and
+        # answers the whole key list, also to a trainer that fetched these keys and asked for
+        # the delta.
         await conn.execute(text("SET LOCAL synchronous_commit = off"))
         # Taken before the copy's own statement snapshot: anything the copy saw that this base
         # does not is counted as changed at the barrier, never the other way round.

@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.snapshot_state import (
     REASON_OUTCOME,
+    UNFLUSHED_MOVES,
     SnapshotOutcome,
     SnapshotPhase,
     SnapshotReason,
@@ -144,6 +145,9 @@ class PendingSnapshot:
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
+        # The last move, when it was unflushed: the phase before it, and its own.
+        self._unflushed_from: SnapshotPhase | None = None
+        self._unflushed_to: SnapshotPhase | None = None
         self._started = time.monotonic()
         self._config: dict[str, Any] = {}
         self.stop = False
@@ -314,7 +318,41 @@ class PendingSnapshot:
     # --- transitions: one fenced write each ----------------------------------------------------
 
     async def _move(self, to: SnapshotPhase, **fields: Any) -> None:
-        await self._write(to, lambda: repo.move(self.engine, self.run_id, self.snapshot_id, self.fence, self.phase, to, **fields))
+        before = self.phase
+        try:
+            await self._write(to, lambda: repo.move(self.engine, self.run_id, self.snapshot_id, self.fence, self.phase, to, **fields))
+        except Fenced:
+            lost = await self._lost_unflushed_move()
+            if lost is None:
+                raise
+            # A database crash lost the unflushed move: the row is where it was before it, still
+            # ours. Not a lease lost to another owner: the move to resume (an abort) goes on from
+            # there; any other move ends the snapshot, Gym resumed.
+            lost_to, self.phase = self._unflushed_to, lost
+            self._unflushed_from = self._unflushed_to = None
+            if to is P.resume:
+                await self._move(to, **fields)
+                return
+            raise _Failed(
+                SnapshotReason.database_unavailable, {"phase": lost.value, "why": f"the database lost the move to {lost_to} (restarted?)"}
+            ) from None
+        if to in UNFLUSHED_MOVES:
+            self._unflushed_from, self._unflushed_to = before, to
+        else:
+            self._unflushed_from = self._unflushed_to = None
+
+    async def _lost_unflushed_move(self) -> SnapshotPhase | None:
+        """The phase the row fell back to when the database lost this owner's last unflushed
+        move (``UNFLUSHED_MOVES``); None for any other refusal."""
+        if self._unflushed_from is None:
+            return None
+        try:
+            progress = await repo.poll(self.engine, self.run_id, self.snapshot_id)
+        except Exception:
+            return None
+        if progress.outcome is None and progress.phase == self._unflushed_from.value:
+            return self._unflushed_from
+        return None
 
     async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[None]]) -> None:
         """Apply one transition. A cancellation (shutdown) waits for the write in flight, so that
