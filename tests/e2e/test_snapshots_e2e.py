@@ -133,8 +133,9 @@ async def test_train_step_during_prepare_aborts_and_reopens(client, admin, app, 
     assert (await api.get(""))["consecutive_snapshot_losses"] == 0
 
 
-async def test_train_step_during_commit_aborts(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    api = await _setup(client, admin, app, gyms)
+async def _held_in_commit(client, api, gyms) -> None:  # type: ignore[no-untyped-def]
+    """Request snapshot s1 with one participant's commit delayed a second; return once the
+    snapshot is in phase commit."""
     gyms["math/replica-1"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "commit", "type": "delay", "seconds": 1.0, "times": 1})
     await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
     for _ in range(200):
@@ -142,12 +143,22 @@ async def test_train_step_during_commit_aborts(client, admin, app, gyms, tmp_pat
             break
         await asyncio.sleep(0.02)
     assert (await api.get("/snapshots/s1"))["phase"] == "commit"
-    await api.post("/train-steps", {"step": 1})
-    for _ in range(200):
+
+
+async def _ended(api) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    for _ in range(300):
         s = await api.get("/snapshots/s1")
         if s["outcome"]:
-            break
+            return s
         await asyncio.sleep(0.02)
+    return s
+
+
+async def test_train_step_during_commit_aborts(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    api = await _setup(client, admin, app, gyms)
+    await _held_in_commit(client, api, gyms)
+    await api.post("/train-steps", {"step": 1})
+    s = await _ended(api)
     assert (s["outcome"], s["reason"]) == ("aborted", "train_step_committed")
     assert (await api.get(""))["dispatch_gate"]["open"]
 
@@ -159,20 +170,11 @@ async def test_a_commit_move_the_database_lost_ends_the_snapshot_and_resumes_gym
     from sqlalchemy import text
 
     api = await _setup(client, admin, app, gyms)
-    gyms["math/replica-1"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "commit", "type": "delay", "seconds": 1.0, "times": 1})
-    await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
-    for _ in range(200):
-        if (await api.get("/snapshots/s1"))["phase"] == "commit":
-            break
-        await asyncio.sleep(0.02)
+    await _held_in_commit(client, api, gyms)
     async with app.state.engine.begin() as conn:  # what a crash that lost the unflushed move leaves
         n = (await conn.execute(text("UPDATE snapshots SET phase = 'prepare' WHERE run_id = 'run-1' AND snapshot_id = 's1' AND phase = 'commit'"))).rowcount
     assert n == 1
-    for _ in range(300):
-        s = await api.get("/snapshots/s1")
-        if s["outcome"]:
-            break
-        await asyncio.sleep(0.02)
+    s = await _ended(api)
     assert (s["outcome"], s["reason"]) == ("failed", "database_unavailable"), s
     assert s["detail"]["phase"] == "prepare" and "commit" in s["detail"]["why"], s
     assert (await api.get(""))["dispatch_gate"]["open"]
