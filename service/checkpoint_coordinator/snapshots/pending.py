@@ -145,9 +145,8 @@ class PendingSnapshot:
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
-        # The last move, when it was unflushed: the phase before it, and its own.
+        # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
-        self._unflushed_to: SnapshotPhase | None = None
         self._started = time.monotonic()
         self._config: dict[str, Any] = {}
         self.stop = False
@@ -328,18 +327,15 @@ class PendingSnapshot:
             # A database crash lost the unflushed move: the row is where it was before it, still
             # ours. Not a lease lost to another owner: the move to resume (an abort) goes on from
             # there; any other move ends the snapshot, Gym resumed.
-            lost_to, self.phase = self._unflushed_to, lost
-            self._unflushed_from = self._unflushed_to = None
+            lost_to, self.phase = self.phase, lost
+            self._unflushed_from = None
             if to is P.resume:
                 await self._move(to, **fields)
                 return
             raise _Failed(
                 SnapshotReason.database_unavailable, {"phase": lost.value, "why": f"the database lost the move to {lost_to} (restarted?)"}
             ) from None
-        if to in UNFLUSHED_MOVES:
-            self._unflushed_from, self._unflushed_to = before, to
-        else:
-            self._unflushed_from = self._unflushed_to = None
+        self._unflushed_from = before if to in UNFLUSHED_MOVES else None
 
     async def _lost_unflushed_move(self) -> SnapshotPhase | None:
         """The phase the row fell back to when the database lost this owner's last unflushed
