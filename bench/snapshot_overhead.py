@@ -159,7 +159,7 @@ def _trace_spans(trace_file: str) -> None:
         return wrapper
 
     for fn in ("get", "close_gate", "move", "publish_phase", "deadline_left_s", "candidates", "still_pending", "poll",
-               "take_cut", "pre_cut", "captured", "end"):
+               "take_cut", "pre_cut", "captured", "end", "store_gym_entry"):
         setattr(ledger_snapshots, fn, timed(f"ledger.{fn}", getattr(ledger_snapshots, fn)))
     for fn in ("prepare", "commit", "drain", "manifest", "finish"):
         setattr(GymSave, fn, timed(f"gym.{fn}", getattr(GymSave, fn)))

@@ -13,9 +13,12 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 
 from checkpoint_coordinator.ledger import snapshots as repo
+from checkpoint_coordinator.ledger.db import JsonText
+from checkpoint_coordinator.ledger.leases import Fenced
 
 from . import test_snapshot_cut as cut_tests
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
@@ -363,3 +366,78 @@ async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any
     async with engine.connect() as conn:
         assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
     assert await _stored(engine, "p") == 12
+
+
+async def _committing_with_entries(engine: Any, sid: str) -> None:
+    """A snapshot in phase commit whose Gym manifest comes as per-instance entries, as the runner
+    stores them while Gym commits (no manifest in its row)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, gym_checkpoint_id, counts) "
+                 "VALUES (:r, :s, 0, 'commit', 'test', 'snap-p-0000', '{\"candidates\": 3}')"),
+            {"r": RUN, "s": sid},
+        )
+
+
+def _entry(keys: list[str]) -> JsonText:
+    return JsonText(json.dumps({"episodes": [], "participants": ["agent"], "restarts": [], "staging_keys": keys}, sort_keys=True))
+
+
+async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_barrier(engine: Any) -> None:
+    await _quiet_groups(engine)
+    async with engine.begin() as conn:
+        await _add_group(conn, "h3", keys=["model/held", "tq/h3"])  # a key the Gym manifest names too
+    await _committing_with_entries(engine, "p")
+    fence = await owner_fence(engine)
+    assert await repo.pre_cut(engine, RUN, "p", fence) == 13
+    _, base = await repo.cut_keys(engine, RUN, "p")
+    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "model/held"]), look_up_keys=True)
+    # Stored before the pre-cut was in: its keys are looked up at the barrier instead.
+    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9"]), look_up_keys=False)
+    stored = dict(await _rows(engine, "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p'"))
+    assert stored == {"math/replica-0": ["model/x"], "math/replica-1": None}
+    async with engine.begin() as conn:
+        await conn.execute(text("DELETE FROM prompt_groups WHERE run_id = :r AND group_id = 'h3'"), {"r": RUN})
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert row.cut_keys_added == ["model/x", "model/y", "model/\u00e9"]
+    assert row.cut_keys_removed == ["tq/h3"]  # model/held left its group, the manifest keeps it
+    as_of, full = await repo.cut_keys(engine, RUN, "p")
+    assert as_of == "cut" and full == _merged(base, row.cut_keys_added, row.cut_keys_removed)
+    assert {"model/held", "model/x", "model/y"} <= set(full)
+    # While pending, a reader asking for the manifest gets the entries joined; at the end they
+    # move into the row and go.
+    async with engine.connect() as conn:
+        pending = (await repo.get(conn, RUN, "p", with_manifest=True)).gym_manifest
+    assert pending["checkpoint_id"] == "snap-p-0000" and pending["schema_version"] == 2
+    assert sorted(pending["instances"]) == ["math/replica-0", "math/replica-1"]
+    await repo.captured(engine, RUN, "p", {"path": "/d", "digest": "sha256:0"})
+    await repo.end(engine, RUN, "p", "published", "ok", fence=fence, expected=SnapshotPhase.data_plane)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]
+    (manifest, keys), = await _rows(engine, "SELECT gym_manifest, cut_staging_keys FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
+    assert manifest == pending and keys == full
+
+
+async def test_a_gym_entry_is_refused_once_the_snapshot_left_commit_or_its_owner_lost_the_lease(engine: Any) -> None:
+    await _committing_with_entries(engine, "p")
+    fence = await owner_fence(engine)
+    await _to_data_plane(engine, "p")
+    with pytest.raises(Fenced):  # phase data_plane
+        await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE snapshots SET phase = 'commit' WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})
+        await conn.execute(text("UPDATE ownership_leases SET epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})  # taken over
+    with pytest.raises(Fenced):  # a lost lease
+        await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
+
+
+async def test_a_snapshot_that_ends_before_its_cut_keeps_its_gym_manifest_and_drops_its_entries(engine: Any) -> None:
+    await _committing_with_entries(engine, "p")
+    fence = await owner_fence(engine)
+    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
+    (manifest,), = await _rows(engine, "SELECT gym_manifest FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
+    assert manifest["instances"]["math/replica-0"]["staging_keys"] == ["model/x"]
+    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])

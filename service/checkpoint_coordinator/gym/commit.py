@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +37,10 @@ async def commit(
     scopes: Mapping[str, Iterable[Episode]],
     stop: bool = False,
     restarts: Mapping[str, Iterable[Episode]] | None = None,
+    on_instance: Callable[[str, InstanceCommit], None] | None = None,
 ) -> CommitResult:
+    """``on_instance`` is told each instance whose first round of replies validated, as soon as
+    they did (the others may still commit): its result is final, its manifest entry encoded."""
     deadline = ctl.deadline()
     dirs: dict[str, str] = {}
     scope_of: dict[str, list[Episode]] = {}
@@ -68,6 +71,8 @@ async def commit(
         outcome = validate(iid)
         if isinstance(outcome, InstanceCommit):
             outcome = replace(outcome, manifest_entry=encode_instance_entry(outcome))
+            if on_instance is not None:
+                on_instance(iid, outcome)
         return outcome
 
     rounds = await asyncio.gather(*(first_round(iid) for iid in topology), return_exceptions=True)

@@ -23,7 +23,7 @@ from .lease import LeaseRenewer
 from .manifest import build_gym_manifest, encode_gym_manifest_of, write_gym_manifest
 from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
-from .results import CommitResult, ResumeReport, SaveResult
+from .results import CommitResult, InstanceCommit, ResumeReport, SaveResult
 
 __all__ = ["CaptureHook", "DrainHook", "GymSave", "GymSaveAborted"]
 
@@ -153,8 +153,11 @@ class GymSave:
         in flight: they are checked and sorted then, not while Gym waits for its commit)."""
         self.candidates = self._checked(candidates)
 
-    async def commit(self, candidates: Mapping[str, Iterable[Episode]] | None = None) -> CommitResult:
-        """Commit every instance; ``candidates`` (when given) replace the offered ones."""
+    async def commit(
+        self, candidates: Mapping[str, Iterable[Episode]] | None = None, *, on_instance: Callable[[str, InstanceCommit], None] | None = None
+    ) -> CommitResult:
+        """Commit every instance; ``candidates`` (when given) replace the offered ones.
+        ``on_instance``: see :meth:`GymControlClient.commit`."""
         if candidates is not None:
             self.offer_candidates(candidates)
         scopes: dict[str, list[Episode]] = {}
@@ -169,6 +172,7 @@ class GymSave:
                 scopes,
                 stop=self.stop,
                 restarts=restarted,
+                on_instance=on_instance,
             )
         )
         self._lap("commit")

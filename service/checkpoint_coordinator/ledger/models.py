@@ -378,6 +378,22 @@ class SnapshotCutKey(Base):
     refs: Mapped[int] = mapped_column(Integer)
 
 
+class SnapshotGymEntry(Base):
+    """A pending snapshot's Gym manifest, one row per instance, stored as soon as that instance's
+    commit is validated (while Gym still commits the others), so that no manifest is written
+    while Gym is parked and waits. ``new_keys``: the entry's staging keys that the pre-cut's key
+    rows lack (NULL when no pre-cut was in), what the barrier adds for the manifest. At the
+    snapshot's end the entries are joined into ``snapshots.gym_manifest`` and these rows go."""
+
+    __tablename__ = "snapshot_gym_entries"
+    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "instance_id"),)
+    run_id: Mapped[str] = mapped_column(Text)
+    snapshot_id: Mapped[str] = mapped_column(Text)
+    instance_id: Mapped[str] = mapped_column(Text)
+    entry: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    new_keys: Mapped[list[str] | None] = mapped_column(ARRAY(Text(collation="C")))
+
+
 class SnapshotCutGroup(Base):
     """Immutable copy of a live prompt group and its siblings (each with its current attempt) at a
     snapshot's ledger cut: one row per group, the siblings in one array of ``snapshot_sibling``.

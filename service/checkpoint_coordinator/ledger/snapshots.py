@@ -8,6 +8,8 @@ views ``snapshot_groups`` and ``snapshot_attempts``).
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -16,6 +18,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ..domain.gym_manifest import MANIFEST_SCHEMA_VERSION
 from ..domain.snapshot_state import UNFLUSHED_MOVES, AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
 from ..errors import Conflict, NotFound, RunStopped
 from .db import JsonText, dump_json, read_rows
@@ -96,9 +99,32 @@ def _manifest_key_rows(manifest: str) -> str:
     return (
         f"jsonb_each(CASE WHEN jsonb_typeof({manifest} -> 'instances') = 'object' THEN {manifest} -> 'instances' ELSE '{{}}'::jsonb END) "
         "AS i(iid, inst), "
-        "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k"
+        "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k(k)"
     )
 
+
+def _entry_key_rows(run: str, snap: str, *, where: str = "") -> str:
+    """A SELECT yielding ``k``, every staging key of the snapshot's Gym entries (its manifest
+    while it is pending, ``snapshot_gym_entries``)."""
+    return (
+        "SELECT k FROM snapshot_gym_entries ge, jsonb_array_elements_text(ge.entry -> 'staging_keys') AS k(k) "
+        f"WHERE ge.run_id = {run} AND ge.snapshot_id = {snap}{where}"
+    )
+
+
+def _manifest_keys(run: str, snap: str, manifest: str) -> str:
+    """A SELECT yielding ``k``, every staging key of a snapshot's Gym manifest: the one stored
+    whole (``manifest``, its column) and the per-instance entries of a pending one."""
+    return f"SELECT k FROM {_manifest_key_rows(manifest)} UNION ALL {_entry_key_rows(run, snap)}"
+
+
+# A pending snapshot's Gym manifest is its entries, joined here (at its end, or for a reader that
+# asks for it); NULL when it has none.
+_ENTRIES_MANIFEST = (
+    "(SELECT jsonb_build_object('checkpoint_id', snapshots.gym_checkpoint_id, 'instances', jsonb_object_agg(ge.instance_id, ge.entry), "
+    f"'schema_version', {MANIFEST_SCHEMA_VERSION}) FROM snapshot_gym_entries ge "
+    "WHERE ge.run_id = snapshots.run_id AND ge.snapshot_id = snapshots.snapshot_id HAVING count(*) > 0)"
+)
 
 # A pending snapshot's cut keys are its groups' keys, rows of ``snapshot_cut_keys``, and its Gym
 # manifest's; a published one's are in ``cut_staging_keys``; one that ended otherwise has none.
@@ -106,7 +132,7 @@ def _manifest_key_rows(manifest: str) -> str:
 _KEYS = (
     "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL AND outcome IS NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
     "SELECT ck.key AS k FROM snapshot_cut_keys ck WHERE ck.run_id = snapshots.run_id AND ck.snapshot_id = snapshots.snapshot_id "
-    f"UNION SELECT k COLLATE \"C\" FROM {_manifest_key_rows('snapshots.gym_manifest')}"
+    f"UNION SELECT mk.k COLLATE \"C\" FROM ({_manifest_keys('snapshots.run_id', 'snapshots.snapshot_id', 'snapshots.gym_manifest')}) mk"
     ") u) END)"
 )
 _KEYS_WHEN_AWAITING_CAPTURE = (
@@ -115,7 +141,7 @@ _KEYS_WHEN_AWAITING_CAPTURE = (
 )
 _COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
 _COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
-_COLS_FULL = f"{_BASE_COLS}, gym_manifest, {_KEYS} AS cut_staging_keys"
+_COLS_FULL = f"{_BASE_COLS}, COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) AS gym_manifest, {_KEYS} AS cut_staging_keys"
 # Only what ``SnapshotRow`` does not need at all.
 _COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS text[]) AS cut_staging_keys"
 
@@ -324,6 +350,35 @@ async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: F
         ).rowcount
     if n != 1:
         raise Fenced(run_id, f"snapshot {snapshot_id}: taking it over in phase {expected}", fence)
+
+
+async def store_gym_entry(
+    engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, instance_id: str, entry: JsonText, *, look_up_keys: bool
+) -> None:
+    """Store one instance's Gym manifest entry (its text, as the manifest holds it) while the
+    snapshot is in phase ``commit`` or ``drain``, fenced like a phase move. ``look_up_keys``: the pre-cut is
+    in, so the entry's staging keys its key rows lack are looked up now (``new_keys``), not at
+    the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
+    lookup = (
+        "(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{}') FROM (SELECT DISTINCT t.k COLLATE \"C\" AS k "
+        "FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)) m "
+        "WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k))"
+    )
+    async with engine.begin() as conn:
+        n = (
+            await conn.execute(
+                text(
+                    "INSERT INTO snapshot_gym_entries (run_id, snapshot_id, instance_id, entry, new_keys) "
+                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} FROM (SELECT CAST(:entry AS jsonb) AS e) x "
+                    "WHERE EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain) AND outcome IS NULL "
+                    f"AND owner = :fence_owner) AND {fence_sql()} "
+                    "ON CONFLICT (run_id, snapshot_id, instance_id) DO UPDATE SET entry = EXCLUDED.entry, new_keys = EXCLUDED.new_keys"
+                ),
+                {"r": run_id, "s": snapshot_id, "i": instance_id, "entry": entry, "commit": P.commit.value, "drain": P.drain.value, **fence.params()},
+            )
+        ).rowcount
+    if n != 1:
+        raise Fenced(run_id, f"snapshot {snapshot_id}: Gym entry of {instance_id}", fence)
 
 
 async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
@@ -631,7 +686,16 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
 
 
 # The staging keys of the Gym manifest, one row per (instance, key).
-_MANIFEST_KEYS = f"SELECT k FROM snapshots sn, {_manifest_key_rows('sn.gym_manifest')} WHERE sn.run_id = :r AND sn.snapshot_id = :s"
+_MANIFEST_KEYS = f"SELECT mk.k FROM snapshots sn, LATERAL ({_manifest_keys(':r', ':s', 'sn.gym_manifest')}) mk WHERE sn.run_id = :r AND sn.snapshot_id = :s"
+# The Gym manifest's keys the pre-cut's key rows lack: looked up when each entry was stored
+# (``new_keys``), else (no pre-cut was in then, or a manifest stored whole) here.
+_MANIFEST_NEW_KEYS = (
+    "SELECT u.k FROM snapshot_gym_entries ge, unnest(ge.new_keys) AS u(k) WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NOT NULL "
+    "UNION ALL SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ("
+    f"SELECT k FROM snapshots sn, {_manifest_key_rows('sn.gym_manifest')} WHERE sn.run_id = :r AND sn.snapshot_id = :s "
+    f"UNION ALL {_entry_key_rows(':r', ':s', where=' AND ge.new_keys IS NULL')}) x) m "
+    "WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k)"
+)
 # The key rows of a whole cut: every key of its groups, with how many of them name it.
 # Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to
 # the index's rightmost pages instead of touching random ones (bench/README.md has the figures).
@@ -657,12 +721,11 @@ _DELTA_CUT_SQL = (
     "upd AS (UPDATE snapshot_cut_keys ck SET refs = prev.before + prev.n FROM prev "
     " WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before > 0 AND prev.before + prev.n > 0), "
     "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0), "
-    f"man AS (SELECT DISTINCT m.k COLLATE \"C\" AS k FROM ({_MANIFEST_KEYS}) m), "
     # Every statement part reads the key rows as they were before it: the pre-cut's.
     "added AS (SELECT COALESCE(array_agg(a.k ORDER BY a.k), '{}') AS ks FROM (SELECT k FROM prev WHERE before <= 0 AND before + n > 0 "
-    " UNION SELECT man.k FROM man WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = man.k)) a), "
+    f" UNION SELECT k FROM ({_MANIFEST_NEW_KEYS}) mn) a), "
     "removed AS (SELECT COALESCE(array_agg(d.k ORDER BY d.k), '{}') AS ks FROM prev d "
-    " WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM man WHERE man.k = d.k)), "
+    f" WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM ({_MANIFEST_KEYS}) man WHERE man.k COLLATE \"C\" = d.k)), "
     "tot AS (SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n) "
     "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
     " cut_keys_added = (SELECT ks FROM added), cut_keys_removed = (SELECT ks FROM removed), "
@@ -775,9 +838,6 @@ async def _writers_see_the_tracking(engine: AsyncEngine, horizon: int | None) ->
     """Wait until every transaction below ``horizon`` has ended: a statement of one of them may
     have written without seeing the tracking phase (and recorded nothing). Every later statement
     records its groups."""
-    import asyncio
-    import time
-
     async with engine.connect() as conn:
         if horizon is None:
             horizon = (await conn.execute(text(f"SELECT {NEXT_XID_SQL}"))).scalar()
@@ -889,7 +949,9 @@ async def end(
                     "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
                     "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END, "
                     # The cut's keys, rows while it was pending (after Gym was resumed: off the park).
-                    f"cut_staging_keys = CASE WHEN :published THEN {_KEYS} ELSE cut_staging_keys END "
+                    f"cut_staging_keys = CASE WHEN :published THEN {_KEYS} ELSE cut_staging_keys END, "
+                    # Its Gym manifest, entries while it was pending (joined after Gym was resumed).
+                    f"gym_manifest = COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) "
                     f"WHERE {_FENCED_MOVE} RETURNING {_COLS}"
                 ),
                 {
@@ -933,6 +995,7 @@ async def end(
             # The snapshot row stays, for history.
             await delete_cut_rows(conn, run_id, [snapshot_id])
         await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
+        await conn.execute(text("DELETE FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 

@@ -38,7 +38,9 @@ from ..domain.snapshot_state import (
     reason_for_gym_failure,
 )
 from ..gym.errors import GymControlError
+from ..gym.manifest import encode_instance_entry
 from ..gym.models import Episode, Topology
+from ..gym.results import CommitResult, InstanceCommit
 from ..gym.save import GymSave
 from ..gym.timings import SlowestCalls, recording
 from ..gym_runtime import GymClients, load_topology
@@ -145,6 +147,9 @@ class PendingSnapshot:
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
+        self._pre_cut_taken = False
+        # Each instance's Gym manifest entry, stored while the other instances still commit.
+        self._entries: dict[str, asyncio.Future[None]] = {}
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
         self._started = time.monotonic()
@@ -261,7 +266,7 @@ class PendingSnapshot:
         await self._step(save.prepare())
         counts = await self._step(self._candidates)
         await self._move(P.commit, counts=counts)
-        commit = await self._step(save.commit())
+        commit = await self._step(save.commit(on_instance=self._store_entry_soon))
         unknown = counts["unknown_instances"]
         await self._move(P.drain)
         pending = save.pending()
@@ -273,7 +278,8 @@ class PendingSnapshot:
         manifest_file = asyncio.ensure_future(save.write_manifest_file_now())
         try:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
-            await self._move(P.data_plane, gym_manifest=JsonText(save.manifest_json))
+            await self._step(self._stored_entries(commit))
+            await self._move(P.data_plane)
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
             manifest_file.add_done_callback(_retrieved)
@@ -371,6 +377,7 @@ class PendingSnapshot:
         outcome = outcome_of(reason)
         check_snapshot_transition(self.phase, P(outcome.value), cut_taken=self.cut_taken, reason=reason)
         await self._settle_pre_cut()
+        await self._drop_entry_writes()
         if self._candidates is not None:
             self._candidates.cancel()  # a no-op once it has its answer
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -420,6 +427,8 @@ class PendingSnapshot:
             await self.save.abandon()
         if self._pre_cut is not None:
             self._pre_cut.cancel()
+        for task in self._entries.values():
+            task.cancel()
         if self._candidates is not None:
             self._candidates.cancel()
 
@@ -516,6 +525,38 @@ class PendingSnapshot:
         save.offer_candidates({iid: [Episode(r, a) for r, a in found.get(iid, [])] for iid in topology})
         return {"candidates": sum(len(found.get(iid, ())) for iid in topology), "unknown_instances": sorted(set(found) - set(topology))}
 
+    # --- the Gym manifest, stored per instance ----------------------------------------------------
+
+    def _store_entry_soon(self, instance_id: str, ic: InstanceCommit) -> None:
+        """An instance's commit validated while others may still commit: store its manifest
+        entry now, beside their calls, rather than the whole manifest once Gym waits."""
+        if instance_id not in self._entries:
+            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic))
+
+    async def _store_entry(self, instance_id: str, ic: InstanceCommit) -> None:
+        await self._settle_pre_cut()  # its key rows are what the entry's keys are looked up in
+        entry = JsonText(ic.manifest_entry or encode_instance_entry(ic))
+        await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=self._pre_cut_taken)
+
+    async def _stored_entries(self, commit: CommitResult) -> None:
+        """Until every committed instance's entry is stored (those validated only after a second
+        try are stored now); the first failure is raised."""
+        for iid, ic in commit.instances.items():
+            self._store_entry_soon(iid, ic)
+        results = await asyncio.gather(*self._entries.values(), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _drop_entry_writes(self) -> None:
+        """Cancel and wait for the entry writes still in flight, before the snapshot ends (its
+        end deletes the entries: none may land after it)."""
+        for task in self._entries.values():
+            task.cancel()
+        for task in self._entries.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
     # --- the pre-cut ----------------------------------------------------------------------------
 
     async def _take_pre_cut(self) -> None:
@@ -527,6 +568,7 @@ class PendingSnapshot:
                         self.snapshot_id, self.run_id, type(e).__name__, str(e)[:500])
             return
         if groups is not None:
+            self._pre_cut_taken = True
             self.timings["pre_cut"] = time.monotonic() - t
 
     async def _settle_pre_cut(self) -> None:
