@@ -23,11 +23,11 @@ ADMIN = "bench-admin-token"
 
 
 class Postgres:
-    def __init__(self) -> None:
+    def __init__(self, settings: dict[str, str] | None = None) -> None:
         from checkpoint_coordinator.ledger.db import migrate, start_embedded
 
         self.dir = Path(tempfile.mkdtemp(prefix="ckptc-bench-"))
-        self.emb = start_embedded(self.dir)
+        self.emb = start_embedded(self.dir, settings=settings)
         self.url = self.emb.url
         migrate(self.url)
 

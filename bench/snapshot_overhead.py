@@ -815,6 +815,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ab", action="store_true",
                     help="also take --snapshots snapshots without the pre-cut, alternating (A/B in the same run; medians reported apart)")
     ap.add_argument("--no-explain", dest="explain", action="store_false", help="skip EXPLAIN ANALYZE of the cut's statements")
+    ap.add_argument("--slow-plans", type=float, default=None, metavar="MS",
+                    help="log the EXPLAIN ANALYZE of every statement of MS milliseconds or more (PostgreSQL's auto_explain; "
+                         "timing every plan node slows all statements a little) and copy the server log to --slow-plans-log")
+    ap.add_argument("--slow-plans-log", type=Path, default=Path("snapshot_overhead-slow-plans.log"), metavar="FILE")
     ap.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test")
     args = ap.parse_args(argv)
     if args.quick:
@@ -833,7 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     pg = coord = None
     gyms: list[Any] = []
     try:
-        pg = Postgres()
+        pg = Postgres(settings=None if args.slow_plans is None else {
+            "session_preload_libraries": "auto_explain", "auto_explain.log_min_duration": f"{args.slow_plans:g}ms",
+            "auto_explain.log_analyze": "on", "auto_explain.log_buffers": "on", "auto_explain.log_nested_statements": "on"})
         coord = TimedCoordinator(pg.url, workdir)
         # group k goes to instance k mod N (admit_and_dispatch)
         per_instance = [len(range(k, args.in_flight // GROUP_SIZE, args.instances)) * GROUP_SIZE for k in range(args.instances)]
@@ -850,6 +856,12 @@ def main(argv: list[str] | None = None) -> int:
         if coord is not None:
             coord.close()
         if pg is not None:
+            if args.slow_plans is not None:
+                import shutil as _sh
+
+                with contextlib.suppress(OSError):
+                    _sh.copyfile(pg.dir / "pgdata" / "log", args.slow_plans_log)
+                    print(f"snapshot_overhead: plans of the statements of {args.slow_plans:g} ms or more: {args.slow_plans_log}")
             pg.close()
         import shutil
 

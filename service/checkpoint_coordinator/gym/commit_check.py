@@ -55,7 +55,9 @@ class _Check:
         self.scope = scope
         self.restarts = restarts
         self.sent = sent
-        self.scope_keys = {ep.capture_key for ep in scope}
+        # Each scope episode by its capture key, in the scope's order.
+        self.scope_by_key = {ep.capture_key: ep for ep in scope}
+        self.scope_keys = self.scope_by_key.keys()
         self.candidate_keys = self.scope_keys | {ep.capture_key for ep in restarts}
         self.problems: dict[str, list[str]] = {}
         self.samples: dict[str, list[str]] = {}
@@ -177,7 +179,9 @@ class _Check:
                 continue
             for key in saved_keys:
                 staging.update(reply.staging_keys_by_episode.get(key, ()))
-        episodes = sorted(Episode.from_capture_key(k) for k in saved_keys)
+        # Claims are scope keys only: their episodes come from the scope, not parsed again.
+        episodes = [ep for k, ep in self.scope_by_key.items() if k in saved_keys]
+        episodes.sort()  # the scope comes sorted: one pass
         saved = set(episodes)
         if self.stranded:
             log.warning(

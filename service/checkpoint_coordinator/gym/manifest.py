@@ -74,12 +74,17 @@ def encode_gym_manifest_of(checkpoint_id: str, commit: CommitResult) -> str:
     )
 
 
-def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any], *, encoded: str | None = None) -> str:
+def write_gym_manifest(snapshot_dir: str, manifest: Mapping[str, Any] | None = None, *, encoded: str | None = None) -> str:
     """Write ``<snapshot_dir>/gym_checkpoint.json`` with sorted keys, atomically; returns the path.
-    ``encoded``: the manifest's ``encode_gym_manifest`` text, when the caller has it already.
+    ``encoded``: the manifest's ``encode_gym_manifest`` text, when the caller has it already
+    (then ``manifest`` is not needed).
 
     This is the one writer of the file; callers that must refuse an invalid manifest validate
     it first (``restore.gym_manifest_file``).
     """
-    data = (encoded if encoded is not None else encode_gym_manifest(manifest)).encode()
+    if encoded is None:
+        if manifest is None:
+            raise ValueError("write_gym_manifest needs the manifest or its encoded text")
+        encoded = encode_gym_manifest(manifest)
+    data = encoded.encode()
     return write_file_atomically(snapshot_dir, GYM_MANIFEST_FILENAME, data)

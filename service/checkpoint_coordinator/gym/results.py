@@ -183,7 +183,6 @@ class ForgetSettlement:
 @dataclass(frozen=True, slots=True)
 class SaveResult:
     checkpoint_id: str
-    manifest: Mapping[str, Any]
     commit: CommitResult
     restarts: Mapping[str, frozenset[Episode]]
     # None when no resume was sent (a stopping snapshot that every instance honoured).
@@ -195,6 +194,14 @@ class SaveResult:
     @property
     def gym_restarted_episodes(self) -> int:
         return sum(len(r) for r in self.restarts.values())
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The Gym manifest of the commit as a plain dict, built on each access (the pending
+        snapshot stores the manifest's text and never needs this)."""
+        from .manifest import build_gym_manifest  # that module imports this one
+
+        return build_gym_manifest(self.checkpoint_id, self.commit)
 
 
 @dataclass(frozen=True, slots=True)

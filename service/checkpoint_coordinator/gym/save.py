@@ -92,7 +92,6 @@ class GymSave:
         self.warnings: list[str] = []
         self.gym_parked_seconds: float | None = None
         self.commit_result: CommitResult | None = None
-        self._manifest: dict[str, Any] | None = None
         self.manifest_json = ""
         self._renewer: LeaseRenewer | None = None
         self._prepared: Any = None
@@ -212,32 +211,26 @@ class GymSave:
         raise self._drain_timeout({iid: sorted(eps) for iid, eps in pending.items() if eps})
 
     async def manifest(self) -> dict[str, Any]:
-        """The Gym manifest of the commit (written beside the snapshot when asked to)."""
+        """The Gym manifest of the commit as a plain dict (written beside the snapshot when
+        asked to)."""
         self.build_manifest()
         await self.write_manifest_file_now()
-        assert self._manifest is not None
-        return self._manifest
+        assert self.commit_result is not None
+        return build_gym_manifest(self.checkpoint_id, self.commit_result)
 
     def build_manifest(self) -> None:
-        """The Gym manifest of the commit in its text form, ``manifest_json`` (the plain dict
-        comes with ``write_manifest_file_now``)."""
+        """The Gym manifest of the commit in its text form, ``manifest_json``."""
         assert self.commit_result is not None
         self.manifest_json = encode_gym_manifest_of(self.checkpoint_id, self.commit_result)
         self._lap("manifest")
 
     async def write_manifest_file_now(self) -> None:
-        """Build the manifest's plain dict and write the file beside the snapshot (when asked
-        to), from ``manifest_json``, in a thread. The caller may run it beside other work; it
-        must end before the cut."""
-        assert self.commit_result is not None and self.manifest_json
-        commit = self.commit_result
-
-        def work() -> None:
-            self._manifest = build_gym_manifest(self.checkpoint_id, commit)
-            if self.write_manifest_file:
-                write_gym_manifest(self.snapshot_dir, self._manifest, encoded=self.manifest_json)
-
-        await asyncio.to_thread(work)
+        """Write ``manifest_json`` beside the snapshot (when asked to), in a thread. The caller
+        may run it beside other work; it must end before the cut. No plain dict is built: in the
+        coordinator's process that thread would hold the GIL while the barrier is answered."""
+        assert self.manifest_json
+        if self.write_manifest_file:
+            await asyncio.to_thread(write_gym_manifest, self.snapshot_dir, encoded=self.manifest_json)
 
     async def within_lease(self, aw: Awaitable[Any]) -> Any:
         """Await ``aw`` unless a Gym lease is lost first; then cancel it and raise the loss."""
@@ -258,7 +251,7 @@ class GymSave:
         """After the cut: resume Gym, or, when stopping, leave parked every instance that honoured
         ``stop`` (section 13 P4; one that refused it is resumed as usual). A resume failure is
         reported, not raised: the snapshot is kept and the leases reopen Gym."""
-        assert self._cut_done and self.commit_result is not None and self._manifest is not None
+        assert self._cut_done and self.commit_result is not None
         await self._stop_renewer()
         commit = self.commit_result
         resume: ResumeReport | None = None
@@ -277,7 +270,6 @@ class GymSave:
         self.timings["total"] = self.client.clock.time() - self._run_started
         return SaveResult(
             checkpoint_id=self.checkpoint_id,
-            manifest=self._manifest,
             commit=commit,
             restarts={iid: frozenset(ic.restarts) for iid, ic in commit.instances.items()},
             resume=resume,
