@@ -362,7 +362,7 @@ async def store_gym_entry(
     lookup = (
         "(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{}') FROM (SELECT DISTINCT t.k COLLATE \"C\" AS k "
         "FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)) m "
-        "WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k))"
+        f"WHERE {_not_a_pre_cut_key('m.k')})"
     )
     async with engine.begin() as conn:
         n = (
@@ -685,6 +685,14 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
+def _not_a_pre_cut_key(key: str) -> str:
+    """True when ``key`` is none of the snapshot's key rows. One index probe per key, written as
+    a scalar subquery so that the planner cannot make it a merge or hash join over every key
+    row: those rows were inserted moments ago (the pre-cut), their statistics do not show them,
+    and such a plan read all of them (80 ms against ~12 for 2 000 probes in the benchmark)."""
+    return f"(SELECT true FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = {key} LIMIT 1) IS NULL"
+
+
 # The staging keys of the Gym manifest, one row per (instance, key).
 _MANIFEST_KEYS = f"SELECT mk.k FROM snapshots sn, LATERAL ({_manifest_keys(':r', ':s', 'sn.gym_manifest')}) mk WHERE sn.run_id = :r AND sn.snapshot_id = :s"
 # The Gym manifest's keys the pre-cut's key rows lack: looked up when each entry was stored
@@ -694,7 +702,7 @@ _MANIFEST_NEW_KEYS = (
     "UNION ALL SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ("
     f"SELECT k FROM snapshots sn, {_manifest_key_rows('sn.gym_manifest')} WHERE sn.run_id = :r AND sn.snapshot_id = :s "
     f"UNION ALL {_entry_key_rows(':r', ':s', where=' AND ge.new_keys IS NULL')}) x) m "
-    "WHERE NOT EXISTS (SELECT 1 FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k)"
+    f"WHERE {_not_a_pre_cut_key('m.k')}"
 )
 # The key rows of a whole cut: every key of its groups, with how many of them name it.
 # Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to
