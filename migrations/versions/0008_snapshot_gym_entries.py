@@ -6,7 +6,7 @@ entry's staging keys that the pre-cut's key rows do not hold (``new_keys``, look
 pre-cut is in). The move to ``data_plane`` then writes no manifest, and the barrier only unions
 ``new_keys`` instead of looking the manifest's keys up while Gym and the trainer wait. At the
 snapshot's end the entries are joined into ``snapshots.gym_manifest`` (after Gym was resumed)
-and go.
+and go. The barrier's delta columns are stored uncompressed.
 
 Revision ID: 0008
 Revises: 0007
@@ -34,7 +34,13 @@ def upgrade() -> None:
         sa.Column('new_keys', postgresql.ARRAY(sa.Text(collation='C')), nullable=True),
         sa.PrimaryKeyConstraint('run_id', 'snapshot_id', 'instance_id', name=op.f('pk_snapshot_gym_entries')),
     )
+    # The barrier writes its delta (10 000 keys at 10 000 episodes in flight) while Gym waits:
+    # stored as it is, not compressed first (~6 ms less).
+    op.execute("ALTER TABLE snapshots ALTER COLUMN cut_keys_added SET STORAGE EXTERNAL")
+    op.execute("ALTER TABLE snapshots ALTER COLUMN cut_keys_removed SET STORAGE EXTERNAL")
 
 
 def downgrade() -> None:
+    op.execute("ALTER TABLE snapshots ALTER COLUMN cut_keys_removed SET STORAGE EXTENDED")
+    op.execute("ALTER TABLE snapshots ALTER COLUMN cut_keys_added SET STORAGE EXTENDED")
     op.drop_table('snapshot_gym_entries')

@@ -394,6 +394,8 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "model/held"]), look_up_keys=True)
     # Stored before the pre-cut was in: its keys are looked up at the barrier instead.
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9"]), look_up_keys=False)
+    async with engine.connect() as conn:  # the entries commit unflushed; the setting stays in their transactions
+        assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
     stored = dict(await _rows(engine, "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p'"))
     assert stored == {"math/replica-0": ["model/x"], "math/replica-1": None}
     async with engine.begin() as conn:

@@ -369,7 +369,10 @@ async def store_gym_entry(
             await conn.execute(
                 text(
                     "INSERT INTO snapshot_gym_entries (run_id, snapshot_id, instance_id, entry, new_keys) "
-                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} FROM (SELECT CAST(:entry AS jsonb) AS e) x "
+                    # Unflushed: the move to data_plane, flushed, waits for every entry and comes
+                    # later in the log; a crash before it ends the snapshot anyway.
+                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} "
+                    "FROM (SELECT CAST(:entry AS jsonb) AS e, set_config('synchronous_commit', 'off', true)) x "
                     "WHERE EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain) AND outcome IS NULL "
                     f"AND owner = :fence_owner) AND {fence_sql()} "
                     "ON CONFLICT (run_id, snapshot_id, instance_id) DO UPDATE SET entry = EXCLUDED.entry, new_keys = EXCLUDED.new_keys"
