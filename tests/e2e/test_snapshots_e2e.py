@@ -386,6 +386,9 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
     while snap["awaiting"] != "barrier":
         assert snap["outcome"] is None, snap
         snap = await next_state(snap)
+    # Pending in data_plane: its manifest is its per-instance entries, every instance's in.
+    pending_manifest = await api.get("/snapshots/s1/gym-manifest")
+    assert sorted(pending_manifest["instances"]) == sorted(gyms), pending_manifest
     b = await api.post("/snapshots/s1/barrier", {})
     f = tmp_path / "dp.json"
     f.write_text(json.dumps(b["staging_keys"]))
@@ -395,6 +398,7 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
         snap = await next_state(snap)
     await trainer.wait_idle()
     assert snap["outcome"] == "published", snap
+    assert await api.get("/snapshots/s1/gym-manifest") == pending_manifest  # joined into the row at its end
     assert max(waits) < 10, waits
     assert any(t.startswith("data_plane.-.barrier.") for t in seen), seen
     assert {"commit.-.-.0", "commit.-.-.1"} <= set(seen), seen  # the pre-cut's keys became fetchable while Gym committed

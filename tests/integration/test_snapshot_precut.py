@@ -394,8 +394,6 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "model/held"]), look_up_keys=True)
     # Stored before the pre-cut was in: its keys are looked up at the barrier instead.
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9"]), look_up_keys=False)
-    async with engine.connect() as conn:  # the entries commit unflushed; the setting stays in their transactions
-        assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
     stored = dict(await _rows(engine, "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p'"))
     assert stored == {"math/replica-0": ["model/x"], "math/replica-1": None}
     async with engine.begin() as conn:
@@ -434,12 +432,24 @@ async def test_a_gym_entry_is_refused_once_the_snapshot_left_commit_or_its_owner
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
 
 
-async def test_a_snapshot_that_ends_before_its_cut_keeps_its_gym_manifest_and_drops_its_entries(engine: Any) -> None:
+async def test_a_snapshot_ended_while_gym_commits_keeps_no_partial_manifest_and_drops_its_entries(engine: Any) -> None:
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    async with engine.connect() as conn:  # one instance of several is in: no manifest is shown yet
+        assert (await repo.get(conn, RUN, "p", with_manifest=True)).gym_manifest is None
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
+    assert await _rows(engine, "SELECT gym_manifest FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'") == [(None,)]
+    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])
+
+
+async def test_a_snapshot_that_fails_after_its_data_plane_move_keeps_its_gym_manifest(engine: Any) -> None:
+    await _committing_with_entries(engine, "p")
+    fence = await owner_fence(engine)
+    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    await _to_data_plane(engine, "p")
+    await repo.end(engine, RUN, "p", "failed", "data_plane_timeout", fence=fence, expected=SnapshotPhase.data_plane, keep_gym_manifest=True)
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
     (manifest,), = await _rows(engine, "SELECT gym_manifest FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
     assert manifest["instances"]["math/replica-0"]["staging_keys"] == ["model/x"]
-    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])

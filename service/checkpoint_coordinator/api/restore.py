@@ -12,6 +12,7 @@ from pydantic import Field, StringConstraints
 from ..domain.errors import ManifestError
 from ..domain.vocabulary import Disposition
 from ..ledger import restore_reads as reads
+from ..ledger import snapshots as snapshot_rows
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service
@@ -166,12 +167,16 @@ async def get_snapshot_gym_manifest(
     async with request.app.state.engine.connect() as conn:
         await get_run(conn, str(caller.run_id))
         snap = await reads.get_snapshot(conn, str(caller.run_id), snapshot_id)
+        manifest = snap.gym_manifest if snap is not None else None
+        if snap is not None and manifest is None and snap.outcome is None:
+            # Pending: its manifest is its per-instance entries, joined once all are in.
+            manifest = (await snapshot_rows.get(conn, str(caller.run_id), snapshot_id, with_manifest=True)).gym_manifest
     if snap is None:
         raise SnapshotNotFound(f"snapshot {snapshot_id!r} not found", snapshot_id=snapshot_id)
-    if snap.gym_manifest is None:
+    if manifest is None:
         raise GymManifestAbsent(f"snapshot {snapshot_id!r} holds no Gym manifest", snapshot_id=snapshot_id)
     try:
-        return manifest_document(snap.gym_manifest)
+        return manifest_document(manifest)
     except ManifestError as e:
         raise domain_problem(e, prefix="gym_manifest", error=SnapshotUnusable) from e
 

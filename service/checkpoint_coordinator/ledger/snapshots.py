@@ -119,7 +119,9 @@ def _manifest_keys(run: str, snap: str, manifest: str) -> str:
 
 
 # A pending snapshot's Gym manifest is its entries, joined here (at its end, or for a reader that
-# asks for it); NULL when it has none.
+# asks for it); NULL when it has none. Complete only from the move to data_plane on (which
+# waits for every instance's entry): ``_COMPLETE_ENTRIES`` says so.
+_COMPLETE_ENTRIES = f"(snapshots.phase = '{P.data_plane}' OR snapshots.cut_at IS NOT NULL)"
 _ENTRIES_MANIFEST = (
     "(SELECT jsonb_build_object('checkpoint_id', snapshots.gym_checkpoint_id, 'instances', jsonb_object_agg(ge.instance_id, ge.entry), "
     f"'schema_version', {MANIFEST_SCHEMA_VERSION}) FROM snapshot_gym_entries ge "
@@ -141,7 +143,10 @@ _KEYS_WHEN_AWAITING_CAPTURE = (
 )
 _COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
 _COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
-_COLS_FULL = f"{_BASE_COLS}, COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) AS gym_manifest, {_KEYS} AS cut_staging_keys"
+_COLS_FULL = (
+    f"{_BASE_COLS}, COALESCE(gym_manifest, CASE WHEN {_COMPLETE_ENTRIES} THEN {_ENTRIES_MANIFEST} END) AS gym_manifest, "
+    f"{_KEYS} AS cut_staging_keys"
+)
 # Only what ``SnapshotRow`` does not need at all.
 _COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS text[]) AS cut_staging_keys"
 
@@ -369,10 +374,9 @@ async def store_gym_entry(
             await conn.execute(
                 text(
                     "INSERT INTO snapshot_gym_entries (run_id, snapshot_id, instance_id, entry, new_keys) "
-                    # Unflushed: the move to data_plane, flushed, waits for every entry and comes
-                    # later in the log; a crash before it ends the snapshot anyway.
-                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} "
-                    "FROM (SELECT CAST(:entry AS jsonb) AS e, set_config('synchronous_commit', 'off', true)) x "
+                    # Flushed: a database crash must not lose an entry whose write was answered
+                    # (nothing would write it again, and the snapshot would publish without it).
+                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} FROM (SELECT CAST(:entry AS jsonb) AS e) x "
                     "WHERE EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain) AND outcome IS NULL "
                     f"AND owner = :fence_owner) AND {fence_sql()} "
                     "ON CONFLICT (run_id, snapshot_id, instance_id) DO UPDATE SET entry = EXCLUDED.entry, new_keys = EXCLUDED.new_keys"
@@ -944,11 +948,16 @@ async def end(
     resume_failure: dict[str, Any] | None = None,
     keep_latest_k: int = 2,
     keep_gate: bool = False,
+    keep_gym_manifest: bool | None = None,
 ) -> tuple[SnapshotRow, int]:
     """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
     reopen the gate if still held, count consecutive losses, apply retention on publish.
-    Fenced like every phase move (from ``expected``). Returns (row, consecutive losses after this)."""
+    Fenced like every phase move (from ``expected``). Returns (row, consecutive losses after this).
+    ``keep_gym_manifest``: join its Gym entries into ``gym_manifest`` (the snapshot reached
+    ``data_plane``, so every instance's entry is in); by default only when it publishes."""
     outcome, reason = SnapshotOutcome(outcome), SnapshotReason(reason)
+    if keep_gym_manifest is None:
+        keep_gym_manifest = outcome is SnapshotOutcome.published
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True, allow_closed=True)
         phase = SnapshotPhase(outcome.value)
@@ -961,14 +970,16 @@ async def end(
                     "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END, "
                     # The cut's keys, rows while it was pending (after Gym was resumed: off the park).
                     f"cut_staging_keys = CASE WHEN :published THEN {_KEYS} ELSE cut_staging_keys END, "
-                    # Its Gym manifest, entries while it was pending (joined after Gym was resumed).
-                    f"gym_manifest = COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) "
+                    # Its Gym manifest, entries while it was pending (joined after Gym was resumed),
+                    # kept when complete (``keep_gym_manifest``).
+                    f"gym_manifest = CASE WHEN :keep_manifest THEN COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) ELSE gym_manifest END "
                     f"WHERE {_FENCED_MOVE} RETURNING {_COLS}"
                 ),
                 {
                     "r": run_id, "s": snapshot_id, "ph": phase.value, "o": outcome.value, "rs": reason.value, "d": _j(detail), "t": _j(timings),
                     "gp": gym_parked_seconds, "gr": gym_restarted_episodes, "rf": _j(resume_failure),
-                    "published": outcome is SnapshotOutcome.published, "expected": expected.value, **fence.params(),
+                    "published": outcome is SnapshotOutcome.published, "expected": expected.value, "keep_manifest": keep_gym_manifest,
+                    **fence.params(),
                 },
             )
         ).first()

@@ -148,8 +148,11 @@ class PendingSnapshot:
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
         self._pre_cut_taken = False
-        # Each instance's Gym manifest entry, stored while the other instances still commit.
+        # Each instance's Gym manifest entry, stored while the other instances still commit;
+        # closed once the snapshot ends (an entry written after its end would be left behind).
         self._entries: dict[str, asyncio.Future[None]] = {}
+        self._entries_closed = False
+        self._data_plane_reached = False
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
         self._started = time.monotonic()
@@ -280,6 +283,7 @@ class PendingSnapshot:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
             await self._step(self._stored_entries(commit))
             await self._move(P.data_plane)
+            self._data_plane_reached = True
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
             manifest_file.add_done_callback(_retrieved)
@@ -389,7 +393,7 @@ class PendingSnapshot:
                 self.engine, self.run_id, self.snapshot_id, outcome, reason, fence=self.fence, expected=self.phase,
                 detail=detail, timings=timings, gym_parked_seconds=save.gym_parked_seconds if save else None,
                 gym_restarted_episodes=restarted, resume_failure=resume_failure, keep_latest_k=int(self._config.get("keep_latest_k", 2)),
-                keep_gate=self.stop,
+                keep_gate=self.stop, keep_gym_manifest=self._data_plane_reached,
             ),
             f"snapshot {self.snapshot_id} of run {self.run_id}: ending it {outcome}/{reason}",
         )
@@ -427,7 +431,8 @@ class PendingSnapshot:
             await self.save.abandon()
         if self._pre_cut is not None:
             self._pre_cut.cancel()
-        for task in self._entries.values():
+        self._entries_closed = True
+        for task in list(self._entries.values()):
             task.cancel()
         if self._candidates is not None:
             self._candidates.cancel()
@@ -530,7 +535,7 @@ class PendingSnapshot:
     def _store_entry_soon(self, instance_id: str, ic: InstanceCommit) -> None:
         """An instance's commit validated while others may still commit: store its manifest
         entry now, beside their calls, rather than the whole manifest once Gym waits."""
-        if instance_id not in self._entries:
+        if instance_id not in self._entries and not self._entries_closed:
             self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic))
 
     async def _store_entry(self, instance_id: str, ic: InstanceCommit) -> None:
@@ -543,17 +548,30 @@ class PendingSnapshot:
         try are stored now); the first failure is raised."""
         for iid, ic in commit.instances.items():
             self._store_entry_soon(iid, ic)
-        results = await asyncio.gather(*self._entries.values(), return_exceptions=True)
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
+        await asyncio.gather(*self._entries.values(), return_exceptions=True)
+        for iid, task in list(self._entries.items()):
+            if task.cancelled():
+                raise asyncio.CancelledError()
+            e = task.exception()
+            if e is None:
+                continue
+            if database_away(e) is None:
+                raise e
+            # Written while the database was away: again, now that it may be back (an upsert).
+            ic = commit.instances[iid]
+            self._entries[iid] = asyncio.ensure_future(
+                until_database_answers(lambda iid=iid, ic=ic: self._store_entry(iid, ic), f"snapshot {self.snapshot_id}: Gym entry of {iid}")
+            )
+            await self._entries[iid]
 
     async def _drop_entry_writes(self) -> None:
         """Cancel and wait for the entry writes still in flight, before the snapshot ends (its
         end deletes the entries: none may land after it)."""
-        for task in self._entries.values():
+        self._entries_closed = True
+        tasks = list(self._entries.values())
+        for task in tasks:
             task.cancel()
-        for task in self._entries.values():
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 

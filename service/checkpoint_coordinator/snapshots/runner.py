@@ -137,7 +137,10 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
             # otherwise the owner's death is the reason.
             reason = SnapshotReason(abort_requested or SnapshotReason.coordinator_restart)
             outcome = outcome_of(reason)
-            await repo.end(engine, run_id, sid, outcome, reason, fence=fence, expected=phase, detail=detail)
+            # In data_plane or later every instance's Gym entry was stored: the manifest is kept
+            # (``resume`` may be an abort from before data_plane: not kept).
+            await repo.end(engine, run_id, sid, outcome, reason, fence=fence, expected=phase, detail=detail,
+                           keep_gym_manifest=phase in (SnapshotPhase.data_plane, SnapshotPhase.publish))
         except Fenced as e:
             metrics.record_fenced_write(metrics.FencedWork.SNAPSHOT)
             log.warning("snapshot %s of run %s: recovery fenced (%s)", sid, run_id, e)
