@@ -855,15 +855,14 @@ def main(argv: list[str] | None = None) -> int:
         stop_gyms(gyms)
         if coord is not None:
             coord.close()
+        import shutil
+
         if pg is not None:
             if args.slow_plans is not None:
-                import shutil as _sh
-
                 with contextlib.suppress(OSError):
-                    _sh.copyfile(pg.dir / "pgdata" / "log", args.slow_plans_log)
+                    shutil.copyfile(pg.dir / "pgdata" / "log", args.slow_plans_log)
                     print(f"snapshot_overhead: plans of the statements of {args.slow_plans:g} ms or more: {args.slow_plans_log}")
             pg.close()
-        import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)
 

@@ -112,10 +112,11 @@ def _entry_key_rows(run: str, snap: str, *, where: str = "") -> str:
     )
 
 
-def _manifest_keys(run: str, snap: str, manifest: str) -> str:
+def _manifest_keys(run: str, snap: str, manifest: str, *, entries_where: str = "") -> str:
     """A SELECT yielding ``k``, every staging key of a snapshot's Gym manifest: the one stored
-    whole (``manifest``, its column) and the per-instance entries of a pending one."""
-    return f"SELECT k FROM {_manifest_key_rows(manifest)} UNION ALL {_entry_key_rows(run, snap)}"
+    whole (``manifest``, its column) and the per-instance entries of a pending one (those
+    ``entries_where`` keeps)."""
+    return f"SELECT k FROM {_manifest_key_rows(manifest)} UNION ALL {_entry_key_rows(run, snap, where=entries_where)}"
 
 
 # A pending snapshot's Gym manifest is its entries, joined here (at its end, or for a reader that
@@ -364,11 +365,8 @@ async def store_gym_entry(
     snapshot is in phase ``commit`` or ``drain``, fenced like a phase move. ``look_up_keys``: the pre-cut is
     in, so the entry's staging keys its key rows lack are looked up now (``new_keys``), not at
     the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
-    lookup = (
-        "(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{}') FROM (SELECT DISTINCT t.k COLLATE \"C\" AS k "
-        "FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)) m "
-        f"WHERE {_not_a_pre_cut_key('m.k')})"
-    )
+    entry_keys = "SELECT t.k FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)"
+    lookup = f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(entry_keys)}) m)"
     async with engine.begin() as conn:
         n = (
             await conn.execute(
@@ -692,24 +690,33 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-def _not_a_pre_cut_key(key: str) -> str:
-    """True when ``key`` is none of the snapshot's key rows. One index probe per key, written as
-    a scalar subquery so that the planner cannot make it a merge or hash join over every key
-    row: those rows were inserted moments ago (the pre-cut), their statistics do not show them,
-    and such a plan read all of them (80 ms against ~12 for 2 000 probes in the benchmark)."""
-    return f"(SELECT true FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = {key} LIMIT 1) IS NULL"
+def _not_pre_cut_keys(keys: str) -> str:
+    """A SELECT yielding ``k``, the distinct keys of the SELECT ``keys`` (a column ``k``) that
+    none of the snapshot's key rows hold, in byte order's collation. One index probe per key,
+    written as a scalar subquery so that the planner cannot make it a merge or hash join over
+    every key row: those rows were inserted moments ago (the pre-cut), their statistics do not
+    show them, and such a plan read all of them (80 ms against ~12 for 2 000 probes in the
+    benchmark)."""
+    return (
+        f"SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ({keys}) x) m WHERE "
+        "(SELECT true FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k LIMIT 1) IS NULL"
+    )
 
 
-# The staging keys of the Gym manifest, one row per (instance, key).
-_MANIFEST_KEYS = f"SELECT mk.k FROM snapshots sn, LATERAL ({_manifest_keys(':r', ':s', 'sn.gym_manifest')}) mk WHERE sn.run_id = :r AND sn.snapshot_id = :s"
+def _snapshot_manifest_keys(*, entries_where: str = "") -> str:
+    """The staging keys of snapshot ``:s``'s Gym manifest, one row per (instance, key)."""
+    return (
+        f"SELECT mk.k FROM snapshots sn, LATERAL ({_manifest_keys(':r', ':s', 'sn.gym_manifest', entries_where=entries_where)}) mk "
+        "WHERE sn.run_id = :r AND sn.snapshot_id = :s"
+    )
+
+
+_MANIFEST_KEYS = _snapshot_manifest_keys()
 # The Gym manifest's keys the pre-cut's key rows lack: looked up when each entry was stored
 # (``new_keys``), else (no pre-cut was in then, or a manifest stored whole) here.
 _MANIFEST_NEW_KEYS = (
     "SELECT u.k FROM snapshot_gym_entries ge, unnest(ge.new_keys) AS u(k) WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NOT NULL "
-    "UNION ALL SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ("
-    f"SELECT k FROM snapshots sn, {_manifest_key_rows('sn.gym_manifest')} WHERE sn.run_id = :r AND sn.snapshot_id = :s "
-    f"UNION ALL {_entry_key_rows(':r', ':s', where=' AND ge.new_keys IS NULL')}) x) m "
-    f"WHERE {_not_a_pre_cut_key('m.k')}"
+    f"UNION ALL {_not_pre_cut_keys(_snapshot_manifest_keys(entries_where=' AND ge.new_keys IS NULL'))}"
 )
 # The key rows of a whole cut: every key of its groups, with how many of them name it.
 # Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to

@@ -431,9 +431,7 @@ class PendingSnapshot:
             await self.save.abandon()
         if self._pre_cut is not None:
             self._pre_cut.cancel()
-        self._entries_closed = True
-        for task in list(self._entries.values()):
-            task.cancel()
+        self._close_entries()
         if self._candidates is not None:
             self._candidates.cancel()
 
@@ -564,14 +562,18 @@ class PendingSnapshot:
             )
             await self._entries[iid]
 
-    async def _drop_entry_writes(self) -> None:
-        """Cancel and wait for the entry writes still in flight, before the snapshot ends (its
-        end deletes the entries: none may land after it)."""
+    def _close_entries(self) -> list[asyncio.Future[None]]:
+        """No entry write starts any more; those in flight are cancelled (and returned)."""
         self._entries_closed = True
         tasks = list(self._entries.values())
         for task in tasks:
             task.cancel()
-        for task in tasks:
+        return tasks
+
+    async def _drop_entry_writes(self) -> None:
+        """Cancel and wait for the entry writes still in flight, before the snapshot ends (its
+        end deletes the entries: none may land after it)."""
+        for task in self._close_entries():
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
