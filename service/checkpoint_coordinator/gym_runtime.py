@@ -16,7 +16,7 @@ import httpx
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .domain.config import RecoveryConfig, load_recovery_config
-from .gym.client import GymControlClient, Topology
+from .gym.client import GymControlClient, Topology, tls_context
 from .gym.clock import Clock
 from .gym.models import InstanceSpec, InstanceTopology, Participant
 from .ledger.gym_registry import instance_specs, participants_by_instance
@@ -55,6 +55,7 @@ class GymClients:
         self._clients: dict[str, GymControlClient] = {}
         self._transport = transport
         self._clock = clock
+        tls_context()  # built at startup, not by the first snapshot (see tls_context)
 
     def for_run(self, run_id: str, config: RecoveryConfig | Mapping[str, Any]) -> GymControlClient:
         """``config`` is the run's recovery config, typed or as stored (validated when stored)."""

@@ -10,7 +10,9 @@ back a retire while a checkpoint of its own is open.
 
 from __future__ import annotations
 
+import functools
 import json
+import ssl
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -40,9 +42,17 @@ from .results import (
 )
 from .retire import callers_first
 
-__all__ = ["GymControlClient", "RestoreCleanup", "Topology", "callers_first"]
+__all__ = ["GymControlClient", "RestoreCleanup", "Topology", "callers_first", "tls_context"]
 
 DEFAULT_MAX_CONTROL_REPLY_BYTES = 256 * 1024 * 1024
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """The TLS context of every Gym client of the process. Loading the CA bundle is slow, and a
+    client built for a run's first snapshot paid it while the gate was closed, before Gym's
+    prepare; one context, built once, serves them all (contexts are safe to share)."""
+    return httpx.create_ssl_context(trust_env=False)
 
 
 class GymControlClient:
@@ -78,6 +88,7 @@ class GymControlClient:
         self.clock: Clock = clock or SystemClock()
         self._http = httpx.AsyncClient(
             transport=transport,
+            verify=tls_context(),
             timeout=None,
             follow_redirects=False,
             # Control calls go straight to the registered base URLs, never through a proxy
