@@ -141,6 +141,38 @@ def _remove_checkpoint_roots() -> Iterator[None]:
     remove_checkpoint_roots()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest tests first (the image, then the other slow ones), so that under ``-n`` none
+    of them starts last and holds the run open; the order is otherwise kept."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("image") else 1 if item.get_closest_marker("slow") else 2)
+
+
+# Lines a test adds to the terminal summary (the image test's build report). They travel as
+# user properties of its reports, so that they reach the summary also from an xdist worker.
+_SUMMARY_PROPERTY = "ckptc_summary_line"
+_summary: dict[str, list[str]] = {}
+
+
+def summary_line(item: pytest.Item, section: str, line: str) -> None:
+    item.user_properties.append((_SUMMARY_PROPERTY, (section, line)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "teardown":
+        return  # every phase's report carries the properties added so far: take them once
+    for name, value in report.user_properties:
+        if name == _SUMMARY_PROPERTY:
+            section, line = value
+            _summary.setdefault(section, []).append(line)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for section, lines in _summary.items():
+        terminalreporter.write_sep("-", section)
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
 def admin_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 

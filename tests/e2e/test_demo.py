@@ -96,7 +96,10 @@ def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Pat
     assert {live: by_live.get(live, 0) for live in INSTANCE_MAP.values()} == {live: exported[saved] for saved, live in INSTANCE_MAP.items()}
     reasons = s["restore"]["plan_reasons"]
     assert reasons["restarted"]["instance_not_mapped"] == exported[unmapped]
-    assert reasons["continued"] == {"exported_by_gym": sum(exported[saved] for saved in INSTANCE_MAP)}
+    # Under load the signal can come late in the step (the demo signals anyway at 75% sealed),
+    # when the mapped instances had nothing in flight: then nothing continues.
+    carried = sum(exported[saved] for saved in INSTANCE_MAP)
+    assert reasons.get("continued", {}) == ({"exported_by_gym": carried} if carried else {}), reasons
 
     # The summary prints the plan's reasons and whether the stop was honoured.
     assert "why (the plan's reason for each row)" in proc.stdout and "instance_not_mapped" in proc.stdout

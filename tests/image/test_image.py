@@ -19,7 +19,8 @@ import pytest
 from .buildah import Container, ImageConfig
 from .conftest import REPORT
 
-pytestmark = [pytest.mark.image, pytest.mark.slow]
+# One xdist worker builds the image once for all three (a session fixture is per worker).
+pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.xdist_group("image")]
 
 
 def _free_port() -> int:
