@@ -143,7 +143,7 @@ def _remove_checkpoint_roots() -> Iterator[None]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest tests first (the image, then the other slow ones), so that under ``-n`` none
-    of them starts last and holds the run open; the order is otherwise kept."""
+    of their files starts last and holds the run open; the order is otherwise kept."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("image") else 1 if item.get_closest_marker("slow") else 2)
 
 

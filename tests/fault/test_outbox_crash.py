@@ -18,7 +18,7 @@ from ..e2e.harness import register_by_discovery
 from ..integration.ledger_helpers import group_body, new_run
 from .coordinator_process import CoordinatorProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")
 
 

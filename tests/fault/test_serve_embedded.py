@@ -17,7 +17,7 @@ import pytest
 from ..conftest import ADMIN_TOKEN
 from .coordinator_process import free_port
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
 def _serve(data_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:

@@ -21,7 +21,7 @@ from ..e2e.harness import Trainer, drive_snapshot, register_by_discovery
 from ..integration.ledger_helpers import group_body, new_run
 from .coordinator_process import CoordinatorProcess
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 # phase to kill in -> the gymsim fault that holds the snapshot there, or the phase whose write a
 # trigger holds ("db:<next phase>")

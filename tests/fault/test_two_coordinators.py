@@ -28,7 +28,7 @@ from ..e2e.harness import Trainer, drive_snapshot, register_by_discovery
 from ..integration.ledger_helpers import RunApi, group_body, new_run
 from .coordinator_process import CoordinatorProcess
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 LEASE_S = 2.0
 PARTICIPANTS = ("policy_model", "workplace_agent", "calendar_resources")

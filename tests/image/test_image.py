@@ -19,8 +19,7 @@ import pytest
 from .buildah import Container, ImageConfig
 from .conftest import REPORT
 
-# One xdist worker builds the image once for all three (a session fixture is per worker).
-pytestmark = [pytest.mark.image, pytest.mark.slow, pytest.mark.xdist_group("image")]
+pytestmark = [pytest.mark.image, pytest.mark.slow]
 
 
 def _free_port() -> int:

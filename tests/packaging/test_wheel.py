@@ -19,9 +19,6 @@ import pytest
 
 from .sources import shipped_modules, shipped_packages
 
-# One xdist worker builds the wheel and its venv once for all of them.
-pytestmark = pytest.mark.xdist_group("packaging")
-
 
 def test_every_package_and_module_is_in_the_wheel(built_wheel: Path) -> None:
     names = set(zipfile.ZipFile(built_wheel).namelist())
