@@ -142,9 +142,11 @@ def _remove_checkpoint_roots() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The longest tests first (the image, then the other slow ones), so that under ``-n`` none
-    of their files starts last and holds the run open; the order is otherwise kept."""
-    items.sort(key=lambda item: 0 if item.get_closest_marker("image") else 1 if item.get_closest_marker("slow") else 2)
+    """The image tests first, the order otherwise kept. Under ``-n 3 --dist worksteal`` the first
+    worker takes the first third of the collection and others steal only from the end of a
+    queue: the three image tests run together at its start (their session fixture builds the
+    image once), and the longest work does not start last."""
+    items.sort(key=lambda item: 0 if item.get_closest_marker("image") else 1)
 
 
 # Lines a test adds to the terminal summary (the image test's build report). They travel as

@@ -89,15 +89,15 @@ def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Pat
     assert a["saved_instances"] == list(FIRST_ALLOCATION) and a["live_instances"] == list(NEXT_ALLOCATION)
 
     # The mapped instances' episodes continue where they were mapped; the unmapped one's restart.
+    # Under load the signal can come late in the step (the demo signals anyway at 75% sealed),
+    # when an instance had nothing in flight: what it exported is then 0, and the plan says so.
     exported = a["exported_by_saved_instance"]
+    assert sum(exported.values()) > 0, exported
     [unmapped] = sorted(set(FIRST_ALLOCATION) - set(INSTANCE_MAP))
-    assert exported[unmapped] > 0, exported
     by_live = s["restore"]["continued_by_instance"]
     assert {live: by_live.get(live, 0) for live in INSTANCE_MAP.values()} == {live: exported[saved] for saved, live in INSTANCE_MAP.items()}
     reasons = s["restore"]["plan_reasons"]
-    assert reasons["restarted"]["instance_not_mapped"] == exported[unmapped]
-    # Under load the signal can come late in the step (the demo signals anyway at 75% sealed),
-    # when the mapped instances had nothing in flight: then nothing continues.
+    assert reasons.get("restarted", {}).get("instance_not_mapped", 0) == exported[unmapped], reasons
     carried = sum(exported[saved] for saved in INSTANCE_MAP)
     assert reasons.get("continued", {}) == ({"exported_by_gym": carried} if carried else {}), reasons
 
