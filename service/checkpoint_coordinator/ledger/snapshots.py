@@ -497,6 +497,9 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
+_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step"})
+
+
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
     """The trainer holds its data-plane barrier: copy the live ledger into the snapshot, in one
     transaction, and record the staging keys that must exist. Idempotent.
@@ -513,7 +516,24 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
     that asked for the delta; a repeat carries it anyway)."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
-        snap = await get(conn, run_id, snapshot_id, for_update=True, columns=_COLS_NONE)
+        # The row and all the barrier reads besides it, in one statement (after the run's lock:
+        # its xmin sees every report that committed before the cut).
+        found = (
+            await conn.execute(
+                text(
+                    f"SELECT {_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
+                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
+                    "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
+                    "(SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL) AS newest_step "
+                    "FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR UPDATE OF snapshots"
+                ),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).first()
+        if found is None:
+            raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
+        base = found._mapping
+        snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:
             return await get(conn, run_id, snapshot_id, columns=_COLS_WITH_KEYS)
         if snap.outcome is not None or snap.phase != P.data_plane:
@@ -523,34 +543,23 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             )
         if snap.abort_requested is not None:
             raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} is being aborted ({snap.abort_requested})", phase=snap.phase, reason=snap.abort_requested)
-        newest = await newest_train_step(conn, run_id)
+        newest = base["newest_step"]
         if newest is not None and newest > snap.anchor_step and not snap.stop:
             # Train step wins: it was announced before this cut (not over a stopping snapshot:
             # the trainer is stopping). The announce itself asked the owner to abort.
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
-        base = (
-            await conn.execute(
-                text(
-                    f"SELECT cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
-                    "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings "
-                    "FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
-                ),
-                {"r": run_id, "s": snapshot_id},
-            )
-        ).one()
         p = {"r": run_id, "s": snapshot_id}
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
         recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), p)).scalars())
-        if base.cut_base_xid is not None and base.pre_cut_groups > 0 and base.pre_cut_siblings is not None:
+        if base["cut_base_xid"] is not None and base["pre_cut_groups"] > 0 and base["pre_cut_siblings"] is not None:
             changed = recorded
-            if len(changed) * _DELTA_MAX_SHARE > base.pre_cut_groups:
+            if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
         if changed is not None:
             old_keys: list[str] = []
             new_keys: list[str] = []
-            groups, siblings = base.pre_cut_groups, base.pre_cut_siblings
+            groups, siblings = base["pre_cut_groups"], base["pre_cut_siblings"]
             if changed:
                 for keys, n in await conn.execute(
                     text(
@@ -566,22 +575,22 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
                 for keys, n in await conn.execute(text(_cut_insert(only_named_groups=True) + " RETURNING staging_keys, cardinality(siblings)"), {**p, "g": changed}):
                     new_keys.extend(keys or ())
                     groups, siblings = groups + 1, siblings + (n or 0)
-            extra = {"cut_pre_cut_groups": base.pre_cut_groups, "cut_recopied_groups": len(changed)}
+            extra = {"cut_pre_cut_groups": base["pre_cut_groups"], "cut_recopied_groups": len(changed)}
             r = (
                 await conn.execute(
                     text(_DELTA_CUT_SQL),
-                    {**p, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id, "g": groups, "n": siblings},
+                    {**p, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"], "g": groups, "n": siblings},
                 )
             ).one()
         else:
             # No pre-cut, or one that most groups changed since: copy everything.
             await delete_cut_rows(conn, run_id, [snapshot_id])
-            if base.pre_cut_groups:
-                extra = {"cut_pre_cut_groups": base.pre_cut_groups}
+            if base["pre_cut_groups"]:
+                extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
             await conn.execute(text(_INSERT_KEYS_SQL), p)
-            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, "extra": _j(extra), "cx": base.cut_xmin, "cs": base.cut_system_id})).one()
+            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
         row = SnapshotRow(**dict(r._mapping))
         if full_keys:
             row.cut_staging_keys = list((await conn.execute(text(f"SELECT {_KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
