@@ -57,7 +57,7 @@ async def commit(
     fan = _Fanout(ctl, checkpoint_id, deadline, dirs, topology, scope_of, stop)
 
     def validate(iid: str) -> InstanceCommit | dict[str, ServerFailure]:
-        replies, sent = fan.of_instance(iid)
+        replies, sent = fan.of_instance(iid, scope_of[iid])
         return validate_commit(checkpoint_id, topology[iid], dirs[iid], scope_of[iid], restarts_of[iid], replies, sent)
 
     async def first_round(iid: str) -> InstanceCommit | dict[str, ServerFailure] | None:
@@ -65,7 +65,7 @@ async def commit(
         # the wire, and it is validated while the slower instances still commit. An instance
         # with a refusal waits for the second tries below.
         await fan.send([i for i, (pid, _, _) in enumerate(fan.pairs) if pid == iid])
-        replies, _ = fan.of_instance(iid)
+        replies, _ = fan.of_instance(iid, scope_of[iid])
         if any(isinstance(r, CallFailed) for r in replies.values()):
             return None
         outcome = validate(iid)
@@ -161,13 +161,16 @@ class _Fanout:
     def refused(self, code: str) -> list[int]:
         return [i for i, r in enumerate(self.replies) if isinstance(r, CallFailed) and r.code == code]
 
-    def of_instance(self, iid: str) -> tuple[dict[str, CommitReply | CallFailed], dict[str, set[str]]]:
+    def of_instance(self, iid: str, scope: list[Episode]) -> tuple[dict[str, CommitReply | CallFailed], dict[str, set[str]]]:
+        """The instance's replies, and the scope each participant was sent where it is not
+        ``scope`` (the instance's scope now; a second try may have narrowed it)."""
         replies: dict[str, CommitReply | CallFailed] = {}
         sent: dict[str, set[str]] = {}
         for i, (pid, _, p) in enumerate(self.pairs):
             if pid == iid:
                 replies[p.server_name] = self.replies[i]
-                sent[p.server_name] = {ep.capture_key for ep in self.sent_scope[i]}
+                if self.sent_scope[i] is not scope:
+                    sent[p.server_name] = {ep.capture_key for ep in self.sent_scope[i]}
         return replies, sent
 
 

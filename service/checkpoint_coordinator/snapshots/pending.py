@@ -233,12 +233,18 @@ class PendingSnapshot:
         except Fenced as e:
             await self._stop_fenced(e)
 
-    async def _drive(self) -> None:
+    async def _read(self, read: Callable[[Any], Awaitable[T]]) -> T:
         async with self.engine.connect() as conn:
-            run = await get_run(conn, self.run_id)
-            snap = await repo.get(conn, self.run_id, self.snapshot_id)
-            topology = await load_topology(conn, self.run_id)
-            left = await repo.deadline_left_s(conn, self.run_id, self.snapshot_id)
+            return await read(conn)
+
+    async def _drive(self) -> None:
+        # Side by side on their own connections: they are on the snapshot's path to Gym's prepare.
+        run, snap, topology, left = await asyncio.gather(
+            self._read(lambda c: get_run(c, self.run_id)),
+            self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
+            self._read(lambda c: load_topology(c, self.run_id)),
+            self._read(lambda c: repo.deadline_left_s(c, self.run_id, self.snapshot_id)),
+        )
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
         if left is not None:
