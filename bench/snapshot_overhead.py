@@ -178,9 +178,26 @@ def _trace_spans(trace_file: str) -> None:
                 span(name, start, at_least_s=0.001)
         return wrapper
 
+    from checkpoint_coordinator.gym import save as gym_save
+
     gym_commit.validate_commit = timed_sync("gym.validate_commit", gym_commit.validate_commit)
+    gym_commit.make_dirs = timed_sync("gym.make_dirs (thread)", gym_commit.make_dirs)
+    gym_save.compute_scope = timed_sync("gym.compute_scope", gym_save.compute_scope)
     gym_commit._Fanout.body = timed_sync("gym.commit_body", gym_commit._Fanout.body)  # type: ignore[method-assign]
     GymSave.build_manifest = timed_sync("gym.build_manifest", GymSave.build_manifest)  # type: ignore[method-assign]
+
+    # Every garbage collection of a millisecond or more: it stops the event loop.
+    import gc
+
+    gc_started: list[float] = []
+
+    def _gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            gc_started.append(time.monotonic())
+        elif gc_started:
+            span(f"gc gen{info.get('generation')} ({info.get('collected')} collected)", gc_started.pop(), at_least_s=0.001)
+
+    gc.callbacks.append(_gc)
 
     # Every SQL statement of 2 ms or more, named by its first words: what a ledger call spends.
     from sqlalchemy import event
