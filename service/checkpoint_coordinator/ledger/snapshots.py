@@ -242,12 +242,16 @@ async def get(
 ) -> SnapshotRow:
     """The snapshot row; ``gym_manifest`` only ``with_manifest``, ``cut_staging_keys`` only when
     ``public()`` answers them (awaiting capture, or ``with_manifest``)."""
-    lock = " FOR UPDATE" if for_update else ""
     cols = columns or (_COLS_FULL if with_manifest else _COLS)
-    r = (await conn.execute(text(f"SELECT {cols} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
+    return SnapshotRow(**await _read_row(conn, run_id, snapshot_id, cols, " FOR UPDATE" if for_update else ""))
+
+
+async def _read_row(conn: AsyncConnection, run_id: str, snapshot_id: str, select: str, lock: str = "") -> dict[str, Any]:
+    """The snapshot row's ``select`` list, by name; :class:`NotFound` when there is none."""
+    r = (await conn.execute(text(f"SELECT {select} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
     if r is None:
         raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
-    return SnapshotRow(**dict(r._mapping))
+    return dict(r._mapping)
 
 
 async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
@@ -518,21 +522,14 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
         await lock_run(conn, run_id, for_update=True)
         # The row and all the barrier reads besides it, in one statement (after the run's lock:
         # its xmin sees every report that committed before the cut).
-        found = (
-            await conn.execute(
-                text(
-                    f"SELECT {_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-                    "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
-                    "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-                    "(SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL) AS newest_step "
-                    "FROM snapshots WHERE run_id = :r AND snapshot_id = :s FOR UPDATE OF snapshots"
-                ),
-                {"r": run_id, "s": snapshot_id},
-            )
-        ).first()
-        if found is None:
-            raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
-        base = found._mapping
+        base = await _read_row(
+            conn, run_id, snapshot_id,
+            f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
+            "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
+            "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
+            "(SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL) AS newest_step",
+            " FOR UPDATE OF snapshots",
+        )
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:
             return await get(conn, run_id, snapshot_id, columns=_COLS_WITH_KEYS)
