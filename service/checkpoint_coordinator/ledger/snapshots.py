@@ -254,8 +254,12 @@ async def _read_row(conn: AsyncConnection, run_id: str, snapshot_id: str, select
     return dict(r._mapping)
 
 
+# The run's newest train step of its current lineage (a restore retires the discarded ones).
+_NEWEST_STEP_SQL = "SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL"
+
+
 async def newest_train_step(conn: AsyncConnection, run_id: str) -> int | None:
-    return (await conn.execute(text("SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL"), {"r": run_id})).scalar()
+    return (await conn.execute(text(_NEWEST_STEP_SQL), {"r": run_id})).scalar()
 
 
 async def create_in(
@@ -527,7 +531,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
             "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
             "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            "(SELECT max(step) FROM train_steps WHERE run_id = :r AND retired_at IS NULL) AS newest_step",
+            f"({_NEWEST_STEP_SQL}) AS newest_step",
             " FOR UPDATE OF snapshots",
         )
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
