@@ -56,6 +56,9 @@ def test_installed_wheel_imports_everything_and_helps(wheel_venv: Path) -> None:
     proc = _run(wheel_venv, "python", "-c", code, *modules)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _run(wheel_venv, "python", "-m", "pip", "check").returncode == 0
+    # httpcore imports sniffio for every lock and event it sets up; without it each import is a
+    # failed search of sys.path on the event loop (a declared dependency for that reason).
+    assert _run(wheel_venv, "python", "-c", "import sniffio").returncode == 0
 
     demo = _run(wheel_venv, "ckpt-coordinator", "demo", "--help")
     assert demo.returncode == 0, demo.stderr[-3000:]
