@@ -15,7 +15,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from checkpoint_coordinator.gym.channel import CallFailed, ControlChannel, Target
+from checkpoint_coordinator.gym.channel import CallFailed, ControlChannel, Target, encode_body
 from checkpoint_coordinator.gym.clock import ManualClock
 from checkpoint_coordinator.gym.errors import FailureClass
 from checkpoint_coordinator.gym.models import RenewReply, StatusReply
@@ -159,3 +159,11 @@ async def test_status_get_carries_bearer_and_no_body() -> None:
     assert status == 200 and StatusReply.model_validate_json(content).kind == "model"
     assert seen[0].method == "GET" and seen[0].headers["authorization"] == "Bearer tok-123"
     assert seen[0].url.path == "/s/policy_model/ng-control/v1/checkpoint/status"
+
+
+def test_a_body_is_compact_json_and_a_non_finite_deadline_is_refused_before_sending() -> None:
+    body = {"checkpoint_id": "c\u00e9", "deadline_ts": 1733333333.25, "episode_ids": [{"rollout_id": 'r"1', "attempt": 2}]}
+    assert encode_body(body) == json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with pytest.raises(ValueError, match="deadline_ts"):
+            encode_body({**body, "deadline_ts": bad})
