@@ -100,13 +100,25 @@ _BEARER_RE: Final = re.compile(r"\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+", re.I
 _URL_PASSWORD_RE: Final = re.compile(r"(?P<prefix>\b[a-z][a-z0-9+.-]*://[^:/?#@\s]*:)(?P<pw>[^@/?#\s]+)(?P<at>@)", re.I)
 
 
+# What each pattern cannot match without, in the casefolded text: every character IGNORECASE
+# matches to one of these letters casefolds to it, but the dotless i, mapped by hand. A line
+# without them skips the pattern: ``_KV_RE`` backtracks through every word of a line, and every
+# log line (each request's access line too) is scrubbed twice.
+_KV_WORDS: Final = ("token", "passw", "pwd", "secret", "authorization", "api", "cookie")
+_BEARER_WORDS: Final = ("bearer", "basic")
+
+
 def redact_text(text: str) -> str:
     """Remove secrets from free text (messages, reprs, tracebacks)."""
     if not text:
         return text
-    text = _URL_PASSWORD_RE.sub(lambda m: f"{m['prefix']}{REDACTED}{m['at']}", text)
-    text = _KV_RE.sub(lambda m: f"{m['key']}{m['sep']}{m['quote']}{REDACTED}", text)
-    text = _BEARER_RE.sub(lambda m: f"{m[1]}{m[2]}{REDACTED}", text)
+    folded = text.casefold().replace("\u0131", "i")
+    if "://" in text:
+        text = _URL_PASSWORD_RE.sub(lambda m: f"{m['prefix']}{REDACTED}{m['at']}", text)
+    if any(w in folded for w in _KV_WORDS):
+        text = _KV_RE.sub(lambda m: f"{m['key']}{m['sep']}{m['quote']}{REDACTED}", text)
+    if any(w in folded for w in _BEARER_WORDS):
+        text = _BEARER_RE.sub(lambda m: f"{m[1]}{m[2]}{REDACTED}", text)
     return text
 
 
