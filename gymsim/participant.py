@@ -9,6 +9,7 @@ an export, an install, stopping work) always happens outside the lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class Participant:
         self.clock = instance.clock
         self.notifier = instance.notifier
         self.lock = asyncio.Lock()
+        # Published Gym serialises its control calls on one lock that a commit holds until its
+        # export is written (README, "published"): a renew or resume sent meanwhile waits for it.
+        self.commit_serial = asyncio.Lock()
 
         self.phase = "idle"
         self.active_id: str | None = None
@@ -472,6 +476,14 @@ class Participant:
             await self.notifier.wait(min(remaining, self.clock.MAX_WAIT))
 
     async def renew(self, body: PrepareBody) -> dict[str, Any]:
+        async with self._behind_commit():
+            return await self._renew(body)
+
+    def _behind_commit(self) -> Any:
+        """Published: wait for a commit under way to end; strict: no wait."""
+        return self.commit_serial if self.published else contextlib.nullcontext()
+
+    async def _renew(self, body: PrepareBody) -> dict[str, Any]:
         async with self.lock:
             self.check_lease()
             self._precheck(body.checkpoint_id, "renew", None)
@@ -482,6 +494,10 @@ class Participant:
             return {"lease_expires_at": self.lease_expires_at}
 
     async def commit(self, body: CommitBody) -> dict[str, Any]:
+        async with self._behind_commit():
+            return await self._commit(body)
+
+    async def _commit(self, body: CommitBody) -> dict[str, Any]:
         cid = body.checkpoint_id
         scope = None if body.episode_ids is None else frozenset(e.pair for e in body.episode_ids)
         args = (body.checkpoint_dir, scope, bool(getattr(body, "stop", None)))
@@ -599,6 +615,10 @@ class Participant:
         }
 
     async def resume(self, body: PrepareBody) -> dict[str, Any]:
+        async with self._behind_commit():
+            return await self._resume(body)
+
+    async def _resume(self, body: PrepareBody) -> dict[str, Any]:
         cid = body.checkpoint_id
         async with self.lock:
             self.check_lease()

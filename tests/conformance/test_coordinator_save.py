@@ -162,17 +162,16 @@ def test_c42_renew_interval_formula() -> None:
 
 @pytest.mark.parametrize("grace,warned", [(20.0, "below"), (60.0, None), (300.0, "above")])
 async def test_c42_renews_after_prepare_then_on_cadence_and_checks_grace(
-    start_gym: StartGym, recorder: RecordingTransport, grace: float, warned: str | None
+    start_gym: StartGym, recorder: RecordingTransport, grace: float, warned: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
     inst = start_gym(lease_grace_seconds=grace)
     clock = ManualClock()
     async with GymControlClient(control_timeout_s=60, prepare_timeout_s=300, clock=clock, transport=recorder) as client:
         topo = await topology(client, inst)
         prepared = await client.prepare(client.new_checkpoint_id("42"), topo)
+        prepared_at = clock.time()
         renewer = LeaseRenewer(client, prepared.checkpoint_id, topo, prepare=prepared)
         await renewer.start()
-        # The first renew goes out right after prepare, before any wait.
-        assert renewer.renewals == 1 and clock.sleeps == []
         while renewer.renewals < 4:
             await asyncio.sleep(0.01)
         await renewer.stop()
@@ -180,14 +179,38 @@ async def test_c42_renews_after_prepare_then_on_cadence_and_checks_grace(
     assert renewer.failure is None
     assert clock.sleeps[:3] == [10.0, 10.0, 10.0]
     renews = recorder.ops("renew")
+    # The first round goes out right after prepare, before any wait (the virtual clock moves
+    # only when the renewer sleeps), the next ones a cadence apart.
+    assert sorted({c.body["deadline_ts"] for c in renews})[:3] == [prepared_at + 60, prepared_at + 70, prepared_at + 80]
     assert len(renews) >= 4 * 3
     resume_sent = min(c.sent_at for c in recorder.ops("resume"))
     # Renewing stops before resume: no renew answered after it (one in flight may be cancelled).
     assert all(c.answered_at <= resume_sent for c in renews if c.answered_at is not None)
+    said = [r.getMessage() for r in caplog.records if "lease grace" in r.getMessage()]
     if warned is None:
-        assert renewer.warnings == []
+        assert renewer.warnings == [] and said == []
     else:
         assert len(renewer.warnings) == 3 and all(warned in w for w in renewer.warnings)
+        # One log line for the round, naming every participant.
+        assert len(said) == 1 and all(p in said[0] for p in PARTICIPANTS)
+
+
+async def test_c42_the_commit_does_not_wait_for_the_first_renew_round(
+    start_gym: StartGym, recorder: RecordingTransport, tmp_path: Any
+) -> None:
+    # One participant answers its first renew late; the commit (which sets every lease as a renew
+    # does) goes out before that answer, and the save completes with the round still renewing.
+    inst = start_gym(faults=[{"server_name": "policy_model", "op": "renew", "type": "delay", "seconds": 1.5, "times": 1}])
+    async with GymControlClient(control_timeout_s=10, transport=recorder) as client:
+        topo = await topology(client, inst)
+        result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+                               capture_hook=nothing_hook, drain_timeout_s=5).run()
+    assert set(result.commit.instances) == {inst.instance_id}
+    (late,) = [c for c in recorder.ops("renew") if server_of(c) == "policy_model"][:1]
+    first_commit = min(c.sent_at for c in recorder.ops("commit"))
+    assert late.sent_at < first_commit
+    assert late.answered_at is None or first_commit < late.answered_at
+    assert_all_idle(inst)
 
 
 # --- 43 ------------------------------------------------------------------------------------------

@@ -505,3 +505,22 @@ def test_serve_gym_profile_overrides_the_config_file(tmp_path):
         process.kill()
         process.wait()
         process.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------- one control lock
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+async def test_a_renew_waits_for_a_commit_under_way_under_published(start, ckdir, profile):
+    h = await start(gym_profile=profile)
+    h.knobs(AGENT, export_seconds=5)
+    await h.prepare_all("c1")
+    commit = asyncio.create_task(h.commit(AGENT, "c1", ckdir(), []))
+    await asyncio.sleep(0.3)  # the commit is exporting: the instance clock stands still
+    renew = asyncio.create_task(h.call(AGENT, "renew", h.body("c1")))
+    done, _ = await asyncio.wait({renew}, timeout=1.0)
+    assert bool(done) == (profile == "strict")
+    assert not commit.done()
+    h.advance(5)
+    assert (await commit).status_code == 200
+    assert (await renew).status_code == 200

@@ -21,12 +21,16 @@ log = logging.getLogger("checkpoint_coordinator.gym")
 class LeaseRenewer:
     """Renews right after prepare, then every ``max(0.01, min(T/3, 10))`` s until stopped.
 
+    The first round is sent at once but not waited for: the commit that follows prepare sets
+    every participant's lease as a renew does (spec 6), so waiting for the round would only keep
+    Gym parked longer.
+
     ``lost`` is set, and ``failure`` holds the reason, when the lease is lost (a renew answered
     ``stale_checkpoint``, or the clock passed the earliest ``lease_expires_at`` known) or a renew
     failed non-transiently. A transient renew failure is only logged: the lease is still valid
     until its known expiry, which is checked on every round and by :meth:`check`.
 
-    Use as ``async with LeaseRenewer(...) as renewer:``; the entry renews once.
+    Use as ``async with LeaseRenewer(...) as renewer:``.
     """
 
     def __init__(
@@ -68,11 +72,12 @@ class LeaseRenewer:
         return min(self._leases.values()) if self._leases else None
 
     async def start(self) -> None:
-        """Renew once now (prepare may have used most of its deadline), then keep renewing."""
+        """Send the first round now (prepare may have used most of its deadline), then keep
+        renewing; returns without waiting for the round's replies."""
         if self._task is not None:
             raise RuntimeError("renewer already started")
-        await self.renew_once()
         self._task = asyncio.create_task(self._loop(), name=f"gym-lease-{self.checkpoint_id}")
+        await asyncio.sleep(0)  # the loop's first round is on the wire before the caller goes on
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -89,8 +94,8 @@ class LeaseRenewer:
 
     async def _loop(self) -> None:
         while not self.lost.is_set():
-            await self.client.clock.sleep(self.interval_s)
             await self.renew_once()
+            await self.client.clock.sleep(self.interval_s)
 
     async def renew_once(self) -> None:
         if self.lost.is_set():
@@ -98,6 +103,7 @@ class LeaseRenewer:
         result = await self.client.renew_round(self.checkpoint_id, self.topology)
         self.renewals += 1
         T = self.client.control_timeout_s
+        misconfigured: list[str] = []
         for iid, servers in result.leases.items():
             for server, expires in servers.items():
                 key = (iid, server)
@@ -114,7 +120,11 @@ class LeaseRenewer:
                             f"configure Gym's lease_grace_seconds = control_timeout_s"
                         )
                         self.warnings.append(text)
-                        log.warning("%s", text)
+                        misconfigured.append(text)
+        if misconfigured:
+            # One line per round, not one per participant: a deployment set up this way says so
+            # on every snapshot, for every participant at once.
+            log.warning("lease grace of %s: %s", self.checkpoint_id, "; ".join(misconfigured))
         failure = result.failure
         if failure is not None:
             if failure.failure_class is FailureClass.LEASE_LOST or not failure.transient:
