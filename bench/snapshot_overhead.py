@@ -24,7 +24,8 @@ poll of the record as the client waits, or ``--poll S``; barrier, capture file, 
   and ``gym_parked_seconds``;
 * the time the coordinator spent with at least one Gym control call in flight (measured inside the
   coordinator process by a thin wrapper around ``ControlChannel.post``, union of intervals), and
-  the coordinator's own time = total - trainer's share - Gym calls in flight;
+  the coordinator's own time = total - trainer's share - Gym calls in flight (the calls the
+  snapshot's path waits on: a renew round nothing waits for is left out, ``path_calls``);
 * the ledger cut: latency of the barrier POST (``ledger.snapshots.take_cut``), and its ratio to a
   plain ``INSERT ... SELECT`` of the same rows (groups and attempts) into bare tables (no key, no
   index, no foreign key), measured right after each snapshot; the pre-cut (the whole-run copy the
@@ -257,6 +258,18 @@ class TimedCoordinator(Coordinator):
             return [tuple(c) for c in json.loads(Path(self.timing_file).read_text())]  # type: ignore[misc]
         except FileNotFoundError:
             return []
+
+
+def path_calls(calls: list[tuple[str, float, float, str]], since: float) -> list[tuple[str, float, float, str]]:
+    """The control calls the snapshot's path waited on, from ``since``: every prepare, commit and
+    resume; the renew calls only when the whole round sent before the first commit ended before it
+    (a coordinator that waits for a round between prepare and commit). A round sent beside or after
+    the commit is waited on by nothing: counting it would hide the coordinator's own time under it."""
+    calls = [c for c in calls if c[1] >= since]
+    first_commit = min((s for op, s, _, _ in calls if op == "commit"), default=float("inf"))
+    before = [c for c in calls if c[0] == "renew" and c[1] < first_commit]
+    awaited = bool(before) and max(e for _, _, e, _ in before) <= first_commit
+    return [c for c in calls if c[0] != "renew" or (awaited and c in before)]
 
 
 def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
@@ -715,7 +728,7 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
             if rec["outcome"] != "published":
                 print(f"snapshot_overhead: snapshot {sid} ended {rec['outcome']}/{rec['reason']}: {json.dumps(rec['detail'])[:2000]}")
                 return 1
-            calls = [(s, e) for _, s, e, _ in coord.gym_calls()]
+            calls = [(s, e) for op, s, e, _ in path_calls(coord.gym_calls(), res["t_request"])]
             gym_busy = union_seconds(calls, res["t_request"], res["t_done"])
             by_op = {}
             for op in ("prepare", "renew", "commit", "resume"):

@@ -21,9 +21,9 @@ log = logging.getLogger("checkpoint_coordinator.gym")
 class LeaseRenewer:
     """Renews right after prepare, then every ``max(0.01, min(T/3, 10))`` s until stopped.
 
-    The first round is sent at once but not waited for: the commit that follows prepare sets
-    every participant's lease as a renew does (spec 6), so waiting for the round would only keep
-    Gym parked longer.
+    Nobody waits for the first round: a save starts it once the commit that follows prepare is
+    answered (that commit set every participant's lease as a renew does, spec 6), so the round
+    checks the grace and starts the cadence; waiting for it would only keep Gym parked longer.
 
     ``lost`` is set, and ``failure`` holds the reason, when the lease is lost (a renew answered
     ``stale_checkpoint``, or the clock passed the earliest ``lease_expires_at`` known) or a renew
@@ -71,13 +71,21 @@ class LeaseRenewer:
     def earliest_expiry(self) -> float | None:
         return min(self._leases.values()) if self._leases else None
 
-    async def start(self) -> None:
-        """Send the first round now (prepare may have used most of its deadline), then keep
-        renewing; returns without waiting for the round's replies."""
+    @property
+    def started(self) -> bool:
+        return self._task is not None
+
+    def start_soon(self) -> None:
+        """Send the first round now, then keep renewing; returns at once, without waiting for
+        the round's replies."""
         if self._task is not None:
             raise RuntimeError("renewer already started")
         self._task = asyncio.create_task(self._loop(), name=f"gym-lease-{self.checkpoint_id}")
-        await asyncio.sleep(0)  # the loop's first round is on the wire before the caller goes on
+
+    async def start(self) -> None:
+        """:meth:`start_soon`, with the first round's calls on their way when it returns."""
+        self.start_soon()
+        await asyncio.sleep(0)
 
     async def stop(self) -> None:
         task, self._task = self._task, None

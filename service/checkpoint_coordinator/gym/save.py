@@ -141,11 +141,9 @@ class GymSave:
             exc.extra.setdefault("timings", dict(self.timings))
             raise
         self._lap("prepare")
+        # Started by the commit (``_start_renewing``): a commit sets every lease as a renew does.
         self._renewer = LeaseRenewer(self.client, self.checkpoint_id, self.topology, prepare=prepared)
         self._prepared = prepared
-        await self._renewer.start()
-        self._renewer.check()
-        self._lap("renew")
 
     def offer_candidates(self, candidates: Mapping[str, Iterable[Episode]]) -> None:
         """Replace the constructor's candidates (the caller's query may answer while prepare is
@@ -163,6 +161,16 @@ class GymSave:
         restarted: dict[str, list[Episode]] = {}
         for iid in self.topology:
             scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], self._prepared.restarts.get(iid, frozenset()))
+
+        def validated(iid: str, ic: InstanceCommit) -> None:
+            # The first renew round goes out once Gym answers the commit, not between prepare
+            # and commit: its calls would hold the event loop while the commit is being sent,
+            # and the commit itself renews every lease (spec 6). The round still comes early
+            # enough to check the lease grace Gym was configured with.
+            self._start_renewing()
+            if on_instance is not None:
+                on_instance(iid, ic)
+
         self.commit_result = await self.within_lease(
             self.client.commit(
                 self.checkpoint_id,
@@ -171,11 +179,17 @@ class GymSave:
                 scopes,
                 stop=self.stop,
                 restarts=restarted,
-                on_instance=on_instance,
+                on_instance=validated,
             )
         )
+        self._start_renewing()  # when no instance validated at its first try
         self._lap("commit")
         return self.commit_result
+
+    def _start_renewing(self) -> None:
+        assert self._renewer is not None
+        if not self._renewer.started:
+            self._renewer.start_soon()
 
     def pending(self) -> dict[str, set[Episode]]:
         """The committed candidates whose ``/run`` reply was on the wire, per instance (a copy)."""
