@@ -19,7 +19,7 @@ log = logging.getLogger("checkpoint_coordinator.gym")
 
 
 class LeaseRenewer:
-    """Renews right after prepare, then every ``max(0.01, min(T/3, 10))`` s until stopped.
+    """Renews once when started, then every ``max(0.01, min(T/3, 10))`` s until stopped.
 
     Nobody waits for the first round: a save starts it once the commit that follows prepare is
     answered (that commit set every participant's lease as a renew does, spec 6), so the round
