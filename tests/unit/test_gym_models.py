@@ -21,6 +21,7 @@ from checkpoint_coordinator.gym.models import (
     parse_capture_key,
 )
 from checkpoint_coordinator.domain.config import check_restart_only_servers, load_recovery_config
+from checkpoint_coordinator.gym.commit import _sorted_unique
 from checkpoint_coordinator.gym.policy import compute_scope
 from checkpoint_coordinator.ledger.gym_registry import ParticipantRecord
 from checkpoint_coordinator.restore.registration import restart_only_servers
@@ -136,3 +137,14 @@ def test_c44_scope_excludes_restarts_and_refuses_wrong_attempt() -> None:
     with pytest.raises(GymControlError) as info:
         compute_scope("a/0", cands, [Episode("r3", 2)])
     assert info.value.failure_class is FailureClass.PROTOCOL_ERROR and not info.value.transient
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.integers(0, 2)), max_size=10), st.booleans())
+def test_a_scope_is_sorted_and_unique_and_one_already_so_is_taken_as_it_is(pairs: list[tuple[str, int]], as_list: bool) -> None:
+    episodes = [Episode(r, a) for r, a in pairs]
+    given_in = episodes if as_list else tuple(episodes)
+    out = _sorted_unique(given_in)
+    assert out == sorted(set(episodes))
+    if as_list and episodes == sorted(set(episodes)):
+        assert out is given_in  # compute_scope's output: no second sort while Gym waits

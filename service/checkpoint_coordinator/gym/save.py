@@ -95,6 +95,7 @@ class GymSave:
         self.manifest_json = ""
         self._renewer: LeaseRenewer | None = None
         self._prepared: Any = None
+        self._plan: tuple[dict[str, list[Episode]], dict[str, list[Episode]]] | None = None
         self._cut_done = False
         self._parked_since: float | None = None
         self._ended = False
@@ -149,6 +150,7 @@ class GymSave:
         """Replace the constructor's candidates (the caller's query may answer while prepare is
         in flight: they are checked and sorted then, not while Gym waits for its commit)."""
         self.candidates = self._checked(candidates)
+        self._plan = None
 
     async def commit(
         self, candidates: Mapping[str, Iterable[Episode]] | None = None, *, on_instance: Callable[[str, InstanceCommit], None] | None = None
@@ -157,10 +159,8 @@ class GymSave:
         ``on_instance``: see :meth:`GymControlClient.commit`."""
         if candidates is not None:
             self.offer_candidates(candidates)
-        scopes: dict[str, list[Episode]] = {}
-        restarted: dict[str, list[Episode]] = {}
-        for iid in self.topology:
-            scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], self._prepared.restarts.get(iid, frozenset()))
+            self._plan = None
+        scopes, restarted = self._plan or self.plan_commit()
 
         def validated(iid: str, ic: InstanceCommit) -> None:
             # The first renew round goes out once Gym answers the commit, not between prepare
@@ -185,6 +185,17 @@ class GymSave:
         self._start_renewing()  # when no instance validated at its first try
         self._lap("commit")
         return self.commit_result
+
+    def plan_commit(self) -> tuple[dict[str, list[Episode]], dict[str, list[Episode]]]:
+        """Each instance's commit scope and restarted candidates, from the offered candidates and
+        prepare's restarts; :meth:`commit` uses them. A caller may compute them while it does
+        other work before the commit (the pending snapshot: while its phase move is written)."""
+        scopes: dict[str, list[Episode]] = {}
+        restarted: dict[str, list[Episode]] = {}
+        for iid in self.topology:
+            scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], self._prepared.restarts.get(iid, frozenset()))
+        self._plan = (scopes, restarted)
+        return self._plan
 
     def _start_renewing(self) -> None:
         assert self._renewer is not None

@@ -274,7 +274,13 @@ class PendingSnapshot:
         self._pre_cut = asyncio.create_task(self._take_pre_cut())
         await self._step(save.prepare())
         counts = await self._step(self._candidates)
-        await self._move(P.commit, counts=counts)
+        moved = asyncio.ensure_future(self._move(P.commit, counts=counts))
+        try:
+            # The scopes, computed in a thread while the move is on its way to the database (in
+            # this thread the move would not leave before they were done).
+            await asyncio.to_thread(save.plan_commit)
+        finally:
+            await moved  # no commit call before the phase is written
         commit = await self._step(save.commit(on_instance=self._store_entry_soon))
         unknown = counts["unknown_instances"]
         await self._move(P.drain)
