@@ -269,7 +269,7 @@ def path_calls(calls: list[tuple[str, float, float, str]], since: float) -> list
     first_commit = min((s for op, s, _, _ in calls if op == "commit"), default=float("inf"))
     before = [c for c in calls if c[0] == "renew" and c[1] < first_commit]
     awaited = bool(before) and max(e for _, _, e, _ in before) <= first_commit
-    return [c for c in calls if c[0] != "renew" or (awaited and c in before)]
+    return [c for c in calls if c[0] != "renew" or (awaited and c[1] < first_commit)]
 
 
 def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -36,11 +36,17 @@ def instance_entry(ic: InstanceCommit) -> dict[str, Any]:
     to be live again; ``staging_keys`` are those of the exported episodes only.
     """
     return {
-        "episodes": [ep.to_wire() for ep in sorted(ic.episodes)],
+        "episodes": _sorted_wire(ic.episodes),
         "participants": sorted(ic.participants),
-        "restarts": [ep.to_wire() for ep in sorted(ic.restarts)],
+        "restarts": _sorted_wire(ic.restarts),
         "staging_keys": sorted(ic.staging_keys),
     }
+
+
+def _sorted_wire(episodes: Iterable[Episode]) -> list[dict[str, Any]]:
+    """``Episode.to_wire`` of each, sorted, with the keys in the order ``sort_keys`` writes them
+    (``encode_instance_entry`` relies on it)."""
+    return [{"attempt": ep.attempt, "rollout_id": ep.rollout_id} for ep in sorted(episodes)]
 
 
 def build_gym_manifest(checkpoint_id: str, commit: CommitResult) -> dict[str, Any]:
@@ -64,20 +70,8 @@ def encode_instance_entry(ic: InstanceCommit) -> str:
 
     The same text as ``encode_gym_manifest(instance_entry(ic))``, by pydantic-core's encoder
     (a third of the time, on the event loop while Gym is parked): it keeps a dict's key order,
-    so every dict here is built in sorted key order. Its strings are Gym's, never floats."""
-    return to_json(
-        {
-            "episodes": _sorted_wire(ic.episodes),
-            "participants": sorted(ic.participants),
-            "restarts": _sorted_wire(ic.restarts),
-            "staging_keys": sorted(ic.staging_keys),
-        }
-    ).decode()
-
-
-def _sorted_wire(episodes: Iterable[Episode]) -> list[dict[str, Any]]:
-    """``Episode.to_wire`` of each, sorted, with the keys in the order ``sort_keys`` writes them."""
-    return [{"attempt": ep.attempt, "rollout_id": ep.rollout_id} for ep in sorted(episodes)]
+    and ``instance_entry`` builds every dict in sorted key order. No floats, only Gym's strings."""
+    return to_json(instance_entry(ic)).decode()
 
 
 def encode_gym_manifest_of(checkpoint_id: str, commit: CommitResult) -> str:

@@ -159,7 +159,6 @@ class GymSave:
         ``on_instance``: see :meth:`GymControlClient.commit`."""
         if candidates is not None:
             self.offer_candidates(candidates)
-            self._plan = None
         scopes, restarted = self._plan or self.plan_commit()
 
         def validated(iid: str, ic: InstanceCommit) -> None:

@@ -622,7 +622,7 @@ class PendingSnapshot:
         if save is not None:
             st = save.timings
             for out, names in (
-                (SnapshotTiming.prepare, ("prepare", "renew")),
+                (SnapshotTiming.prepare, ("prepare",)),
                 (SnapshotTiming.commit, ("commit",)),
                 (SnapshotTiming.drain, ("drain", "manifest")),
                 (SnapshotTiming.data_plane, ("capture",)),
