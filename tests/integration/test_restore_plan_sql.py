@@ -230,25 +230,25 @@ class _Unknown(Exception):
         self.saved = saved
 
 
+async def _create_run(engine: Any) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES ('diff', CAST(:c AS jsonb), '/tmp/diff', 'x')"),
+            {"c": json.dumps(load_recovery_config({"target_level": "turn"}).public_dict())},
+        )
+        # The live instances an instance map may name (the plan only reads their ids).
+        for iid in LIVE:
+            await conn.execute(
+                text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES ('diff', :i, '{}', 'x')"), {"i": iid}
+            )
+
+
 def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
     loop = asyncio.new_event_loop()
     engine = make_async_engine(database_url, pool_size=2)
     counter = itertools.count()
     seen: set[str] = set()
-
-    async def setup() -> None:
-        async with engine.begin() as conn:
-            await conn.execute(
-                text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES ('diff', CAST(:c AS jsonb), '/tmp/diff', 'x')"),
-                {"c": json.dumps(load_recovery_config({"target_level": "turn"}).public_dict())},
-            )
-            # The live instances an instance map may name (the plan only reads their ids).
-            for iid in LIVE:
-                await conn.execute(
-                    text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES ('diff', :i, '{}', 'x')"), {"i": iid}
-                )
-
-    loop.run_until_complete(setup())
+    loop.run_until_complete(_create_run(engine))
 
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(ledger=ledgers(), with_gym_state=st.booleans(), instance_map=maps())
@@ -275,3 +275,53 @@ def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
     # ... and every reason the planner gives (the restore itself adds sent_after_cut and
     # gym_restore_failed, see test_restore_plan.py and test_restore_instance_map.py).
     assert {r.value for r in RowReason} - {"sent_after_cut", "gym_restore_failed"} <= seen, seen
+
+
+def test_a_refusal_names_the_cut_groups_in_group_id_order(database_url: str) -> None:
+    """A broken cut is refused with its issues located in the cut's group order (by group id, as
+    the oracle reads it), not in the order its rows lie in the table. Here the groups rewritten last
+    lie last, and the planner scans sequentially (as it does once statistics show the table
+    small): ``g1``, which lacks a sibling, is ``cut.groups[1]``, not ``cut.groups[2]``."""
+    groups = [CutGroup(f"g{k}", "sibling", 2, 0, "generating", f"sha256:{k}", PromptRef(k, "math")) for k in range(3)]  # type: ignore[arg-type]
+    attempts = [
+        CutAttempt(f"g{k}", i, 0, f"g{k}_g{i}_a{k:02d}{i:030x}", None, 0, 0, "sealed")  # type: ignore[arg-type]
+        for k in range(3)
+        for i in range(2)
+        if (k, i) != (1, 1)
+    ]
+    loop = asyncio.new_event_loop()
+
+    async def scan_sequentially() -> None:
+        setup = make_async_engine(database_url, pool_size=1)
+        try:
+            async with setup.begin() as conn:
+                name = (await conn.execute(text("SELECT current_database()"))).scalar_one()
+                for knob in ("enable_indexscan", "enable_bitmapscan"):
+                    await conn.execute(text(f'ALTER DATABASE "{name}" SET {knob} = off'))
+        finally:
+            await setup.dispose()
+
+    loop.run_until_complete(scan_sequentially())
+    engine = make_async_engine(database_url, pool_size=2)
+
+    async def go() -> tuple[Any, Any, list[str]]:
+        await _create_run(engine)
+        await _store(engine, "diff", "s0", Cut(groups=groups, attempts=attempts), None)
+        async with engine.begin() as conn:
+            # A no-op update writes a new version of a row after the others: the table holds g2, g0, g1.
+            for gid in ("g0", "g1"):
+                await conn.execute(
+                    text("UPDATE snapshot_cut_groups SET status = status WHERE run_id = 'diff' AND snapshot_id = 's0' AND group_id = :g"), {"g": gid}
+                )
+            stored = (await conn.execute(text("SELECT group_id FROM snapshot_cut_groups WHERE snapshot_id = 's0' ORDER BY ctid"))).scalars().all()
+        ref, got = await _both(engine, "diff", "s0", with_gym_state=False)
+        return ref, got, list(stored)
+
+    try:
+        ref, got, stored = loop.run_until_complete(go())
+    finally:
+        loop.run_until_complete(engine.dispose())
+        loop.close()
+    assert stored == ["g2", "g0", "g1"], stored
+    assert got == ref
+    assert got[0] == "refused" and [e["field"] for e in got[2]["errors"]] == ["cut.groups[1].expected_generations"], got

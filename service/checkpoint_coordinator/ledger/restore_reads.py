@@ -64,9 +64,11 @@ _GROUP_SQL_FULL = (
     "agent_name, task_source, target_step, weight_version, data_attempts_used "
     "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
 )
+# Ordered as the full read: a refusal locates a broken group by its index in this list, and
+# without an order that index follows wherever the rows happen to lie in the table.
 _GROUP_SQL_PLAN = (
     "SELECT group_id, restore_level, expected_generations, group_attempt, status "
-    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s"
+    "FROM snapshot_groups WHERE run_id = %(r)s AND snapshot_id = %(s)s ORDER BY group_id"
 )
 # A plan reads only the first eight fields of an attempt: fetch those (in the primary key's order,
 # no sort) and pad the rest in Python, which is cheaper than having the driver build them.
