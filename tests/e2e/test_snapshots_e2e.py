@@ -103,6 +103,90 @@ async def test_drained_rows_are_sealed_not_exported(client, admin, app, gyms, tm
     assert {cut[r["rollout_id"]] for r in rows} == {"sealed"}
 
 
+async def _log_phase_moves(engine) -> None:  # type: ignore[no-untyped-def]
+    """Every phase move of a snapshot row, as the database saw it, into ``test_phase_moves``."""
+    from sqlalchemy import text
+
+    async with engine.begin() as conn:
+        await conn.execute(text("CREATE TABLE test_phase_moves (n bigserial, snapshot_id text, phase_from text, phase_to text)"))
+        await conn.execute(text(
+            "CREATE FUNCTION test_log_phase_move() RETURNS trigger AS $$ BEGIN INSERT INTO test_phase_moves (snapshot_id, phase_from, phase_to) "
+            "VALUES (NEW.snapshot_id, OLD.phase, NEW.phase); RETURN NEW; END $$ LANGUAGE plpgsql"
+        ))
+        await conn.execute(text(
+            "CREATE TRIGGER test_log_phase_move AFTER UPDATE OF phase ON snapshots FOR EACH ROW "
+            "WHEN (OLD.phase IS DISTINCT FROM NEW.phase) EXECUTE FUNCTION test_log_phase_move()"
+        ))
+
+
+async def _phase_path(engine, sid: str) -> list[str]:  # type: ignore[no-untyped-def]
+    from sqlalchemy import text
+
+    async with engine.connect() as conn:
+        rows = (await conn.execute(text("SELECT phase_from, phase_to FROM test_phase_moves WHERE snapshot_id = :s ORDER BY n"), {"s": sid})).all()
+    assert all(a.phase_to == b.phase_from for a, b in zip(rows, rows[1:])), rows
+    return [rows[0].phase_from] + [r.phase_to for r in rows] if rows else []
+
+
+async def test_a_phase_with_nothing_to_do_is_not_entered(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Nothing owed to Gym and every candidate exported: the snapshot goes gate -> prepare and
+    commit -> data_plane (two flushed writes and two wakes of every waiter less while Gym is
+    parked). A retire owed and a reply on the wire bring ``retire`` and ``drain`` back."""
+    api = await _setup(client, admin, app, gyms)
+    await _log_phase_moves(app.state.engine)
+    trainer = Trainer(api, gyms, turns=8)
+    await trainer.admit_and_dispatch([group_body("g0", 2)], "math/replica-0")
+    await asyncio.sleep(0.12)  # mid-way through their turns: exported, nothing to drain
+    s1 = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    assert s1["outcome"] == "published", s1
+    assert s1["detail"]["drained"] == 0
+    assert await _phase_path(app.state.engine, "s1") == [
+        "requested", "gate", "prepare", "commit", "data_plane", "resume", "publish", "published"
+    ]
+    await trainer.wait_idle()
+
+    # A retire owed (a group abandoned with a row dispatched in the ledger only; its first
+    # delivery fails, so it is still owed, in backoff, when the snapshot starts) and two replies
+    # held on the wire after their episodes finished.
+    gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "retire", "type": "error", "status": 500, "times": 1})
+    owed = [r["rollout_id"] for g in (await api.admit(group_body("owed", 1)))["groups"] for r in g["rows"]]
+    await api.dispatch(owed)
+    gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 0.6, "times": 2})
+    trainer = Trainer(api, gyms, turns=1)
+    await trainer.admit_and_dispatch([group_body("g1", 2)], "math/replica-0")
+    await asyncio.sleep(0.2)
+    # Right before the request: the outbox's first try fails and waits out its backoff (0.5 s).
+    await api.post("/groups/abandon", {"group_ids": ["owed"]})
+    s2 = await drive_snapshot(api, "s2", 0, tmp_path / "dp")
+    await trainer.wait_idle()
+    assert s2["outcome"] == "published", s2
+    assert s2["detail"]["drained"] == 2
+    assert await _phase_path(app.state.engine, "s2") == [
+        "requested", "gate", "retire", "prepare", "commit", "drain", "data_plane", "resume", "publish", "published"
+    ]
+    assert (await api.get("/counts"))["outbox_pending"] == {}
+
+
+async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gym(client, admin, app, gyms, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A deadline already past when the owner starts (a late start, a takeover): the gate's
+    close is undone and the snapshot ends aborted/deadline_exceeded with no Gym call at all."""
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+
+    async def past(*args, **kwargs):  # type: ignore[no-untyped-def]
+        return -1.0
+
+    monkeypatch.setattr(ledger_snapshots, "deadline_left_s", past)
+    api = await _setup(client, admin, app, gyms)
+    await _log_phase_moves(app.state.engine)
+    await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
+    s = await _ended(api)
+    assert (s["outcome"], s["reason"]) == ("aborted", "deadline_exceeded"), s
+    assert await _phase_path(app.state.engine, "s1") == ["requested", "gate", "aborted"]
+    assert (await api.get(""))["dispatch_gate"]["open"]
+    for g in gyms.values():
+        assert all(x["prepare_count"] == 0 for x in g.state()["servers"].values() if x.get("participant"))
+
+
 async def test_train_step_during_prepare_aborts_and_reopens(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = await _setup(client, admin, app, gyms)
     gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "prepare", "type": "delay", "seconds": 1.0, "times": 1})

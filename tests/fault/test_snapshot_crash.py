@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 # trigger holds ("db:<next phase>")
 PHASES: dict[str, dict[str, Any] | str | None] = {
     "requested": "db:gate",
-    "gate": "db:retire",
+    "gate": "db:prepare",  # nothing owed to Gym: the gate moves straight to prepare
     "retire": {"server_name": "workplace_agent", "op": "retire", "type": "delay", "seconds": 4, "times": 1},
     "prepare": {"server_name": "calendar_resources", "op": "prepare", "type": "delay", "seconds": 4, "times": 1},
     "commit": {"server_name": "calendar_resources", "op": "commit", "type": "delay", "seconds": 4, "times": 1},

@@ -70,6 +70,13 @@ async def owed(engine: AsyncEngine, run_id: str, *, ignore_schedule: bool = Fals
     return {(r.instance_id, r.op) for r in rows}
 
 
+async def pending_of_run(conn: AsyncConnection, run_id: str) -> set[tuple[str, str]]:
+    """(instance_id, op) pairs of the run with any pending item, in backoff or claimed by a
+    delivery under way included: what a snapshot must deliver, or wait for, before its prepare."""
+    rows = (await conn.execute(text("SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = 'pending'"), {"r": run_id})).all()
+    return {(r.instance_id, r.op) for r in rows}
+
+
 async def claim(
     engine: AsyncEngine, run_id: str, instance_id: str, op: str, fence: Fence, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
 ) -> list[OutboxItem]:

@@ -24,6 +24,7 @@ from ..errors import Conflict, NotFound, RunStopped
 from .db import JsonText, dump_json, read_rows
 from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
+from .outbox import pending_of_run
 from .gate import close_gate as _close_gate_of_run
 from .gate import open_gate as _open_gate_of_run
 from .runs import lock_run, stopped_by
@@ -398,13 +399,16 @@ async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
     return (await conn.execute(text("SELECT owner FROM ownership_leases WHERE run_id = :r AND expires_at > now()"), {"r": run_id})).scalar()
 
 
-async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> None:
+async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> set[tuple[str, str]]:
     """Phase ``gate``, persisted together with the gate itself. FOR UPDATE on the run waits for
-    in-flight dispatch transactions (they hold it FOR SHARE), so none lands after the close."""
+    in-flight dispatch transactions (they hold it FOR SHARE), so none lands after the close.
+    Returns the run's pending outbox pairs (instance, op) as the close saw them: with none, the
+    snapshot has nothing to deliver before its prepare."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
         await move_in(conn, run_id, snapshot_id, fence, P.requested, P.gate)
         await _close_gate_of_run(conn, run_id, snapshot_id)
+        return await pending_of_run(conn, run_id)
 
 
 async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, keep_gate: bool = False) -> None:

@@ -1,8 +1,8 @@
 """One pending snapshot as a state machine (recovery-ledger.md section 5), owned by one replica.
 
 requested -> gate -> retire -> prepare -> commit -> drain -> data_plane -> resume -> publish
--> published; before the cut, any failure or abort goes through resume (Gym's abort) to failed or
-aborted.
+-> published (``retire`` and ``drain`` only when they have something to do); before the cut, any
+failure or abort goes through resume (Gym's abort) to failed or aborted.
 
 The object owns its phases, its Gym calls (the steps of :class:`~..gym.save.GymSave`), its timers
 and its abort. Every transition is one write, fenced by the phase it leaves and the owner's lease
@@ -239,22 +239,36 @@ class PendingSnapshot:
 
     async def _drive(self) -> None:
         # Side by side on their own connections: they are on the snapshot's path to Gym's prepare.
-        run, snap, topology, left = await asyncio.gather(
+        # The gate's close needs none of the reads; every step waits for the others to end, so
+        # that a failure of one leaves no write in flight behind the error handling.
+        owed: set[tuple[str, str]] = set()
+
+        async def close_gate() -> None:
+            owed.update(await repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence))
+
+        done = await asyncio.gather(
+            self._write(P.gate, close_gate),
             self._read(lambda c: get_run(c, self.run_id)),
             self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
             self._read(lambda c: load_topology(c, self.run_id)),
             self._read(lambda c: repo.deadline_left_s(c, self.run_id, self.snapshot_id)),
+            return_exceptions=True,
         )
+        for d in done:
+            if isinstance(d, BaseException):
+                raise d
+        _, run, snap, topology, left = done
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
         if left is not None:
             # Past the deadline before the cut: abort cleanly (Gym resumed, gate reopened).
             self._deadline = time.monotonic() + left
-            self._deadline_timer = asyncio.get_running_loop().call_later(max(0.0, left), self.abort, SnapshotReason.deadline_exceeded)
-        await self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence))
+            if left <= 0:
+                self.abort(SnapshotReason.deadline_exceeded)
+            else:
+                self._deadline_timer = asyncio.get_running_loop().call_later(left, self.abort, SnapshotReason.deadline_exceeded)
         if not topology:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
-        await self._move(P.retire)
         client = self.ctx.gym.for_run(self.run_id, cfg)
         checkpoint_id = client.new_checkpoint_id(self.snapshot_id)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
@@ -265,8 +279,12 @@ class PendingSnapshot:
         # The gate is closed, no dispatch adds to the candidates: their query, and their sorting
         # into commit scopes, run beside the retire delivery and the prepare calls.
         self._candidates = asyncio.create_task(self._load_candidates(save, topology))
-        # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first.
-        await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
+        # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first
+        # (items of an unregistered instance wait for its registration, as in every delivery).
+        if any(iid in topology for iid, _ in owed):
+            await self._move(P.retire)
+            await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
+        self._raise_interrupt()  # an abort or a lost lease during the gate: no prepare is written
         await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
         self.timings[SnapshotTiming.gate] = time.monotonic() - self._started
         # Copy the ledger now, beside Gym's prepare and commit, so that the barrier (while Gym and
@@ -283,9 +301,10 @@ class PendingSnapshot:
             await moved  # no commit call before the phase is written
         commit = await self._step(save.commit(on_instance=self._store_entry_soon))
         unknown = counts["unknown_instances"]
-        await self._move(P.drain)
         pending = save.pending()
         drained = sum(len(v) for v in pending.values())
+        if pending:
+            await self._move(P.drain)
         await self._step(save.drain(self._drained(pending) if pending else None, pending))
         save.build_manifest()
         # The manifest file is needed by the cut, not by the trainer's barrier: it is written
@@ -342,22 +361,26 @@ class PendingSnapshot:
         before = self.phase
         try:
             await self._write(to, lambda: repo.move(self.engine, self.run_id, self.snapshot_id, self.fence, self.phase, to, **fields))
-        except Fenced:
-            lost = await self._lost_unflushed_move()
-            if lost is None:
-                raise
-            # A database crash lost the unflushed move: the row is where it was before it, still
-            # ours. Not a lease lost to another owner: the move to resume (an abort) goes on from
-            # there; any other move ends the snapshot, Gym resumed.
-            lost_to, self.phase = self.phase, lost
-            self._unflushed_from = None
-            if to is P.resume:
-                await self._move(to, **fields)
-                return
+        except Fenced as e:
+            await self._fenced_write(e, resume=to is P.resume)
+            await self._move(to, **fields)  # only the move to resume (an abort) goes on
+            return
+        self._unflushed_from = before if to in UNFLUSHED_MOVES else None
+
+    async def _fenced_write(self, e: Fenced, *, resume: bool = False) -> None:
+        """A fenced write was refused. When a database crash lost the last unflushed move, the
+        row is where it was before it, still ours: not a lease lost to another owner. Then the
+        move to resume (an abort, ``resume``) goes on from there (this returns) and any other
+        write ends the snapshot, Gym resumed; otherwise ``e`` is raised."""
+        lost = await self._lost_unflushed_move()
+        if lost is None:
+            raise e
+        lost_to, self.phase = self.phase, lost
+        self._unflushed_from = None
+        if not resume:
             raise _Failed(
                 SnapshotReason.database_unavailable, {"phase": lost.value, "why": f"the database lost the move to {lost_to} (restarted?)"}
             ) from None
-        self._unflushed_from = before if to in UNFLUSHED_MOVES else None
 
     async def _lost_unflushed_move(self) -> SnapshotPhase | None:
         """The phase the row fell back to when the database lost this owner's last unflushed
@@ -459,7 +482,14 @@ class PendingSnapshot:
 
     async def _step(self, aw: Awaitable[T]) -> T:
         """Await one step (a Gym call, a wait) unless an abort or a lost lease comes first; then
-        cancel it and raise that. Writes are never raced: they are one transition each."""
+        cancel it and raise that. Writes are never raced: they are one transition each. A step
+        asked for after the interrupt does not start."""
+        try:
+            self._raise_interrupt()
+        except BaseException:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            raise
         task = asyncio.ensure_future(aw)
         stop = asyncio.ensure_future(self._interrupt.wait())
         try:
@@ -565,14 +595,19 @@ class PendingSnapshot:
             e = task.exception()
             if e is None:
                 continue
-            if database_away(e) is None:
-                raise e
-            # Written while the database was away: again, now that it may be back (an upsert).
-            ic = commit.instances[iid]
-            self._entries[iid] = asyncio.ensure_future(
-                until_database_answers(lambda iid=iid, ic=ic: self._store_entry(iid, ic), f"snapshot {self.snapshot_id}: Gym entry of {iid}")
-            )
-            await self._entries[iid]
+            if database_away(e) is not None:
+                # Written while the database was away: once more (an upsert). Still away, the
+                # error ends the snapshot as a phase move's would (database_unavailable, Gym
+                # resumed) rather than keep Gym parked until the run's lease is lost.
+                self._entries[iid] = again = asyncio.ensure_future(self._store_entry(iid, commit.instances[iid]))
+                try:
+                    await again
+                    continue
+                except Exception as retried:
+                    e = retried
+            if isinstance(e, Fenced):
+                await self._fenced_write(e)
+            raise e
 
     def _close_entries(self) -> list[asyncio.Future[None]]:
         """No entry write starts any more; those in flight are cancelled (and returned)."""
