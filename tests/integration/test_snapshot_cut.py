@@ -264,6 +264,49 @@ async def test_an_end_by_a_replica_that_lost_the_lease_is_refused(engine: Any) -
     assert (row.phase, row.outcome) == ("data_plane", None)
 
 
+async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) -> None:
+    """The gate's close and the move to ``gate`` are one statement: a move refused (the lease
+    moved on) leaves the gate open, a closed run is refused as closed; the close answers the
+    run's pending outbox items, claimed or in backoff too, and only after it closed."""
+    from checkpoint_coordinator.errors import RunClosed
+
+    async def state(sid: str) -> tuple[str | None, str]:
+        async with engine.connect() as conn:
+            gate = (await conn.execute(text("SELECT gate_snapshot_id FROM runs WHERE run_id = :r"), {"r": RUN})).scalar()
+            return gate, (await repo.get(conn, RUN, sid)).phase
+
+    async with engine.begin() as conn:
+        await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, 's1', 0, 'requested', 'test')"), {"r": RUN})
+    stale = await owner_fence(engine)
+    async with engine.begin() as conn:  # another replica took the run over
+        await conn.execute(text("UPDATE ownership_leases SET epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})
+    with pytest.raises(leases.Fenced):
+        await repo.close_gate(engine, RUN, "s1", stale)
+    assert await state("s1") == (None, "requested")
+
+    fence = leases.Fence("test", stale.epoch + 1)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, checkpoint_id, state, next_attempt_at, claimed_until) VALUES "
+                "(:r, 'i/0', 'retire', 'r0', 'retire', 'pending', now() + interval '1 hour', NULL), "
+                "(:r, 'i/1', 'forget', 'r1', 'forget', 'pending', now(), now() + interval '1 hour'), "
+                "(:r, 'i/2', 'retire', 'r2', 'retire', 'delivered', now(), NULL)"
+            ),
+            {"r": RUN},
+        )
+    assert await repo.close_gate(engine, RUN, "s1", fence) == {("i/0", "retire"), ("i/1", "forget")}
+    assert await state("s1") == ("s1", "gate")
+
+    async with engine.begin() as conn:  # a run closed under a new snapshot
+        await conn.execute(text("UPDATE runs SET state = 'closed', gate_snapshot_id = NULL WHERE run_id = :r"), {"r": RUN})
+        await conn.execute(text("UPDATE snapshots SET phase = 'aborted', outcome = 'aborted', reason = 'cancelled' WHERE run_id = :r"), {"r": RUN})
+        await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, 's2', 0, 'requested', 'test')"), {"r": RUN})
+    with pytest.raises(RunClosed):
+        await repo.close_gate(engine, RUN, "s2", fence)
+    assert await state("s2") == (None, "requested")
+
+
 async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fenced(engine: Any) -> None:
     """Moves into ``UNFLUSHED_MOVES`` commit asynchronously (the owner does not wait for the log
     flush), every other move flushes; both are visible at once and both are fenced."""
@@ -283,7 +326,10 @@ async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fence
     fence = await owner_fence(engine)
     sent: list[str] = []
 
+    every: list[tuple[str, bool]] = []
+
     def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        every.append((statement, conn.connection.driver_connection.autocommit))
         if "UPDATE snapshots SET phase" in statement:
             sent.append(statement)
 
@@ -294,6 +340,9 @@ async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fence
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
     assert ["synchronous_commit" in s for s in sent] == [False, True, False, False, False]
+    # Each move is its one statement, committing by itself (one round trip while Gym is parked);
+    # the unflushed one's setting rides in it (an autocommit statement is its own transaction).
+    assert [a for _, a in every] == [True] * 5 and [st for st, _ in every] == sent
     async with engine.begin() as conn:  # the setting is the transaction's only
         await repo.move_in(conn, RUN, "s1", fence, P.resume, P.publish, flush=False)
         assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "off"

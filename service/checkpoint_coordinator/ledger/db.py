@@ -85,6 +85,16 @@ class LedgerEngine(AsyncEngine):
                 yield conn
 
 
+@contextlib.asynccontextmanager
+async def one_statement(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """A connection for a write that is one statement and commits by itself (autocommit): one
+    round trip instead of ``BEGIN``, the statement and ``COMMIT``, which the snapshot's phase
+    moves pay while Gym is parked. Never for two statements: each would commit on its own."""
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        yield conn
+
+
 def make_async_engine(url: str, *, pool_size: int = 10) -> LedgerEngine:
     """Pool without a ping on every checkout (a round trip as long as a small indexed read): a
     connection is pinged only after ``IDLE_PING_S`` idle or when its socket shows the server

@@ -3,7 +3,7 @@ every dispatch."""
 
 from __future__ import annotations
 
-from sqlalchemy import update
+from sqlalchemy import text, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..errors import GateClosed, RunStopped
@@ -27,8 +27,15 @@ async def require_open(conn: AsyncConnection, run: RunRow, *, retry_after_s: flo
         )
 
 
-async def close_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:
-    await conn.execute(update(_R).where(_R.c.run_id == run_id).values(gate_snapshot_id=snapshot_id))
+# The gate's close (``:r`` the run, ``:s`` the snapshot): the update takes the run row's lock, so it
+# waits for in-flight dispatch transactions (they hold it FOR SHARE); a row comes back only for an
+# open run. A snapshot runs it as a CTE of the statement that moves it to phase ``gate``.
+CLOSE_GATE_SQL = "UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r AND state = 'open' RETURNING 1"
+
+
+async def close_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> bool:
+    """Close the gate by itself; False when the run is not open."""
+    return (await conn.execute(text(CLOSE_GATE_SQL), {"r": run_id, "s": snapshot_id})).first() is not None
 
 
 async def open_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> None:

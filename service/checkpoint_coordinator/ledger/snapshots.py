@@ -21,11 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain.gym_manifest import MANIFEST_SCHEMA_VERSION
 from ..domain.snapshot_state import UNFLUSHED_MOVES, AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
 from ..errors import Conflict, NotFound, RunStopped
-from .db import JsonText, dump_json, read_rows
+from .db import JsonText, dump_json, one_statement, read_rows
 from .leases import Fence, Fenced, fence_sql
 from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
 from .outbox import pending_of_run
-from .gate import close_gate as _close_gate_of_run
+from .gate import CLOSE_GATE_SQL
 from .gate import open_gate as _open_gate_of_run
 from .runs import lock_run, stopped_by
 
@@ -346,7 +346,8 @@ async def move_in(
 
 
 async def move(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any) -> None:
-    async with engine.begin() as conn:
+    # One statement (``move_in``), so it commits by itself: a refused move wrote nothing.
+    async with one_statement(engine) as conn:
         await move_in(conn, run_id, snapshot_id, fence, expected, to, flush=to not in UNFLUSHED_MOVES, **fields)
 
 
@@ -376,7 +377,7 @@ async def store_gym_entry(
     the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
     entry_keys = "SELECT t.k FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)"
     lookup = f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(entry_keys)}) m)"
-    async with engine.begin() as conn:
+    async with one_statement(engine) as conn:  # one statement: refused, it wrote nothing
         n = (
             await conn.execute(
                 text(
@@ -400,15 +401,27 @@ async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
 
 
 async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> set[tuple[str, str]]:
-    """Phase ``gate``, persisted together with the gate itself. FOR UPDATE on the run waits for
-    in-flight dispatch transactions (they hold it FOR SHARE), so none lands after the close.
-    Returns the run's pending outbox pairs (instance, op) as the close saw them: with none, the
-    snapshot has nothing to deliver before its prepare."""
+    """Phase ``gate``, persisted together with the gate itself, in one statement: the gate's
+    update of the run row waits for in-flight dispatch transactions (they hold it FOR SHARE), so
+    none lands after the close. Returns the run's pending outbox pairs (instance, op), read
+    after the close: with none, the snapshot has nothing to deliver before its prepare."""
+    params = {"r": run_id, "s": snapshot_id, "to": P.gate.value, "expected": P.requested.value, **fence.params(),
+              "ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id, progress=True)}
     async with engine.begin() as conn:
-        await lock_run(conn, run_id, for_update=True)
-        await move_in(conn, run_id, snapshot_id, fence, P.requested, P.gate)
-        await _close_gate_of_run(conn, run_id, snapshot_id)
+        closed, moved, _ = (await conn.execute(text(_CLOSE_GATE_SQL), params)).one()
+        if not closed:
+            await lock_run(conn, run_id)  # not found, or closed: raised here
+            raise Fenced(run_id, f"snapshot {snapshot_id}: the gate of a run that changed meanwhile", fence)
+        if not moved:
+            raise Fenced(run_id, f"snapshot {snapshot_id}: {P.requested} -> {P.gate}", fence)  # the gate's close rolls back
         return await pending_of_run(conn, run_id)
+
+
+_CLOSE_GATE_SQL = (
+    f"WITH g AS ({CLOSE_GATE_SQL}), "
+    f"u AS (UPDATE snapshots SET phase = :to WHERE {_FENCED_MOVE} AND EXISTS (SELECT 1 FROM g) RETURNING 1) "
+    "SELECT EXISTS (SELECT 1 FROM g), EXISTS (SELECT 1 FROM u), (SELECT pg_notify(:ch, :np) FROM u)"
+)
 
 
 async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, keep_gate: bool = False) -> None:
