@@ -71,8 +71,9 @@ async def owed(engine: AsyncEngine, run_id: str, *, ignore_schedule: bool = Fals
 
 
 async def pending_of_run(conn: AsyncConnection, run_id: str) -> set[tuple[str, str]]:
-    """(instance_id, op) pairs of the run with any pending item, in backoff or claimed by a
-    delivery under way included: what a snapshot must deliver, or wait for, before its prepare."""
+    """(instance_id, op) pairs of the run with any pending item, in backoff or claimed included:
+    with none, a snapshot has no retire phase. With some, it delivers them before its prepare,
+    after any delivery of this replica under way (a claim of another replica is not waited for)."""
     rows = (await conn.execute(text("SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = 'pending'"), {"r": run_id})).all()
     return {(r.instance_id, r.op) for r in rows}
 

@@ -267,6 +267,7 @@ class PendingSnapshot:
                 self.abort(SnapshotReason.deadline_exceeded)
             else:
                 self._deadline_timer = asyncio.get_running_loop().call_later(left, self.abort, SnapshotReason.deadline_exceeded)
+        self._raise_interrupt()  # an abort or a lost lease during the close: no further phase is written
         if not topology:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
         client = self.ctx.gym.for_run(self.run_id, cfg)
@@ -284,7 +285,7 @@ class PendingSnapshot:
         if any(iid in topology for iid, _ in owed):
             await self._move(P.retire)
             await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
-        self._raise_interrupt()  # an abort or a lost lease during the gate: no prepare is written
+        self._raise_interrupt()  # one during the retire delivery: no prepare is written
         await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
         self.timings[SnapshotTiming.gate] = time.monotonic() - self._started
         # Copy the ledger now, beside Gym's prepare and commit, so that the barrier (while Gym and
