@@ -241,13 +241,8 @@ class PendingSnapshot:
         # Side by side on their own connections: they are on the snapshot's path to Gym's prepare.
         # The gate's close needs none of the reads; every step waits for the others to end, so
         # that a failure of one leaves no write in flight behind the error handling.
-        owed: set[tuple[str, str]] = set()
-
-        async def close_gate() -> None:
-            owed.update(await repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence))
-
         done = await asyncio.gather(
-            self._write(P.gate, close_gate),
+            self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence)),
             self._read(lambda c: get_run(c, self.run_id)),
             self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
             self._read(lambda c: load_topology(c, self.run_id)),
@@ -257,7 +252,7 @@ class PendingSnapshot:
         for d in done:
             if isinstance(d, BaseException):
                 raise d
-        _, run, snap, topology, left = done
+        owed, run, snap, topology, left = done
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
         if left is not None:
@@ -285,7 +280,6 @@ class PendingSnapshot:
         if any(iid in topology for iid, _ in owed):
             await self._move(P.retire)
             await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
-        self._raise_interrupt()  # one during the retire delivery: no prepare is written
         await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
         self.timings[SnapshotTiming.gate] = time.monotonic() - self._started
         # Copy the ledger now, beside Gym's prepare and commit, so that the barrier (while Gym and
@@ -396,13 +390,13 @@ class PendingSnapshot:
             return self._unflushed_from
         return None
 
-    async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[None]]) -> None:
-        """Apply one transition. A cancellation (shutdown) waits for the write in flight, so that
-        ``phase`` always says what the row holds."""
+    async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[T]]) -> T:
+        """Apply one transition; returns what the write answered. A cancellation (shutdown) waits
+        for the write in flight, so that ``phase`` always says what the row holds."""
         check_snapshot_transition(self.phase, to, cut_taken=self.cut_taken)
         task = asyncio.ensure_future(write())
         try:
-            await asyncio.shield(task)
+            answer = await asyncio.shield(task)
         except asyncio.CancelledError:
             with contextlib.suppress(BaseException):
                 await task
@@ -410,6 +404,7 @@ class PendingSnapshot:
                 self.phase = to
             raise
         self.phase = to
+        return answer
 
     async def _end(
         self, reason: SnapshotReason, detail: dict[str, Any], *, restarted: int | None = None, resume_failure: dict[str, Any] | None = None
