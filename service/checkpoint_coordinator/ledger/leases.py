@@ -68,7 +68,9 @@ class Fenced(errors.Fenced):
 def fence_sql(run: str = ":r") -> str:
     """A condition for the WHERE of a background write: the writer still holds the run's lease.
     FOR SHARE makes a takeover (which updates the lease row) wait for this write, and this write
-    wait for a takeover in flight, so the two never interleave."""
+    wait for a takeover in flight, so the two never interleave. A transaction that also locks
+    the run row (a foreign key to ``runs`` does too) locks it before this: a snapshot request
+    holds it FOR UPDATE while it upserts the lease."""
     return (
         f"EXISTS (SELECT 1 FROM ownership_leases fl WHERE fl.run_id = {run} AND fl.owner = :fence_owner "
         "AND fl.epoch = :fence_epoch AND fl.expires_at > now() FOR SHARE)"

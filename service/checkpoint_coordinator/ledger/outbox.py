@@ -9,7 +9,8 @@ sending the whole batch again; its claims expire, or are released when it restar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 
@@ -130,6 +131,23 @@ async def release_claims(engine: AsyncEngine, owner: str) -> int:
         return (
             await conn.execute(text("UPDATE outbox_items SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = :o AND state = 'pending'"), {"o": owner})
         ).rowcount
+
+
+@contextlib.asynccontextmanager
+async def acknowledging(engine: AsyncEngine, run_id: str) -> AsyncIterator[AsyncConnection]:
+    """The transaction of a delivery's acknowledgements (:func:`mark_delivered`,
+    :func:`mark_failed`, :func:`enqueue_forgets`), the run row locked first (FOR KEY SHARE).
+
+    Whatever locks both the run row and the run's lease takes the run row first: a snapshot
+    request locks it FOR UPDATE, then upserts the lease. The acknowledgements take the lease
+    FOR SHARE (``fence_sql``), and a queued forget's foreign key then takes the run row FOR KEY
+    SHARE: lease before run, and a request in between deadlocked with them (it was answered
+    503, SQLSTATE 40P01). FOR KEY SHARE is the lock the foreign key takes anyway, now taken
+    before the lease: against a holder of the run row FOR UPDATE the acknowledgement waits
+    holding nothing."""
+    async with engine.begin() as conn:
+        await conn.execute(text("SELECT 1 FROM runs WHERE run_id = :r FOR KEY SHARE"), {"r": run_id})
+        yield conn
 
 
 def _acknowledged(run_id: str, n: int, items: Sequence[OutboxItem], what: str, fence: Fence) -> None:

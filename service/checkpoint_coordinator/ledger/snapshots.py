@@ -426,11 +426,15 @@ _CLOSE_GATE_SQL = (
 
 async def publish_phase(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, keep_gate: bool = False) -> None:
     """Phase ``publish``, with the gate reopened in the same transaction (before the publish);
-    a stopping snapshot keeps it closed (``keep_gate``): the run is stopped."""
+    a stopping snapshot keeps it closed (``keep_gate``): the run is stopped. The gate's update
+    comes first: the run row before the lease and the snapshot row (the fenced move locks
+    them), the order a snapshot request (run, lease), a barrier or a capture (run, snapshot)
+    lock them in; the other way round, one of them in between deadlocked with it. A refused
+    move rolls the reopen back."""
     async with engine.begin() as conn:
-        await move_in(conn, run_id, snapshot_id, fence, P.resume, P.publish)
         if not keep_gate:
             await _open_gate_of_run(conn, run_id, snapshot_id)
+        await move_in(conn, run_id, snapshot_id, fence, P.resume, P.publish)
 
 
 async def reopen(engine: AsyncEngine, run_id: str) -> SnapshotRow | None:

@@ -112,7 +112,7 @@ class OutboxDeliverer:
             stopped.update(it.item_id for it in items if not names <= set(it.servers_done))
         done = [it for it in items if everyone <= set(it.servers_done)]
         rest = [it for it in items if it not in done]
-        async with self.engine.begin() as conn:
+        async with repo.acknowledging(self.engine, run_id) as conn:  # the run row before the lease
             await repo.mark_delivered(conn, run_id, done, fence)
             await repo.set_retirement(conn, [it.attempt_id for it in done], "forget_pending")
             await repo.enqueue_forgets(conn, run_id, inst.instance_id, [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in done])
@@ -153,7 +153,7 @@ class OutboxDeliverer:
         forgotten = set(settle.forgotten) - set(settle.owed_forgets)
         done = [it for it in items if it.rollout_id in forgotten]
         still = [it for it in items if it.rollout_id not in forgotten]
-        async with self.engine.begin() as conn:
+        async with repo.acknowledging(self.engine, run_id) as conn:  # the run row before the lease
             await repo.mark_delivered(conn, run_id, done, fence)
             await repo.set_retirement(conn, [it.attempt_id for it in done], "forgotten")
             errs = "; ".join(str(b.failure) for b in settle.batches if b.failure is not None) or "forget not acknowledged"
