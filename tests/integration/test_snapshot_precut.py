@@ -29,6 +29,11 @@ from .test_snapshot_cut import _ATTEMPT_VIEW_COLS, _GROUP_VIEW_COLS, MANIFEST, R
 engine = cut_tests.engine  # the same small ledger: g1 generating, g2 ready, g3 finalized
 
 
+async def _cut_keys(engine: Any) -> tuple[str, list[str]]:
+    as_of, keys = await repo.cut_keys(engine, RUN, "p")
+    return as_of, json.loads(keys)
+
+
 async def _committing(engine: Any, sid: str) -> None:
     """A snapshot in phase commit: the pre-cut's moment (the barrier is not open yet)."""
     async with engine.begin() as conn:
@@ -264,9 +269,9 @@ async def test_the_barrier_after_a_pre_cut_answers_its_keys_as_a_delta_that_rebu
         await _add_group(conn, "h1", keys=["tq/shared"])
         await _add_group(conn, "h2", keys=["tq/shared"])
     await _committing(engine, "p")
-    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])
+    assert await repo.cut_keys(engine, RUN, "p") == ("none", "[]")
     assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 14
-    as_of, base = await repo.cut_keys(engine, RUN, "p")
+    as_of, base = await _cut_keys(engine)
     assert as_of == "pre_cut" and base == sorted(base) and {"tq/shared", "tq/\u00e9", "tq/q00"} <= set(base)
     assert "model/x" not in base  # the manifest's keys come in at the barrier
     async with engine.begin() as conn:
@@ -280,13 +285,30 @@ async def test_the_barrier_after_a_pre_cut_answers_its_keys_as_a_delta_that_rebu
     assert row.counts["cut_recopied_groups"] == 4 and row.cut_staging_keys is None
     assert row.cut_keys_added == ["model/x", "tq/g5", "tq/new"]
     assert row.cut_keys_removed == ["tq/Z", "tq/\u00e9"]  # g2's; tq/shared is still h2's, tq/a g1's and the manifest's
-    as_of, full = await repo.cut_keys(engine, RUN, "p")
+    as_of, full = await _cut_keys(engine)
     assert as_of == "cut" and full == _merged(base, row.cut_keys_added, row.cut_keys_removed)
     # A repeated barrier answers the same delta (and the whole list).
     again = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert (again.cut_keys_added, again.cut_keys_removed, again.cut_staging_keys) == (row.cut_keys_added, row.cut_keys_removed, full)
     row.cut_staging_keys = full
     await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_the_keys_json_the_database_writes_reads_back_as_the_keys_in_code_point_order(engine: Any) -> None:
+    awkward = ['tq/"quoted"', "tq/back\\slash", "tq/tab\there", "tq/new\nline", "tq/\u00e9t\u00e9", "tq/\U0001f600", "tq/\u007f"]
+    async with engine.begin() as conn:
+        await _add_group(conn, "h9", keys=awkward)
+    await _committing(engine, "p")
+    await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
+    as_of, raw = await repo.cut_keys(engine, RUN, "p")
+    keys = json.loads(raw)
+    assert as_of == "pre_cut" and set(awkward) <= set(keys)
+    assert keys == sorted(keys)  # Python compares str by code point, as the C collation orders UTF-8
+    await _to_data_plane(engine, "p")
+    await repo.take_cut(engine, RUN, "p")
+    as_of, raw = await repo.cut_keys(engine, RUN, "p")
+    full = json.loads(raw)
+    assert as_of == "cut" and full == sorted(full) and set(keys) <= set(full)
 
 
 async def test_a_published_snapshot_keeps_its_keys_in_its_row_and_its_key_rows_go(engine: Any) -> None:
@@ -319,7 +341,7 @@ async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not
         await _add_group(conn, "h3", keys=["model/x", "tq/h3"])  # model/x is in the Gym manifest too
     await _committing(engine, "p")
     assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 13  # g1, g2, q00-q09, h3
-    _, base = await repo.cut_keys(engine, RUN, "p")
+    _, base = await _cut_keys(engine)
     assert {"model/x", "tq/a"} <= set(base)  # h3's and g1's, both in the manifest too
     async with engine.begin() as conn:
         await conn.execute(text("DELETE FROM prompt_groups WHERE run_id = :r AND group_id = 'h3'"), {"r": RUN})
@@ -327,7 +349,7 @@ async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not
     row = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert row.cut_keys_removed == ["tq/h3"]  # model/x left its group, the manifest keeps it
     assert row.cut_keys_added == []  # the manifest names nothing the pre-cut did not hold
-    _, full = await repo.cut_keys(engine, RUN, "p")
+    _, full = await _cut_keys(engine)
     assert full == _merged(base, row.cut_keys_added, row.cut_keys_removed) and "model/x" in full
 
 
@@ -338,7 +360,7 @@ async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) 
     await _to_data_plane(engine, "p")
     assert (await repo.take_cut(engine, RUN, "p")).cut_staging_keys
     await repo.end(engine, RUN, "p", "failed", "data_plane_failed", fence=fence, expected=SnapshotPhase.data_plane)
-    assert await repo.cut_keys(engine, RUN, "p") == ("cut", [])
+    assert await repo.cut_keys(engine, RUN, "p") == ("cut", "[]")
     async with engine.connect() as conn:
         assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == []
 
@@ -390,7 +412,7 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
     assert await repo.pre_cut(engine, RUN, "p", fence) == 13
-    _, base = await repo.cut_keys(engine, RUN, "p")
+    _, base = await _cut_keys(engine)
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "model/held"]), look_up_keys=True)
     # Stored before the pre-cut was in: its keys are looked up at the barrier instead.
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9"]), look_up_keys=False)
@@ -402,7 +424,7 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     row = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert row.cut_keys_added == ["model/x", "model/y", "model/\u00e9"]
     assert row.cut_keys_removed == ["tq/h3"]  # model/held left its group, the manifest keeps it
-    as_of, full = await repo.cut_keys(engine, RUN, "p")
+    as_of, full = await _cut_keys(engine)
     assert as_of == "cut" and full == _merged(base, row.cut_keys_added, row.cut_keys_removed)
     assert {"model/held", "model/x", "model/y"} <= set(full)
     # While pending, a reader asking for the manifest gets the entries joined; at the end they
@@ -441,7 +463,7 @@ async def test_a_snapshot_ended_while_gym_commits_keeps_no_partial_manifest_and_
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
     assert await _rows(engine, "SELECT gym_manifest FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'") == [(None,)]
-    assert await repo.cut_keys(engine, RUN, "p") == ("none", [])
+    assert await repo.cut_keys(engine, RUN, "p") == ("none", "[]")
 
 
 async def test_a_snapshot_that_fails_after_its_data_plane_move_keeps_its_gym_manifest(engine: Any) -> None:

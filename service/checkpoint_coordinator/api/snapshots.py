@@ -13,7 +13,7 @@ from ..observability.http import LONG_POLL_SCOPE_KEY
 from ..snapshots import service as snapshot_service
 from ..snapshots.watch import MAX_WAIT_S
 from .auth import Caller, require_run_access
-from .common import BIGINT_MAX, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
+from .common import BIGINT_MAX, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, json_with_raw, problem_responses
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
 
@@ -150,9 +150,10 @@ async def barrier_held(
     out = row.public()
     if staging_keys == "delta" and row.cut_keys_added is not None and row.cut_keys_removed is not None:
         out["staging_keys_delta"] = {"base": "pre_cut", "added": row.cut_keys_added, "removed": row.cut_keys_removed}
+    elif row.cut_staging_keys is not None:
+        out["staging_keys"] = row.cut_staging_keys
     else:
-        keys = row.cut_staging_keys
-        out["staging_keys"] = keys if keys is not None else (await repo.cut_keys(engine, caller.run_id, snapshot_id))[1]
+        return json_with_raw(out, "staging_keys", (await repo.cut_keys(engine, caller.run_id, snapshot_id))[1])
     # Tens of thousands of keys: serialized once natively, not walked by FastAPI's encoder first
     # (4x slower, on the event loop the runner and other requests share).
     return FastJSON(out)
@@ -165,7 +166,7 @@ async def snapshot_staging_keys(request: Request, snapshot_id: str = SnapshotIdP
     either. A trainer fetches the pre-cut's keys while Gym commits and asks its barrier for the
     delta only, so the barrier's answer grows with what changed, not with the run."""
     as_of, keys = await repo.cut_keys(request.app.state.engine, caller.run_id, snapshot_id)
-    return FastJSON({"snapshot_id": snapshot_id, "as_of": as_of, "staging_keys": keys})
+    return json_with_raw({"snapshot_id": snapshot_id, "as_of": as_of}, "staging_keys", keys)
 
 
 @router.post("/snapshots/{snapshot_id}/captured", operation_id="snapshot_data_plane_captured")
