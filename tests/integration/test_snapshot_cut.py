@@ -356,3 +356,47 @@ async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fence
         await repo.move(engine, RUN, "s1", fence, P.commit, P.drain)
     async with engine.connect() as conn:
         assert (await repo.get(conn, RUN, "s1")).phase == "commit"
+
+
+async def test_a_capture_is_one_autocommit_statement_and_every_other_case_is_answered_as_before(engine: Any) -> None:
+    from sqlalchemy import event
+
+    from checkpoint_coordinator.errors import Conflict, RunClosed
+
+    await _data_plane(engine, "s1")
+    with pytest.raises(repo.SnapshotNotAwaiting):  # before the barrier: nothing written
+        await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
+    await repo.take_cut(engine, RUN, "s1")
+    every: list[tuple[str, bool]] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        every.append((statement, conn.connection.driver_connection.autocommit))
+
+    event.listen(engine.sync_engine, "before_cursor_execute", record)
+    try:
+        async with engine.connect() as listener:
+            raw = listener.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+            await listener.execute(text(f"LISTEN {repo.NOTIFY_CHANNEL}"))
+            await listener.commit()
+            done = await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
+            heard = [n.payload async for n in raw.notifies(timeout=2, stop_after=1)]
+    finally:
+        event.remove(engine.sync_engine, "before_cursor_execute", record)
+    mine = [(st, a) for st, a in every if "data_plane_ref" in st]
+    assert len(mine) == 1 and mine[0][1] is True  # one round trip while Gym is parked
+    assert heard == [f"{RUN}/s1"]  # the owner hears of it (a handshake, not a move of its own)
+    assert done.data_plane_ref == {"path": "/d", "digest": "sha256:0"} and done.awaiting is None and "staging_keys" not in done.public()
+    # A repeat is answered as stored; another reference is a conflict.
+    again = await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
+    assert again.data_plane_ref == done.data_plane_ref
+    with pytest.raises(Conflict):
+        await repo.captured(engine, RUN, "s1", {"path": "/other", "digest": "sha256:1"})
+    # A closed run takes no capture, and nothing is written.
+    await repo.end(engine, RUN, "s1", "published", "ok", fence=await owner_fence(engine), expected=SnapshotPhase.data_plane)
+    await _data_plane(engine, "s2")
+    await repo.take_cut(engine, RUN, "s2")
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET state = 'closed' WHERE run_id = :r"), {"r": RUN})
+    with pytest.raises(RunClosed):
+        await repo.captured(engine, RUN, "s2", {"path": "/d2", "digest": "sha256:2"})
+    assert await _rows(engine, "SELECT data_plane_ref FROM snapshots WHERE run_id = :r AND snapshot_id = 's2'") == [(None,)]

@@ -946,7 +946,25 @@ async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reas
         return SnapshotRow(**dict(r._mapping))
 
 
+# The capture of a snapshot that awaits it, in one statement (the run's row read-locked first, as
+# every writer of the run does); it matches nothing in every other case, which the transaction
+# of ``captured`` then answers.
+_CAPTURED_SQL = (
+    "WITH run AS (SELECT 1 FROM runs WHERE run_id = :r AND state = 'open' FOR SHARE), "
+    "u AS (UPDATE snapshots SET data_plane_ref = CAST(:ref AS jsonb) WHERE run_id = :r AND snapshot_id = :s "
+    f"AND data_plane_ref IS NULL AND outcome IS NULL AND cut_at IS NOT NULL AND EXISTS (SELECT 1 FROM run) RETURNING {_COLS}) "
+    "SELECT u.*, pg_notify(:ch, :np) AS notified FROM u"
+)
+
+
 async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference: dict[str, Any]) -> SnapshotRow:
+    """The trainer saved its data plane. The usual case is one round trip while Gym is parked;
+    a repeat, a conflict or a snapshot not awaiting it is answered by the full check."""
+    params = {"r": run_id, "s": snapshot_id, "ref": _j(reference), "ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id)}
+    async with one_statement(engine) as conn:
+        r = (await conn.execute(text(_CAPTURED_SQL), params)).first()
+    if r is not None:
+        return SnapshotRow(**{k: v for k, v in r._mapping.items() if k != "notified"})
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         # Neither the staging keys nor the manifest: the answer, once captured, shows neither.
