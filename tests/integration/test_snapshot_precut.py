@@ -116,6 +116,29 @@ async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_who
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 
+async def test_a_barrier_too_early_keeps_the_recorded_groups_and_the_cut_notifies_once(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
+    async with engine.begin() as conn:
+        await _add_group(conn, "g5", keys=["tq/g5"])
+    recorded = "SELECT group_id FROM snapshot_changed_groups WHERE run_id = :r"
+    assert await _rows(engine, recorded) == [("g5",)]
+    with pytest.raises(repo.SnapshotNotAwaiting):  # still committing: its deletion of them rolls back
+        await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert await _rows(engine, recorded) == [("g5",)]
+    await _to_data_plane(engine, "p")
+    async with engine.connect() as listener:
+        raw = listener.sync_connection.connection.driver_connection  # type: ignore[union-attr]
+        await listener.execute(text(f"LISTEN {repo.NOTIFY_CHANNEL}"))
+        await listener.commit()
+        row = await repo.take_cut(engine, RUN, "p", full_keys=False)
+        heard = [n.payload async for n in raw.notifies(timeout=1)]
+    assert heard == [f"{RUN}/p"]  # trainers waiting on the snapshot read it again
+    assert row.counts["cut_recopied_groups"] == 1 and "tq/g5" in row.cut_keys_added
+    assert await _rows(engine, recorded) == []
+
+
 async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_cut(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing(engine, "p")

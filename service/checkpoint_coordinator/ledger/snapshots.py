@@ -247,9 +247,12 @@ async def get(
     return SnapshotRow(**await _read_row(conn, run_id, snapshot_id, cols, " FOR UPDATE" if for_update else ""))
 
 
-async def _read_row(conn: AsyncConnection, run_id: str, snapshot_id: str, select: str, lock: str = "") -> dict[str, Any]:
-    """The snapshot row's ``select`` list, by name; :class:`NotFound` when there is none."""
-    r = (await conn.execute(text(f"SELECT {select} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})).first()
+async def _read_row(conn: AsyncConnection, run_id: str, snapshot_id: str, select: str, lock: str = "", *, with_: str = "") -> dict[str, Any]:
+    """The snapshot row's ``select`` list, by name; :class:`NotFound` when there is none.
+    ``with_``: a WITH clause for the statement (it may use ``:r`` and ``:s``)."""
+    r = (
+        await conn.execute(text(f"{with_}SELECT {select} FROM snapshots WHERE run_id = :r AND snapshot_id = :s{lock}"), {"r": run_id, "s": snapshot_id})
+    ).first()
     if r is None:
         raise NotFound(f"snapshot {snapshot_id!r} not found in run {run_id!r}", code="snapshot_not_found")
     return dict(r._mapping)
@@ -526,7 +529,7 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
-_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step"})
+_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded"})
 
 
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
@@ -547,13 +550,16 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
         await lock_run(conn, run_id, for_update=True)
         # The row and all the barrier reads besides it, in one statement (after the run's lock:
         # its xmin sees every report that committed before the cut).
+        # The groups recorded as changed are taken in the same statement (a barrier that does not
+        # go on rolls their deletion back; a repeat's is harmless: the cut is taken).
         base = await _read_row(
             conn, run_id, snapshot_id,
             f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
             "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
             "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            f"({_NEWEST_STEP_SQL}) AS newest_step",
+            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded",
             " FOR UPDATE OF snapshots",
+            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
         )
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:
@@ -571,9 +577,10 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             # the trainer is stopping). The announce itself asked the owner to abort.
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
         p = {"r": run_id, "s": snapshot_id}
+        notice = {"ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id)}  # rides on the cut's update
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
-        recorded = list((await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id"), p)).scalars())
+        recorded = list(base["recorded"])
         if base["cut_base_xid"] is not None and base["pre_cut_groups"] > 0 and base["pre_cut_siblings"] is not None:
             changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
@@ -601,7 +608,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             r = (
                 await conn.execute(
                     text(_DELTA_CUT_SQL),
-                    {**p, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"], "g": groups, "n": siblings},
+                    {**p, **notice, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"], "g": groups, "n": siblings},
                 )
             ).one()
         else:
@@ -612,11 +619,10 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             await _cut_settings(conn)
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
             await conn.execute(text(_INSERT_KEYS_SQL), p)
-            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
-        row = SnapshotRow(**dict(r._mapping))
+            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
+        row = SnapshotRow(**{k: v for k, v in r._mapping.items() if k != "notified"})
         if full_keys:
             row.cut_staging_keys = list((await conn.execute(text(f"SELECT {_KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
-        await _notify(conn, run_id, [snapshot_id])
         return row
 
 
@@ -779,23 +785,25 @@ _DELTA_CUT_SQL = (
     f" UNION SELECT k FROM ({_MANIFEST_NEW_KEYS}) mn) a), "
     "removed AS (SELECT COALESCE(array_agg(d.k ORDER BY d.k), '{}') AS ks FROM prev d "
     f" WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM ({_MANIFEST_KEYS}) man WHERE man.k COLLATE \"C\" = d.k)), "
-    "tot AS (SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n) "
-    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
+    "tot AS (SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n), "
+    "done AS (UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
     " cut_keys_added = (SELECT ks FROM added), cut_keys_removed = (SELECT ks FROM removed), "
     " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
     " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
-    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed"
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed) "
+    "SELECT done.*, pg_notify(:ch, :np) AS notified FROM done"
 )
 _TOT_COUNTED = (
     "(SELECT count(*) AS g, COALESCE(sum(cardinality(siblings)), 0) AS n FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s)"
 )
 # The snapshot row at a whole-run barrier: cut, and its counts.
 _FINISH_CUT_SQL = (
-    f"WITH tot AS {_TOT_COUNTED} "
-    "UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, cut_keys_added = NULL, cut_keys_removed = NULL, "
+    f"WITH tot AS {_TOT_COUNTED}, "
+    "done AS (UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, cut_keys_added = NULL, cut_keys_removed = NULL, "
     " counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_groups', (SELECT g FROM tot), "
     " 'cut_siblings', (SELECT n FROM tot)) || CAST(:extra AS jsonb) "
-    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed"
+    f"WHERE run_id = :r AND snapshot_id = :s RETURNING {_COLS_NONE}, cut_keys_added, cut_keys_removed) "
+    "SELECT done.*, pg_notify(:ch, :np) AS notified FROM done"
 )
 
 
