@@ -378,8 +378,7 @@ async def store_gym_entry(
     snapshot is in phase ``commit`` or ``drain``, fenced like a phase move. ``look_up_keys``: the pre-cut is
     in, so the entry's staging keys its key rows lack are looked up now (``new_keys``), not at
     the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
-    entry_keys = "SELECT t.k FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)"
-    lookup = f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(entry_keys)}) m)"
+    lookup = _entry_new_keys("x.e")
     async with one_statement(engine) as conn:  # one statement: refused, it wrote nothing
         n = (
             await conn.execute(
@@ -397,6 +396,34 @@ async def store_gym_entry(
         ).rowcount
     if n != 1:
         raise Fenced(run_id, f"snapshot {snapshot_id}: Gym entry of {instance_id}", fence)
+
+
+def _entry_new_keys(entry: str) -> str:
+    """The staging keys of Gym entry ``entry`` (a jsonb expression) that the pre-cut's key rows
+    lack, sorted: its ``new_keys``."""
+    keys = f"SELECT t.k FROM jsonb_array_elements_text({entry} -> 'staging_keys') AS t(k)"
+    return f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys)}) m)"
+
+
+async def look_up_entry_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, instance_ids: list[str]) -> int:
+    """Look up the new keys of entries stored without them (``store_gym_entry`` with
+    ``look_up_keys=False``), while the snapshot awaits its barrier: the last instance's entry is
+    stored without them so that the move to ``data_plane`` does not wait for the lookup, which
+    then runs while the trainer hears of the move. The barrier waits for this update when it is
+    under way, and looks the keys up itself when it has not run (or matched nothing: the barrier
+    came first, or the snapshot is no longer this owner's). Returns the entries updated."""
+    async with one_statement(engine) as conn:
+        return (
+            await conn.execute(
+                text(
+                    f"UPDATE snapshot_gym_entries ge SET new_keys = {_entry_new_keys('ge.entry')} "
+                    "WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.instance_id = ANY(CAST(:i AS text[])) AND ge.new_keys IS NULL "
+                    "AND EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase = :dp AND cut_at IS NULL "
+                    f"AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()}"
+                ),
+                {"r": run_id, "s": snapshot_id, "i": instance_ids, "dp": P.data_plane.value, **fence.params()},
+            )
+        ).rowcount
 
 
 async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
@@ -529,7 +556,10 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
-_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded"})
+# The barrier's read waits for a lookup of an entry's new keys under way (``look_up_entry_keys``):
+# its statements after it then see the keys instead of looking them up a second time.
+_ENTRY_LOOKUPS_DONE = "e AS (SELECT 1 FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s AND new_keys IS NULL FOR SHARE) "
+_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded", "entries_waited"})
 
 
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
@@ -557,9 +587,10 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
             "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
             "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded",
+            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded, "
+            "(SELECT count(*) FROM e) AS entries_waited",
             " FOR UPDATE OF snapshots",
-            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
+            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id), " + _ENTRY_LOOKUPS_DONE,
         )
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:

@@ -152,6 +152,10 @@ class PendingSnapshot:
         # closed once the snapshot ends (an entry written after its end would be left behind).
         self._entries: dict[str, asyncio.Future[None]] = {}
         self._entries_closed = False
+        # Entries stored without their new keys (the last one, on the path), and their lookup,
+        # run once the snapshot awaits its barrier.
+        self._keys_later: list[str] = []
+        self._keys_lookup: asyncio.Task[None] | None = None
         self._data_plane_reached = False
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
@@ -310,6 +314,8 @@ class PendingSnapshot:
             await self._step(self._stored_entries(commit))
             await self._move(P.data_plane)
             self._data_plane_reached = True
+            if self._keys_later:
+                self._keys_lookup = asyncio.create_task(self._look_up_keys_later())
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
             manifest_file.add_done_callback(_retrieved)
@@ -413,6 +419,7 @@ class PendingSnapshot:
         check_snapshot_transition(self.phase, P(outcome.value), cut_taken=self.cut_taken, reason=reason)
         await self._settle_pre_cut()
         await self._drop_entry_writes()
+        await self._settle_keys_lookup()
         if self._candidates is not None:
             self._candidates.cancel()  # a no-op once it has its answer
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -463,6 +470,8 @@ class PendingSnapshot:
         if self._pre_cut is not None:
             self._pre_cut.cancel()
         self._close_entries()
+        if self._keys_lookup is not None:
+            self._keys_lookup.cancel()
         if self._candidates is not None:
             self._candidates.cancel()
 
@@ -570,14 +579,32 @@ class PendingSnapshot:
 
     def _store_entry_soon(self, instance_id: str, ic: InstanceCommit) -> None:
         """An instance's commit validated while others may still commit: store its manifest
-        entry now, beside their calls, rather than the whole manifest once Gym waits."""
+        entry now, beside their calls, rather than the whole manifest once Gym waits. The last
+        instance's is what the move to ``data_plane`` waits for: its keys are looked up after
+        that move (``repo.look_up_entry_keys``), while the trainer hears of it."""
         if instance_id not in self._entries and not self._entries_closed:
-            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic))
+            last = self.save is not None and len(self._entries) + 1 >= len(self.save.topology)
+            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic, later=last))
 
-    async def _store_entry(self, instance_id: str, ic: InstanceCommit) -> None:
+    async def _store_entry(self, instance_id: str, ic: InstanceCommit, *, later: bool = False) -> None:
         await self._settle_pre_cut()  # its key rows are what the entry's keys are looked up in
         entry = JsonText(ic.manifest_entry or encode_instance_entry(ic))
-        await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=self._pre_cut_taken)
+        look_up = self._pre_cut_taken and not later
+        await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=look_up)
+        if self._pre_cut_taken and later:
+            self._keys_later.append(instance_id)
+
+    async def _look_up_keys_later(self) -> None:
+        try:
+            await repo.look_up_entry_keys(self.engine, self.run_id, self.snapshot_id, self.fence, self._keys_later)
+        except Exception as e:  # the barrier looks them up itself
+            log.info("snapshot %s: looking up the last Gym entry's keys failed (%s); the barrier does it", self.snapshot_id, e)
+
+    async def _settle_keys_lookup(self) -> None:
+        """Wait for the lookup (one statement) before the snapshot ends, as for the entry writes."""
+        if self._keys_lookup is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._keys_lookup)
 
     async def _stored_entries(self, commit: CommitResult) -> None:
         """Until every committed instance's entry is stored (those validated only after a second
