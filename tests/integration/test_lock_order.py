@@ -163,3 +163,21 @@ async def test_the_gates_close_takes_the_run_row_before_the_lease(engine: Any) -
                 await probe.execute(text("SELECT 1 FROM runs WHERE run_id = :r FOR UPDATE NOWAIT"), {"r": RUN})
             assert getattr(e.value.orig, "sqlstate", None) == "55P03"  # lock_not_available: the close holds it
     assert await asyncio.wait_for(closed, 10) == set()
+
+
+async def test_a_capture_in_one_statement_takes_the_run_row_before_the_snapshot_row(engine: Any) -> None:
+    """The capture is one statement of CTEs: held up at the run row (a request holds it), it
+    holds no lock on the snapshot row yet, the order the barrier and the end take them in."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, cut_at) VALUES (:r, 's1', 0, 'data_plane', :o, now())"),
+            {"r": RUN, "o": OWNER},
+        )
+    async with engine.begin() as req:
+        await lock_run(req, RUN, for_update=True)
+        captured = asyncio.ensure_future(repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"}))
+        assert await _row_waited_for(engine) == "runs"
+        async with engine.connect() as probe:  # the snapshot row is free: the capture waits holding nothing
+            await probe.execute(text("SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = 's1' FOR UPDATE NOWAIT"), {"r": RUN})
+    row = await asyncio.wait_for(captured, 10)
+    assert row.data_plane_ref == {"path": "/d", "digest": "sha256:0"}
