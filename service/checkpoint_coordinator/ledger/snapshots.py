@@ -416,10 +416,15 @@ async def look_up_entry_keys(engine: AsyncEngine, run_id: str, snapshot_id: str,
         return (
             await conn.execute(
                 text(
-                    f"UPDATE snapshot_gym_entries ge SET new_keys = {_entry_new_keys('ge.entry')} "
-                    "WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.instance_id = ANY(CAST(:i AS text[])) AND ge.new_keys IS NULL "
+                    # The rows are locked first (``l``), before their keys are looked up (``k``
+                    # reads ``l``): a barrier that comes meanwhile waits for the keys.
+                    "WITH l AS (SELECT instance_id FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s "
+                    "AND instance_id = ANY(CAST(:i AS text[])) AND new_keys IS NULL "
                     "AND EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase = :dp AND cut_at IS NULL "
-                    f"AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()}"
+                    f"AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()} FOR UPDATE), "
+                    f"k AS (SELECT ge.instance_id, {_entry_new_keys('ge.entry')} AS nk FROM snapshot_gym_entries ge JOIN l USING (instance_id) "
+                    "WHERE ge.run_id = :r AND ge.snapshot_id = :s) "
+                    "UPDATE snapshot_gym_entries ge SET new_keys = k.nk FROM k WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.instance_id = k.instance_id"
                 ),
                 {"r": run_id, "s": snapshot_id, "i": instance_ids, "dp": P.data_plane.value, **fence.params()},
             )
