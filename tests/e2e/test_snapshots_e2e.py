@@ -173,6 +173,28 @@ async def test_a_phase_with_nothing_to_do_is_not_entered(client, admin, app, gym
     assert (await api.get("/counts"))["outbox_pending"] == {}
 
 
+async def test_the_gates_close_is_sent_before_the_owners_first_reads(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The close (a transaction of its own, the longest of the first steps) goes out first; the
+    four reads beside it follow on their own connections."""
+    from sqlalchemy import event
+
+    api = await _setup(client, admin, app, gyms)
+    sent: list[str] = []
+
+    def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
+        sent.append(" ".join(statement.split()))
+
+    event.listen(app.state.engine.sync_engine, "before_cursor_execute", record)
+    try:
+        s1 = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    finally:
+        event.remove(app.state.engine.sync_engine, "before_cursor_execute", record)
+    assert s1["outcome"] == "published", s1
+    close = next(i for i, st in enumerate(sent) if st.startswith("WITH g AS (UPDATE runs SET gate_snapshot_id"))
+    reads = [next(i for i, st in enumerate(sent) if marker in st) for marker in ("EXTRACT(EPOCH FROM deadline_at - now())", "FROM gym_participants")]
+    assert all(close < i for i in reads), (close, reads)
+
+
 async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gym(client, admin, app, gyms, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A deadline already past when the owner starts (a late start, a takeover): the gate's
     close is undone and the snapshot ends aborted/deadline_exceeded with no Gym call at all."""

@@ -238,13 +238,16 @@ class PendingSnapshot:
             await self._stop_fenced(e)
 
     async def _read(self, read: Callable[[Any], Awaitable[T]]) -> T:
+        await asyncio.sleep(0)  # a write started beside it sends its statement first (``_drive``)
         async with self.engine.connect() as conn:
             return await read(conn)
 
     async def _drive(self) -> None:
         # Side by side on their own connections: they are on the snapshot's path to Gym's prepare.
         # The gate's close needs none of the reads; every step waits for the others to end, so
-        # that a failure of one leaves no write in flight behind the error handling.
+        # that a failure of one leaves no write in flight behind the error handling. The close,
+        # the longest, sends its statement first (``_write`` starts it in a task of its own, which
+        # each read, yielding once, lets run before it takes its connection).
         done = await asyncio.gather(
             self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence)),
             self._read(lambda c: get_run(c, self.run_id)),
