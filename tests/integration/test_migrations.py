@@ -75,3 +75,24 @@ def test_single_head_is_what_readyz_expects(database_url: str) -> None:
     finally:
         eng.dispose()
     assert current == db.head_revision()
+
+
+def test_what_is_written_while_gym_is_parked_is_stored_uncompressed(database_url: str) -> None:
+    """Compressing these (a Gym entry and its new keys, the barrier's key arrays) saved nothing
+    and was most of their write while Gym waits (migrations 0008, 0009, 0010)."""
+    eng = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with eng.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT c.relname || '.' || a.attname, a.attstorage FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid "
+                    "WHERE (c.relname, a.attname) IN (('snapshot_gym_entries', 'entry'), ('snapshot_gym_entries', 'new_keys'), "
+                    "('snapshots', 'cut_keys_added'), ('snapshots', 'cut_keys_removed'))"
+                )
+            ).all()
+    finally:
+        eng.dispose()
+    assert dict(rows) == {
+        "snapshot_gym_entries.entry": "e", "snapshot_gym_entries.new_keys": "e", "snapshots.cut_keys_added": "e",
+        "snapshots.cut_keys_removed": "e",
+    }

@@ -384,8 +384,9 @@ class SnapshotGymEntry(Base):
     while Gym is parked and waits. ``new_keys``: the entry's staging keys that the pre-cut's key
     rows lack (NULL when no pre-cut was in), what the barrier adds for the manifest. At the
     snapshot's end the entries are joined into ``snapshots.gym_manifest`` and these rows go.
-    ``entry`` is stored uncompressed (``SET STORAGE EXTERNAL`` in the migration): the last one is
-    written while Gym is parked, and compressing it was about half of that write."""
+    ``entry`` and ``new_keys`` are stored uncompressed (``SET STORAGE EXTERNAL``, migrations 0009
+    and 0010): the last entry is written while Gym is parked, and compressing it was about half of
+    that write."""
 
     __tablename__ = "snapshot_gym_entries"
     __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "instance_id"),)
