@@ -407,11 +407,11 @@ def _entry_new_keys(entry: str) -> str:
 
 async def look_up_entry_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, instance_ids: list[str]) -> int:
     """Look up the new keys of entries stored without them (``store_gym_entry`` with
-    ``look_up_keys=False``), while the snapshot awaits its barrier: the last instance's entry is
-    stored without them so that the move to ``data_plane`` does not wait for the lookup, which
-    then runs while the trainer hears of the move. The barrier waits for this update when it is
-    under way, and looks the keys up itself when it has not run (or matched nothing: the barrier
-    came first, or the snapshot is no longer this owner's). Returns the entries updated."""
+    ``look_up_keys=False``), before the barrier: the last instance's entry is stored without them
+    so that the move to ``data_plane`` does not wait for the lookup, which runs beside that move
+    and while the trainer hears of it. The barrier waits for this update when it is under way,
+    and looks the keys up itself when it has not run (or matched nothing: the barrier came first,
+    or the snapshot is no longer this owner's). Returns the entries updated."""
     async with one_statement(engine) as conn:
         return (
             await conn.execute(
@@ -420,13 +420,14 @@ async def look_up_entry_keys(engine: AsyncEngine, run_id: str, snapshot_id: str,
                     # reads ``l``): a barrier that comes meanwhile waits for the keys.
                     "WITH l AS (SELECT instance_id FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s "
                     "AND instance_id = ANY(CAST(:i AS text[])) AND new_keys IS NULL "
-                    "AND EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase = :dp AND cut_at IS NULL "
-                    f"AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()} FOR UPDATE), "
+                    "AND EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain, :dp) "
+                    f"AND cut_at IS NULL AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()} FOR UPDATE), "
                     f"k AS (SELECT ge.instance_id, {_entry_new_keys('ge.entry')} AS nk FROM snapshot_gym_entries ge JOIN l USING (instance_id) "
                     "WHERE ge.run_id = :r AND ge.snapshot_id = :s) "
                     "UPDATE snapshot_gym_entries ge SET new_keys = k.nk FROM k WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.instance_id = k.instance_id"
                 ),
-                {"r": run_id, "s": snapshot_id, "i": instance_ids, "dp": P.data_plane.value, **fence.params()},
+                {"r": run_id, "s": snapshot_id, "i": instance_ids, "commit": P.commit.value, "drain": P.drain.value, "dp": P.data_plane.value,
+                 **fence.params()},
             )
         ).rowcount
 

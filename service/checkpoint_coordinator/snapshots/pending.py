@@ -315,10 +315,10 @@ class PendingSnapshot:
         try:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
             await self._step(self._stored_entries(commit))
+            if self._keys_later:  # beside the move: the barrier comes right after it
+                self._keys_lookup = asyncio.create_task(self._look_up_keys_later())
             await self._move(P.data_plane)
             self._data_plane_reached = True
-            if self._keys_later:
-                self._keys_lookup = asyncio.create_task(self._look_up_keys_later())
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
             manifest_file.add_done_callback(_retrieved)
@@ -583,7 +583,7 @@ class PendingSnapshot:
     def _store_entry_soon(self, instance_id: str, ic: InstanceCommit) -> None:
         """An instance's commit validated while others may still commit: store its manifest
         entry now, beside their calls, rather than the whole manifest once Gym waits. The last
-        instance's is what the move to ``data_plane`` waits for: its keys are looked up after
+        instance's is what the move to ``data_plane`` waits for: its keys are looked up beside
         that move (``repo.look_up_entry_keys``), while the trainer hears of it."""
         if instance_id not in self._entries and not self._entries_closed:
             last = self.save is not None and len(self._entries) + 1 >= len(self.save.topology)
