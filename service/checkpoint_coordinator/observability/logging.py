@@ -112,7 +112,9 @@ def redact_text(text: str) -> str:
     """Remove secrets from free text (messages, reprs, tracebacks)."""
     if not text:
         return text
-    folded = text.casefold().replace("\u0131", "i")
+    # What IGNORECASE matches to an ASCII letter must fold to it here: the dotless i, and the
+    # dotted capital I, whose case fold is an i with a combining dot.
+    folded = text.casefold().replace("\u0131", "i").replace("\u0307", "")
     if "://" in text:
         text = _URL_PASSWORD_RE.sub(lambda m: f"{m['prefix']}{REDACTED}{m['at']}", text)
     if any(w in folded for w in _KV_WORDS):
