@@ -1,7 +1,7 @@
 """gym entries' new keys stored uncompressed
 
-The new keys of the last instance's Gym entry (a few thousand) are written while Gym is parked
-and the barrier waits for them. PostgreSQL's compression of such arrays of distinct keys saves
+The new keys of the last instance's Gym entry (a few thousand) are written while Gym is parked,
+by the move to data_plane. PostgreSQL's compression of such arrays of distinct keys saves
 nothing on such arrays and more than doubled the write (bench/README.md); the barrier's own
 arrays are stored so since 0008.
 

@@ -463,31 +463,26 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     assert manifest == pending and keys == full
 
 
-async def test_an_entry_s_keys_looked_up_after_the_move_to_data_plane_are_what_the_barrier_waits_for(engine: Any) -> None:
+async def test_the_last_entry_s_keys_looked_up_beside_its_write_are_recorded_by_the_move_to_data_plane(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
     await repo.pre_cut(engine, RUN, "p", fence)
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "tq/q01"]), look_up_keys=True)
-    # The last instance's entry: stored without its lookup, which the move to data_plane does not wait for.
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9", "tq/q02"]), look_up_keys=False)
-    later = "SELECT new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p' AND instance_id = 'math/replica-1'"
-    assert await repo.look_up_entry_keys(engine, RUN, "p", fence, ["math/replica-1"]) == 1  # beside the move to data_plane
-    assert await _rows(engine, later) == [(["model/y", "model/\u00e9"],)]  # as a lookup at its write would have found
-    assert await repo.look_up_entry_keys(engine, RUN, "p", fence, ["math/replica-1"]) == 0  # done once
-    await _to_data_plane(engine, "p")
-    # A lookup under way: the barrier waits for it, then uses what it wrote (the marker shows it
-    # did not look the keys up again).
-    async with engine.begin() as conn:
-        await conn.execute(text("UPDATE snapshot_gym_entries SET new_keys = NULL WHERE run_id = :r AND instance_id = 'math/replica-1'"), {"r": RUN})
-    async with engine.begin() as lookup:
-        await lookup.execute(text("UPDATE snapshot_gym_entries SET new_keys = '{model/marker}' WHERE run_id = :r AND instance_id = 'math/replica-1'"), {"r": RUN})
-        barrier = asyncio.ensure_future(repo.take_cut(engine, RUN, "p", full_keys=False))
-        await asyncio.sleep(0.5)
-        assert not barrier.done()
-    row = await asyncio.wait_for(barrier, 10)
-    assert row.cut_keys_added == ["model/marker", "model/x"]
-    assert await repo.look_up_entry_keys(engine, RUN, "p", fence, ["math/replica-1"]) == 0  # past the cut: nothing to do
+    # The last instance's entry: stored without its lookup, which runs beside the write.
+    keys = ["tq/q02", "model/\u00e9", "model/y"]
+    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(keys), look_up_keys=False)
+    found = await repo.new_keys_of(engine, RUN, "p", keys)
+    stored = "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p' ORDER BY 1"
+    assert found == ["model/y", "model/\u00e9"]  # as a lookup at its write finds them: sorted by code point
+    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", None)]
+    with pytest.raises(Fenced):  # a refused move records nothing
+        await repo.move(engine, RUN, "p", fence, SnapshotPhase.drain, SnapshotPhase.data_plane, entry_new_keys={"math/replica-1": found})
+    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", None)]
+    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane, entry_new_keys={"math/replica-1": found})
+    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", found)]
+    row = await repo.take_cut(engine, RUN, "p", full_keys=False)
+    assert row.cut_keys_added == ["model/x", "model/y", "model/\u00e9"]
 
 
 async def test_an_entry_s_keys_not_looked_up_before_the_barrier_are_looked_up_by_it(engine: Any) -> None:
@@ -496,10 +491,7 @@ async def test_an_entry_s_keys_not_looked_up_before_the_barrier_are_looked_up_by
     fence = await owner_fence(engine)
     await repo.pre_cut(engine, RUN, "p", fence)
     await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/y", "tq/q02"]), look_up_keys=False)
-    await _to_data_plane(engine, "p")
-    async with engine.begin() as conn:  # another replica took the run over: its lookup is refused
-        await conn.execute(text("UPDATE ownership_leases SET owner = 'other', epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})
-    assert await repo.look_up_entry_keys(engine, RUN, "p", fence, ["math/replica-0"]) == 0
+    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane)  # its lookup failed: nothing recorded
     row = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert row.cut_keys_added == ["model/y"]
 

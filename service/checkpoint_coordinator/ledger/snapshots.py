@@ -323,9 +323,11 @@ async def move_in(
 ) -> None:
     """Move the snapshot ``expected -> to`` (with ``fields``) in one fenced statement, in the
     caller's transaction; :class:`Fenced` when it matched no row. ``flush=False`` makes the
-    transaction's commit asynchronous (``UNFLUSHED_MOVES``)."""
+    transaction's commit asynchronous (``UNFLUSHED_MOVES``). ``entry_new_keys``, ``{instance:
+    keys}`` for one Gym entry stored without its lookup, records them with the move."""
     sets = ["phase = :to"]
     params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "to": to.value, "expected": expected.value, **fence.params()}
+    entry_new_keys = fields.pop("entry_new_keys", None)
     for k, v in fields.items():
         if k not in _MOVE_FIELDS:
             raise ValueError(f"a phase move does not write {k!r}")
@@ -342,7 +344,15 @@ async def move_in(
     # snapshot, on any replica, read it again at once.
     params.update(ch=NOTIFY_CHANNEL, np=notify_payload(run_id, snapshot_id, progress=True))
     lazy = "" if flush else ", set_config('synchronous_commit', 'off', true)"
-    sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1) SELECT pg_notify(:ch, :np){lazy} FROM u"
+    entry = ""
+    if entry_new_keys is not None:
+        # An entry's new keys, looked up beside its write (``new_keys_of``), recorded with the move.
+        (params["ni"], params["nk"]), = entry_new_keys.items()
+        entry = (
+            ", e AS (UPDATE snapshot_gym_entries SET new_keys = CAST(:nk AS text[]) WHERE run_id = :r AND snapshot_id = :s "
+            "AND instance_id = :ni AND EXISTS (SELECT 1 FROM u))"
+        )
+    sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1){entry} SELECT pg_notify(:ch, :np){lazy} FROM u"
     n = len((await conn.execute(text(sql), params)).all())
     if n != 1:
         raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {to}", fence)
@@ -405,31 +415,15 @@ def _entry_new_keys(entry: str) -> str:
     return f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys)}) m)"
 
 
-async def look_up_entry_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, instance_ids: list[str]) -> int:
-    """Look up the new keys of entries stored without them (``store_gym_entry`` with
-    ``look_up_keys=False``), before the barrier: the last instance's entry is stored without them
-    so that the move to ``data_plane`` does not wait for the lookup, which runs beside that move
-    and while the trainer hears of it. The barrier waits for this update when it is under way,
-    and looks the keys up itself when it has not run (or matched nothing: the barrier came first,
-    or the snapshot is no longer this owner's). Returns the entries updated."""
-    async with one_statement(engine) as conn:
-        return (
-            await conn.execute(
-                text(
-                    # The rows are locked first (``l``), before their keys are looked up (``k``
-                    # reads ``l``): a barrier that comes meanwhile waits for the keys.
-                    "WITH l AS (SELECT instance_id FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s "
-                    "AND instance_id = ANY(CAST(:i AS text[])) AND new_keys IS NULL "
-                    "AND EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain, :dp) "
-                    f"AND cut_at IS NULL AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()} FOR UPDATE), "
-                    f"k AS (SELECT ge.instance_id, {_entry_new_keys('ge.entry')} AS nk FROM snapshot_gym_entries ge JOIN l USING (instance_id) "
-                    "WHERE ge.run_id = :r AND ge.snapshot_id = :s) "
-                    "UPDATE snapshot_gym_entries ge SET new_keys = k.nk FROM k WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.instance_id = k.instance_id"
-                ),
-                {"r": run_id, "s": snapshot_id, "i": instance_ids, "commit": P.commit.value, "drain": P.drain.value, "dp": P.data_plane.value,
-                 **fence.params()},
-            )
-        ).rowcount
+async def new_keys_of(engine: AsyncEngine, run_id: str, snapshot_id: str, keys: list[str]) -> list[str]:
+    """Of an entry's staging ``keys``, those the pre-cut's key rows lack, sorted (what
+    ``store_gym_entry`` looks up with ``look_up_keys``), as a read: the last instance's entry is
+    stored without its lookup and this runs beside that write, on its own connection; the move
+    to ``data_plane`` records the answer (``move(..., entry_new_keys=...)``)."""
+    keys_sql = "SELECT t.k FROM unnest(CAST(:keys AS text[])) AS t(k)"
+    sql = f"SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys_sql)}) m"
+    async with engine.connect() as conn:
+        return list((await conn.execute(text(sql), {"r": run_id, "s": snapshot_id, "keys": keys})).scalar())
 
 
 async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
@@ -562,10 +556,7 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
-# The barrier's read waits for a lookup of an entry's new keys under way (``look_up_entry_keys``):
-# its statements after it then see the keys instead of looking them up a second time.
-_ENTRY_LOOKUPS_DONE = "e AS (SELECT 1 FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s AND new_keys IS NULL FOR SHARE) "
-_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded", "entries_waited"})
+_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded"})
 
 
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
@@ -593,10 +584,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
             "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
             "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded, "
-            "(SELECT count(*) FROM e) AS entries_waited",
+            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded",
             " FOR UPDATE OF snapshots",
-            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id), " + _ENTRY_LOOKUPS_DONE,
+            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
         )
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:

@@ -152,10 +152,9 @@ class PendingSnapshot:
         # closed once the snapshot ends (an entry written after its end would be left behind).
         self._entries: dict[str, asyncio.Future[None]] = {}
         self._entries_closed = False
-        # Entries stored without their new keys (the last one, on the path), and their lookup,
-        # run once the snapshot awaits its barrier.
-        self._keys_later: list[str] = []
-        self._keys_lookup: asyncio.Task[None] | None = None
+        # The new keys of the last entry, looked up beside its write; the move to data_plane
+        # records them.
+        self._last_new_keys: dict[str, list[str]] = {}
         self._data_plane_reached = False
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
@@ -315,9 +314,7 @@ class PendingSnapshot:
         try:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
             await self._step(self._stored_entries(commit))
-            if self._keys_later:  # beside the move: the barrier comes right after it
-                self._keys_lookup = asyncio.create_task(self._look_up_keys_later())
-            await self._move(P.data_plane)
+            await self._move(P.data_plane, **({"entry_new_keys": self._last_new_keys} if self._last_new_keys else {}))
             self._data_plane_reached = True
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
@@ -422,7 +419,6 @@ class PendingSnapshot:
         check_snapshot_transition(self.phase, P(outcome.value), cut_taken=self.cut_taken, reason=reason)
         await self._settle_pre_cut()
         await self._drop_entry_writes()
-        await self._settle_keys_lookup()
         if self._candidates is not None:
             self._candidates.cancel()  # a no-op once it has its answer
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -473,8 +469,6 @@ class PendingSnapshot:
         if self._pre_cut is not None:
             self._pre_cut.cancel()
         self._close_entries()
-        if self._keys_lookup is not None:
-            self._keys_lookup.cancel()
         if self._candidates is not None:
             self._candidates.cancel()
 
@@ -584,30 +578,26 @@ class PendingSnapshot:
         """An instance's commit validated while others may still commit: store its manifest
         entry now, beside their calls, rather than the whole manifest once Gym waits. The last
         instance's is what the move to ``data_plane`` waits for: its keys are looked up beside
-        that move (``repo.look_up_entry_keys``), while the trainer hears of it."""
+        its write, on another connection, and the move records them."""
         if instance_id not in self._entries and not self._entries_closed:
             last = self.save is not None and len(self._entries) + 1 >= len(self.save.topology)
-            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic, later=last))
+            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic, last=last))
 
-    async def _store_entry(self, instance_id: str, ic: InstanceCommit, *, later: bool = False) -> None:
+    async def _store_entry(self, instance_id: str, ic: InstanceCommit, *, last: bool = False) -> None:
         await self._settle_pre_cut()  # its key rows are what the entry's keys are looked up in
         entry = JsonText(ic.manifest_entry or encode_instance_entry(ic))
-        look_up = self._pre_cut_taken and not later
-        await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=look_up)
-        if self._pre_cut_taken and later:
-            self._keys_later.append(instance_id)
-
-    async def _look_up_keys_later(self) -> None:
-        try:
-            await repo.look_up_entry_keys(self.engine, self.run_id, self.snapshot_id, self.fence, self._keys_later)
-        except Exception as e:  # the barrier looks them up itself
-            log.info("snapshot %s: looking up the last Gym entry's keys failed (%s); the barrier does it", self.snapshot_id, e)
-
-    async def _settle_keys_lookup(self) -> None:
-        """Wait for the lookup (one statement) before the snapshot ends, as for the entry writes."""
-        if self._keys_lookup is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._keys_lookup)
+        if not (last and self._pre_cut_taken):
+            await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=self._pre_cut_taken)
+            return
+        write = repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=False)
+        lookup = repo.new_keys_of(self.engine, self.run_id, self.snapshot_id, list(ic.staging_keys))
+        stored, keys = await asyncio.gather(write, lookup, return_exceptions=True)
+        if isinstance(stored, BaseException):
+            raise stored
+        if isinstance(keys, BaseException):  # the barrier looks them up itself
+            log.info("snapshot %s: looking up the last Gym entry's keys failed (%s); the barrier does it", self.snapshot_id, keys)
+        else:
+            self._last_new_keys = {instance_id: keys}
 
     async def _stored_entries(self, commit: CommitResult) -> None:
         """Until every committed instance's entry is stored (those validated only after a second
