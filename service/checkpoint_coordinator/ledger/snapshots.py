@@ -49,6 +49,16 @@ def notify_payload(run_id: str, snapshot_id: str, *, created: bool = False, prog
     return f"{CREATED_MARK if created else PROGRESS_MARK if progress else ''}{run_id}/{snapshot_id}"
 
 
+def _notice(run_id: str, snapshot_id: str, *, progress: bool = False) -> dict[str, str]:
+    """The parameters of a ``pg_notify(:ch, :np)`` that rides on a statement."""
+    return {"ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id, progress=progress)}
+
+
+def _notified_row(r: Any) -> SnapshotRow:
+    """The row of a statement that answered ``SELECT u.*, pg_notify(...) AS notified``."""
+    return SnapshotRow(**{k: v for k, v in r._mapping.items() if k != "notified"})
+
+
 def parse_notify_payload(payload: str) -> tuple[str, str, str]:
     """``(run_id, snapshot_id, kind)`` of a notification, kind ``created``, ``progress`` or ``handshake``."""
     kind = "handshake"
@@ -319,7 +329,16 @@ _MOVE_FIELDS = _JSON_FIELDS | {"gym_checkpoint_id", "snapshot_dir"}
 
 
 async def move_in(
-    conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, *, flush: bool = True, **fields: Any
+    conn: AsyncConnection,
+    run_id: str,
+    snapshot_id: str,
+    fence: Fence,
+    expected: SnapshotPhase,
+    to: SnapshotPhase,
+    *,
+    flush: bool = True,
+    entry_new_keys: dict[str, list[str]] | None = None,
+    **fields: Any,
 ) -> None:
     """Move the snapshot ``expected -> to`` (with ``fields``) in one fenced statement, in the
     caller's transaction; :class:`Fenced` when it matched no row. ``flush=False`` makes the
@@ -327,7 +346,6 @@ async def move_in(
     keys}`` for one Gym entry stored without its lookup, records them with the move."""
     sets = ["phase = :to"]
     params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "to": to.value, "expected": expected.value, **fence.params()}
-    entry_new_keys = fields.pop("entry_new_keys", None)
     for k, v in fields.items():
         if k not in _MOVE_FIELDS:
             raise ValueError(f"a phase move does not write {k!r}")
@@ -342,7 +360,7 @@ async def move_in(
             params[k] = v
     # The notification rides on the statement (no extra round trip): trainers waiting on the
     # snapshot, on any replica, read it again at once.
-    params.update(ch=NOTIFY_CHANNEL, np=notify_payload(run_id, snapshot_id, progress=True))
+    params.update(_notice(run_id, snapshot_id, progress=True))
     lazy = "" if flush else ", set_config('synchronous_commit', 'off', true)"
     entry = ""
     if entry_new_keys is not None:
@@ -388,7 +406,8 @@ async def store_gym_entry(
     snapshot is in phase ``commit`` or ``drain``, fenced like a phase move. ``look_up_keys``: the pre-cut is
     in, so the entry's staging keys its key rows lack are looked up now (``new_keys``), not at
     the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
-    lookup = _entry_new_keys("x.e")
+    entry_keys = "SELECT t.k FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)"
+    lookup = f"({_sorted_new_keys(entry_keys)})"
     async with one_statement(engine) as conn:  # one statement: refused, it wrote nothing
         n = (
             await conn.execute(
@@ -408,11 +427,10 @@ async def store_gym_entry(
         raise Fenced(run_id, f"snapshot {snapshot_id}: Gym entry of {instance_id}", fence)
 
 
-def _entry_new_keys(entry: str) -> str:
-    """The staging keys of Gym entry ``entry`` (a jsonb expression) that the pre-cut's key rows
-    lack, sorted: its ``new_keys``."""
-    keys = f"SELECT t.k FROM jsonb_array_elements_text({entry} -> 'staging_keys') AS t(k)"
-    return f"(SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys)}) m)"
+def _sorted_new_keys(keys: str) -> str:
+    """A SELECT of one array: the keys of the SELECT ``keys`` (a column ``k``) that the pre-cut's
+    key rows lack, sorted: an entry's ``new_keys``."""
+    return f"SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys)}) m"
 
 
 async def new_keys_of(engine: AsyncEngine, run_id: str, snapshot_id: str, keys: list[str]) -> list[str]:
@@ -420,8 +438,7 @@ async def new_keys_of(engine: AsyncEngine, run_id: str, snapshot_id: str, keys: 
     ``store_gym_entry`` looks up with ``look_up_keys``), as a read: the last instance's entry is
     stored without its lookup and this runs beside that write, on its own connection; the move
     to ``data_plane`` records the answer (``move(..., entry_new_keys=...)``)."""
-    keys_sql = "SELECT t.k FROM unnest(CAST(:keys AS text[])) AS t(k)"
-    sql = f"SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys_sql)}) m"
+    sql = _sorted_new_keys("SELECT t.k FROM unnest(CAST(:keys AS text[])) AS t(k)")
     async with engine.connect() as conn:
         return list((await conn.execute(text(sql), {"r": run_id, "s": snapshot_id, "keys": keys})).scalar())
 
@@ -436,7 +453,7 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
     none lands after the close. Returns the run's pending outbox pairs (instance, op), read
     after the close: with none, the snapshot has nothing to deliver before its prepare."""
     params = {"r": run_id, "s": snapshot_id, "to": P.gate.value, "expected": P.requested.value, **fence.params(),
-              "ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id, progress=True)}
+              **_notice(run_id, snapshot_id, progress=True)}
     async with engine.begin() as conn:
         closed, moved, _ = (await conn.execute(text(_CLOSE_GATE_SQL), params)).one()
         if not closed:
@@ -604,7 +621,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             # the trainer is stopping). The announce itself asked the owner to abort.
             raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
         p = {"r": run_id, "s": snapshot_id}
-        notice = {"ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id)}  # rides on the cut's update
+        notice = _notice(run_id, snapshot_id)  # rides on the cut's update
         extra: dict[str, Any] = {}
         changed: list[str] | None = None
         recorded = list(base["recorded"])
@@ -647,7 +664,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
             await conn.execute(text(_INSERT_KEYS_SQL), p)
             r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
-        row = SnapshotRow(**{k: v for k, v in r._mapping.items() if k != "notified"})
+        row = _notified_row(r)
         if full_keys:
             row.cut_staging_keys = list((await conn.execute(text(f"SELECT {_KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
         return row
@@ -995,11 +1012,11 @@ _CAPTURED_SQL = (
 async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference: dict[str, Any]) -> SnapshotRow:
     """The trainer saved its data plane. The usual case is one round trip while Gym is parked;
     a repeat, a conflict or a snapshot not awaiting it is answered by the full check."""
-    params = {"r": run_id, "s": snapshot_id, "ref": _j(reference), "ch": NOTIFY_CHANNEL, "np": notify_payload(run_id, snapshot_id)}
+    params = {"r": run_id, "s": snapshot_id, "ref": _j(reference), **_notice(run_id, snapshot_id)}
     async with one_statement(engine) as conn:
         r = (await conn.execute(text(_CAPTURED_SQL), params)).first()
     if r is not None:
-        return SnapshotRow(**{k: v for k, v in r._mapping.items() if k != "notified"})
+        return _notified_row(r)
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         # Neither the staging keys nor the manifest: the answer, once captured, shows neither.

@@ -314,7 +314,7 @@ class PendingSnapshot:
         try:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
             await self._step(self._stored_entries(commit))
-            await self._move(P.data_plane, **({"entry_new_keys": self._last_new_keys} if self._last_new_keys else {}))
+            await self._move(P.data_plane, entry_new_keys=self._last_new_keys or None)
             self._data_plane_reached = True
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
