@@ -206,15 +206,19 @@ class GymControlClient:
         stop: bool = False,
         restarts: Mapping[str, Iterable[Episode]] | None = None,
         on_instance: Callable[[str, InstanceCommit], None] | None = None,
+        *,
+        make_directories: bool = True,
     ) -> CommitResult:
         """Commit every participant of every instance and validate the replies.
 
         ``scopes`` must already exclude every restart (see :func:`policy.compute_scope`);
         ``restarts`` only travels into the result. The caller resumes on failure.
         ``on_instance`` hears of each instance whose replies validated at the first try, while
-        the others may still commit.
+        the others may still commit. ``make_directories=False``: the caller made them.
         """
-        return await _commit.commit(self._ctl, checkpoint_id, topology, checkpoint_dirs, scopes, stop, restarts, on_instance)
+        return await _commit.commit(
+            self._ctl, checkpoint_id, topology, checkpoint_dirs, scopes, stop, restarts, on_instance, make_directories=make_directories
+        )
 
     async def resume(self, checkpoint_id: str, topology: Topology, *, raise_on_failure: bool = True) -> ResumeReport:
         """Resume in reverse stage order on every instance, retrying transient failures on the

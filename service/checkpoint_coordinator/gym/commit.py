@@ -39,9 +39,12 @@ async def commit(
     stop: bool = False,
     restarts: Mapping[str, Iterable[Episode]] | None = None,
     on_instance: Callable[[str, InstanceCommit], None] | None = None,
+    *,
+    make_directories: bool = True,
 ) -> CommitResult:
     """``on_instance`` is told each instance whose first round of replies validated, as soon as
-    they did (the others may still commit): its result is final, its manifest entry encoded."""
+    they did (the others may still commit): its result is final, its manifest entry encoded.
+    ``make_directories=False``: the caller made the checkpoint directories already."""
     deadline = ctl.deadline()
     dirs: dict[str, str] = {}
     scope_of: dict[str, list[Episode]] = {}
@@ -54,7 +57,8 @@ async def commit(
         scope_of[iid] = _sorted_unique(scopes.get(iid, ()))
         restarts_of[iid] = _sorted_unique((restarts or {}).get(iid, ()))
     # Participants write into the directory; creating it is the coordinator's job.
-    await asyncio.to_thread(make_dirs, dirs.values())
+    if make_directories:
+        await asyncio.to_thread(make_dirs, dirs.values())
     fan = _Fanout(ctl, checkpoint_id, deadline, dirs, topology, scope_of, stop)
 
     def validate(iid: str) -> InstanceCommit | dict[str, ServerFailure]:

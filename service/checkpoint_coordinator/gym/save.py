@@ -20,6 +20,7 @@ from typing import Any
 from .client import GymControlClient, Topology
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
 from .lease import LeaseRenewer
+from .files import make_dirs
 from .manifest import build_gym_manifest, encode_gym_manifest_of, write_gym_manifest
 from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
@@ -96,6 +97,8 @@ class GymSave:
         self._renewer: LeaseRenewer | None = None
         self._prepared: Any = None
         self._plan: tuple[dict[str, list[Episode]], dict[str, list[Episode]]] | None = None
+        self._planned_for: dict[str, frozenset[Episode]] | None = None
+        self._dirs_made: asyncio.Future[None] | None = None
         self._cut_done = False
         self._parked_since: float | None = None
         self._ended = False
@@ -145,12 +148,16 @@ class GymSave:
         # Started by the commit (``_start_renewing``): a commit sets every lease as a renew does.
         self._renewer = LeaseRenewer(self.client, self.checkpoint_id, self.topology, prepare=prepared)
         self._prepared = prepared
+        # The instances' directories are made now, in a thread beside the caller's work before
+        # the commit, rather than by the commit while Gym waits for it.
+        self._dirs_made = asyncio.ensure_future(asyncio.to_thread(make_dirs, self._checkpoint_dirs().values()))
+        self._dirs_made.add_done_callback(_retrieved)
 
     def offer_candidates(self, candidates: Mapping[str, Iterable[Episode]]) -> None:
         """Replace the constructor's candidates (the caller's query may answer while prepare is
         in flight: they are checked and sorted then, not while Gym waits for its commit)."""
         self.candidates = self._checked(candidates)
-        self._plan = None
+        self._plan = self._planned_for = None
 
     async def commit(
         self, candidates: Mapping[str, Iterable[Episode]] | None = None, *, on_instance: Callable[[str, InstanceCommit], None] | None = None
@@ -159,7 +166,9 @@ class GymSave:
         ``on_instance``: see :meth:`GymControlClient.commit`."""
         if candidates is not None:
             self.offer_candidates(candidates)
-        scopes, restarted = self._plan or self.plan_commit()
+        scopes, restarted = self.plan_commit()
+        if self._dirs_made is not None:
+            await self._dirs_made
 
         def validated(iid: str, ic: InstanceCommit) -> None:
             # The first renew round goes out once Gym answers the commit, not between prepare
@@ -174,11 +183,12 @@ class GymSave:
             self.client.commit(
                 self.checkpoint_id,
                 self.topology,
-                {iid: instance_checkpoint_dir(self.snapshot_dir, iid) for iid in self.topology},
+                self._checkpoint_dirs(),
                 scopes,
                 stop=self.stop,
                 restarts=restarted,
                 on_instance=validated,
+                make_directories=self._dirs_made is None,
             )
         )
         self._start_renewing()  # when no instance validated at its first try
@@ -187,14 +197,29 @@ class GymSave:
 
     def plan_commit(self) -> tuple[dict[str, list[Episode]], dict[str, list[Episode]]]:
         """Each instance's commit scope and restarted candidates, from the offered candidates and
-        prepare's restarts; :meth:`commit` uses them. A caller may compute them while it does
-        other work before the commit (the pending snapshot: while its phase move is written)."""
+        prepare's restarts (none yet when prepare has not answered); :meth:`commit` uses them. A
+        caller may compute them ahead, while prepare is in flight: they are computed again only
+        if prepare's restarts differ from those they were computed with (:meth:`plan_is_current`)."""
+        restarts = self._prepared_restarts()
+        if self._plan is not None and self._planned_for == restarts:
+            return self._plan
         scopes: dict[str, list[Episode]] = {}
         restarted: dict[str, list[Episode]] = {}
         for iid in self.topology:
-            scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], self._prepared.restarts.get(iid, frozenset()))
-        self._plan = (scopes, restarted)
+            scopes[iid], restarted[iid] = compute_scope(iid, self.candidates[iid], restarts[iid])
+        self._plan, self._planned_for = (scopes, restarted), restarts
         return self._plan
+
+    def plan_is_current(self) -> bool:
+        """Whether :meth:`plan_commit` would answer without computing (prepare's restarts known)."""
+        return self._prepared is not None and self._plan is not None and self._planned_for == self._prepared_restarts()
+
+    def _prepared_restarts(self) -> dict[str, frozenset[Episode]]:
+        known = self._prepared.restarts if self._prepared is not None else {}
+        return {iid: frozenset(known.get(iid, ())) for iid in self.topology}
+
+    def _checkpoint_dirs(self) -> dict[str, str]:
+        return {iid: instance_checkpoint_dir(self.snapshot_dir, iid) for iid in self.topology}
 
     def _start_renewing(self) -> None:
         assert self._renewer is not None
@@ -434,3 +459,9 @@ async def _race(aw: Awaitable[Any], renewer: LeaseRenewer) -> Any:
         await task
     renewer.check()
     raise RuntimeError("lease lost without a recorded failure")  # unreachable: lost implies failure
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Mark a side task's failure as seen: the step that awaits it raises it (or it was abandoned)."""
+    if not task.cancelled():
+        task.exception()

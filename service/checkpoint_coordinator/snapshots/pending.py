@@ -293,13 +293,16 @@ class PendingSnapshot:
         self._pre_cut = asyncio.create_task(self._take_pre_cut())
         await self._step(save.prepare())
         counts = await self._step(self._candidates)
-        moved = asyncio.ensure_future(self._move(P.commit, counts=counts))
-        try:
-            # The scopes, computed in a thread while the move is on its way to the database (in
-            # this thread the move would not leave before they were done).
-            await asyncio.to_thread(save.plan_commit)
-        finally:
-            await moved  # no commit call before the phase is written
+        if save.plan_is_current():  # computed while prepare was in flight (no restarts since)
+            await self._move(P.commit, counts=counts)
+        else:
+            moved = asyncio.ensure_future(self._move(P.commit, counts=counts))
+            try:
+                # The scopes, computed in a thread while the move is on its way to the database
+                # (in this thread the move would not leave before they were done).
+                await asyncio.to_thread(save.plan_commit)
+            finally:
+                await moved  # no commit call before the phase is written
         commit = await self._step(save.commit(on_instance=self._store_entry_soon))
         unknown = counts["unknown_instances"]
         pending = save.pending()
@@ -570,6 +573,7 @@ class PendingSnapshot:
         """The candidates, handed to ``save`` for its commit; returns their counts."""
         found = await repo.candidates(self.engine, self.run_id)
         save.offer_candidates({iid: [Episode(r, a) for r, a in found.get(iid, [])] for iid in topology})
+        save.plan_commit()  # the scopes, while prepare is usually still in flight
         return {"candidates": sum(len(found.get(iid, ())) for iid in topology), "unknown_instances": sorted(set(found) - set(topology))}
 
     # --- the Gym manifest, stored per instance ----------------------------------------------------
