@@ -332,8 +332,14 @@ class PendingSnapshot:
         await asyncio.shield(self._finishing)
 
     async def _after_cut(self, save: GymSave, commit: Any, drained: int, unknown: list[str]) -> None:
-        await until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase")
-        result = await save.finish()
+        # Gym is resumed beside the phase write, not after it: recovery resumes Gym from either
+        # phase, and a resume of an ended checkpoint changes nothing in Gym (protocol section 4). A
+        # refused write is raised once the resume is answered.
+        moved = asyncio.ensure_future(until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase"))
+        finished = asyncio.ensure_future(save.finish())
+        await asyncio.wait({moved, finished})
+        moved.result()
+        result = finished.result()
         # A stopping snapshot keeps the gate closed: the run is stopped until a restore or reopen.
         await until_database_answers(
             lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence, keep_gate=self.stop)),
