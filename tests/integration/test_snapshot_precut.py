@@ -96,7 +96,7 @@ async def _same_as_a_whole_run_cut(engine: Any, sid: str, row: Any) -> None:
 async def test_barrier_after_a_pre_cut_copies_only_what_changed_and_equals_a_whole_run_cut(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12  # g1, g2, q00-q09 (g3 is finalized)
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 12  # g1, g2, q00-q09 (g3 is finalized)
     assert await _stored(engine, "p") == 12
     # Between the pre-cut and the barrier: a seal (attempt and sibling rows), a deleted group
     # (its children go through the trigger), a new group.
@@ -148,7 +148,7 @@ async def test_a_write_open_during_the_pre_cut_and_committed_after_it_is_in_the_
         await writer.execute(
             text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/late}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN}
         )
-        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
+        assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from)).groups == 12
     stale = await _rows(engine, "SELECT status FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
     assert stale[0][0] == "reserved"  # the pre-cut did not see it
     await _to_data_plane(engine, "p")
@@ -177,7 +177,7 @@ async def test_a_write_to_a_group_recorded_before_and_open_during_the_pre_cut_is
         pre = asyncio.create_task(repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from))
         await asyncio.sleep(0.5)
         assert not pre.done()  # waiting for this writer's record
-    assert await pre == 12
+    assert (await pre).groups == 12
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
     got = await _rows(engine, "SELECT status, staging_keys FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = 'p' AND rollout_id = 'g1-3-reserved'")
@@ -188,7 +188,7 @@ async def test_a_write_to_a_group_recorded_before_and_open_during_the_pre_cut_is
 
 async def test_nothing_changed_since_the_pre_cut_copies_nothing(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 2
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
     assert row.counts["cut_recopied_groups"] == 0
@@ -201,7 +201,7 @@ async def test_nothing_changed_since_the_pre_cut_copies_nothing(engine: Any) -> 
 
 async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 2
     async with engine.begin() as conn:
         # As if two billion transactions had run since: 32-bit xids no longer compare.
         await conn.execute(text("UPDATE snapshots SET cut_base_xid = cut_base_xid - 2000000000 WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})
@@ -214,7 +214,7 @@ async def test_an_untrusted_base_makes_the_barrier_copy_the_whole_run(engine: An
 
 async def test_when_most_groups_changed_the_barrier_copies_the_whole_run(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 2
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE attempts SET refusals = refusals + 1 WHERE run_id = :r AND generation_index = 0"), {"r": RUN})
     await _to_data_plane(engine, "p")
@@ -233,7 +233,7 @@ async def test_a_write_open_when_tracking_began_holds_the_pre_cut_back(engine: A
         tracked_from = await repo.tracking_horizon(engine)
         assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) is None
     assert await _stored(engine, "p") == 0
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from) == 12
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from)).groups == 12
 
 
 async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> None:
@@ -251,7 +251,7 @@ async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> N
 
 async def test_a_snapshot_that_does_not_publish_takes_its_pre_cut_with_it(engine: Any) -> None:
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 2
     assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) is None  # once per snapshot
     assert await _stored(engine, "p") == 2
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=await owner_fence(engine), expected=SnapshotPhase.commit)
@@ -264,7 +264,7 @@ async def test_the_barrier_records_the_xid_basis_a_restore_compares_rows_with(en
     cluster."""
     await _quiet_groups(engine)
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 12
     await _to_data_plane(engine, "p")
     await repo.take_cut(engine, RUN, "p")
     async with engine.begin() as conn:
@@ -293,7 +293,7 @@ async def test_the_barrier_after_a_pre_cut_answers_its_keys_as_a_delta_that_rebu
         await _add_group(conn, "h2", keys=["tq/shared"])
     await _committing(engine, "p")
     assert await repo.cut_keys(engine, RUN, "p") == ("none", "[]")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 14
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 14
     as_of, base = await _cut_keys(engine)
     assert as_of == "pre_cut" and base == sorted(base) and {"tq/shared", "tq/\u00e9", "tq/q00"} <= set(base)
     assert "model/x" not in base  # the manifest's keys come in at the barrier
@@ -337,7 +337,7 @@ async def test_the_keys_json_the_database_writes_reads_back_as_the_keys_in_code_
 async def test_a_published_snapshot_keeps_its_keys_in_its_row_and_its_key_rows_go(engine: Any) -> None:
     await _committing(engine, "p")
     fence = await owner_fence(engine)
-    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", fence)).groups == 2
     await _to_data_plane(engine, "p")
     row = await repo.take_cut(engine, RUN, "p")
     await repo.captured(engine, RUN, "p", {"path": "/d", "digest": "sha256:0"})
@@ -352,7 +352,7 @@ async def test_a_published_snapshot_keeps_its_keys_in_its_row_and_its_key_rows_g
 async def test_a_snapshot_that_does_not_publish_leaves_no_key_rows(engine: Any) -> None:
     await _committing(engine, "p")
     fence = await owner_fence(engine)
-    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", fence)).groups == 2
     assert (await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'"))[0][0] > 0
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
     assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]
@@ -363,7 +363,7 @@ async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not
     async with engine.begin() as conn:
         await _add_group(conn, "h3", keys=["model/x", "tq/h3"])  # model/x is in the Gym manifest too
     await _committing(engine, "p")
-    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 13  # g1, g2, q00-q09, h3
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 13  # g1, g2, q00-q09, h3
     _, base = await _cut_keys(engine)
     assert {"model/x", "tq/a"} <= set(base)  # h3's and g1's, both in the manifest too
     async with engine.begin() as conn:
@@ -379,7 +379,7 @@ async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not
 async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) -> None:
     await _committing(engine, "p")
     fence = await owner_fence(engine)
-    assert await repo.pre_cut(engine, RUN, "p", fence) == 2
+    assert (await repo.pre_cut(engine, RUN, "p", fence)).groups == 2
     await _to_data_plane(engine, "p")
     assert (await repo.take_cut(engine, RUN, "p")).cut_staging_keys
     await repo.end(engine, RUN, "p", "failed", "data_plane_failed", fence=fence, expected=SnapshotPhase.data_plane)
@@ -402,7 +402,7 @@ async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any
 
     event.listen(engine.sync_engine, "before_cursor_execute", record)
     try:
-        assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) == 12
+        assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 12
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
     lazy = [i for i, s in enumerate(sent) if "synchronous_commit = off" in s]
@@ -428,17 +428,38 @@ def _entry(keys: list[str]) -> JsonText:
     return JsonText(json.dumps({"episodes": [], "participants": ["agent"], "restarts": [], "staging_keys": keys}, sort_keys=True))
 
 
+def _gym_entry(instance_id: str, keys: list[str], pre_cut_keys: frozenset[str] | None) -> repo.GymEntry:
+    return repo.GymEntry(instance_id, _entry(keys), repo.new_keys(keys, pre_cut_keys))
+
+
+async def test_the_pre_cut_answers_the_keys_its_key_rows_hold(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
+    as_of, rows = await _cut_keys(engine)
+    assert as_of == "pre_cut" and taken.keys == frozenset(rows) and len(rows) == len(taken.keys) > 0
+
+
+def test_an_entry_s_new_keys_are_its_distinct_keys_the_pre_cut_lacks_in_code_point_order() -> None:
+    # Code point order is PostgreSQL's byte order of UTF-8 (COLLATE "C"): "Z" < "a" < "\u00e9" < "\U0001f600".
+    keys = ["model/\U0001f600", "model/a", "model/\u00e9", "model/Z", "model/a", "tq/held"]
+    assert repo.new_keys(keys, frozenset({"tq/held"})) == ["model/Z", "model/a", "model/\u00e9", "model/\U0001f600"]
+    assert repo.new_keys(keys, None) is None  # no pre-cut's keys at hand: the barrier looks them up
+    assert repo.new_keys([], frozenset()) == []
+
+
 async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_barrier(engine: Any) -> None:
     await _quiet_groups(engine)
     async with engine.begin() as conn:
         await _add_group(conn, "h3", keys=["model/held", "tq/h3"])  # a key the Gym manifest names too
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
-    assert await repo.pre_cut(engine, RUN, "p", fence) == 13
+    taken = await repo.pre_cut(engine, RUN, "p", fence)
+    assert taken.groups == 13
     _, base = await _cut_keys(engine)
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "model/held"]), look_up_keys=True)
-    # Stored before the pre-cut was in: its keys are looked up at the barrier instead.
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(["model/y", "model/\u00e9"]), look_up_keys=False)
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x", "model/held"], taken.keys))
+    # Stored without the pre-cut's keys at hand: its keys are looked up at the barrier instead.
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-1", ["model/y", "model/\u00e9"], None))
     stored = dict(await _rows(engine, "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p'"))
     assert stored == {"math/replica-0": ["model/x"], "math/replica-1": None}
     async with engine.begin() as conn:
@@ -463,35 +484,33 @@ async def test_gym_entries_stored_after_the_pre_cut_carry_their_new_keys_to_the_
     assert manifest == pending and keys == full
 
 
-async def test_the_last_entry_s_keys_looked_up_beside_its_write_are_recorded_by_the_move_to_data_plane(engine: Any) -> None:
+async def test_the_last_entry_is_stored_by_the_move_to_data_plane_and_not_by_a_refused_one(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
-    await repo.pre_cut(engine, RUN, "p", fence)
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x", "tq/q01"]), look_up_keys=True)
-    # The last instance's entry: stored without its lookup, which runs beside the write.
-    keys = ["tq/q02", "model/\u00e9", "model/y"]
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-1", _entry(keys), look_up_keys=False)
-    found = await repo.new_keys_of(engine, RUN, "p", keys)
+    taken = await repo.pre_cut(engine, RUN, "p", fence)
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x", "tq/q01"], taken.keys))
+    last = _gym_entry("math/replica-1", ["tq/q02", "model/\u00e9", "model/y"], taken.keys)
     stored = "SELECT instance_id, new_keys FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = 'p' ORDER BY 1"
-    assert found == ["model/y", "model/\u00e9"]  # as a lookup at its write finds them: sorted by code point
-    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", None)]
-    with pytest.raises(Fenced):  # a refused move records nothing
-        await repo.move(engine, RUN, "p", fence, SnapshotPhase.drain, SnapshotPhase.data_plane, entry_new_keys={"math/replica-1": found})
-    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", None)]
-    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane, entry_new_keys={"math/replica-1": found})
-    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", found)]
+    with pytest.raises(Fenced):  # a refused move stores nothing
+        await repo.move(engine, RUN, "p", fence, SnapshotPhase.drain, SnapshotPhase.data_plane, gym_entry=last)
+    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"])]
+    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane, gym_entry=last)
+    assert await _rows(engine, stored) == [("math/replica-0", ["model/x"]), ("math/replica-1", ["model/y", "model/\u00e9"])]
     row = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert row.cut_keys_added == ["model/x", "model/y", "model/\u00e9"]
+    async with engine.connect() as conn:
+        shown = (await repo.get(conn, RUN, "p", with_manifest=True)).gym_manifest
+    assert sorted(shown["instances"]) == ["math/replica-0", "math/replica-1"]
 
 
-async def test_an_entry_s_keys_not_looked_up_before_the_barrier_are_looked_up_by_it(engine: Any) -> None:
+async def test_an_entry_s_keys_not_found_before_the_barrier_are_looked_up_by_it(engine: Any) -> None:
     await _quiet_groups(engine)
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
     await repo.pre_cut(engine, RUN, "p", fence)
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/y", "tq/q02"]), look_up_keys=False)
-    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane)  # its lookup failed: nothing recorded
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/y", "tq/q02"], None))
+    await repo.move(engine, RUN, "p", fence, SnapshotPhase.commit, SnapshotPhase.data_plane)
     row = await repo.take_cut(engine, RUN, "p", full_keys=False)
     assert row.cut_keys_added == ["model/y"]
 
@@ -501,19 +520,19 @@ async def test_a_gym_entry_is_refused_once_the_snapshot_left_commit_or_its_owner
     fence = await owner_fence(engine)
     await _to_data_plane(engine, "p")
     with pytest.raises(Fenced):  # phase data_plane
-        await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+        await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x"], None))
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE snapshots SET phase = 'commit' WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})
         await conn.execute(text("UPDATE ownership_leases SET epoch = epoch + 1 WHERE run_id = :r"), {"r": RUN})  # taken over
     with pytest.raises(Fenced):  # a lost lease
-        await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+        await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x"], None))
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
 
 
 async def test_a_snapshot_ended_while_gym_commits_keeps_no_partial_manifest_and_drops_its_entries(engine: Any) -> None:
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x"], None))
     async with engine.connect() as conn:  # one instance of several is in: no manifest is shown yet
         assert (await repo.get(conn, RUN, "p", with_manifest=True)).gym_manifest is None
     await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
@@ -525,7 +544,7 @@ async def test_a_snapshot_ended_while_gym_commits_keeps_no_partial_manifest_and_
 async def test_a_snapshot_that_fails_after_its_data_plane_move_keeps_its_gym_manifest(engine: Any) -> None:
     await _committing_with_entries(engine, "p")
     fence = await owner_fence(engine)
-    await repo.store_gym_entry(engine, RUN, "p", fence, "math/replica-0", _entry(["model/x"]), look_up_keys=False)
+    await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("math/replica-0", ["model/x"], None))
     await _to_data_plane(engine, "p")
     await repo.end(engine, RUN, "p", "failed", "data_plane_timeout", fence=fence, expected=SnapshotPhase.data_plane, keep_gym_manifest=True)
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]

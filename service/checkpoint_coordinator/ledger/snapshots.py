@@ -9,7 +9,9 @@ views ``snapshot_groups`` and ``snapshot_attempts``).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -337,13 +339,13 @@ async def move_in(
     to: SnapshotPhase,
     *,
     flush: bool = True,
-    entry_new_keys: dict[str, list[str]] | None = None,
+    gym_entry: GymEntry | None = None,
     **fields: Any,
 ) -> None:
     """Move the snapshot ``expected -> to`` (with ``fields``) in one fenced statement, in the
     caller's transaction; :class:`Fenced` when it matched no row. ``flush=False`` makes the
-    transaction's commit asynchronous (``UNFLUSHED_MOVES``). ``entry_new_keys``, ``{instance:
-    keys}`` for one Gym entry stored without its lookup, records them with the move."""
+    transaction's commit asynchronous (``UNFLUSHED_MOVES``). ``gym_entry``: one instance's Gym
+    manifest entry, stored by the same statement (the last one, with the move to ``data_plane``)."""
     sets = ["phase = :to"]
     params: dict[str, Any] = {"r": run_id, "s": snapshot_id, "to": to.value, "expected": expected.value, **fence.params()}
     for k, v in fields.items():
@@ -363,13 +365,9 @@ async def move_in(
     params.update(_notice(run_id, snapshot_id, progress=True))
     lazy = "" if flush else ", set_config('synchronous_commit', 'off', true)"
     entry = ""
-    if entry_new_keys is not None:
-        # An entry's new keys, looked up beside its write (``new_keys_of``), recorded with the move.
-        (params["ni"], params["nk"]), = entry_new_keys.items()
-        entry = (
-            ", e AS (UPDATE snapshot_gym_entries SET new_keys = CAST(:nk AS text[]) WHERE run_id = :r AND snapshot_id = :s "
-            "AND instance_id = :ni AND EXISTS (SELECT 1 FROM u))"
-        )
+    if gym_entry is not None:
+        params.update(gym_entry.params())
+        entry = f", e AS ({_ENTRY_INSERT} FROM u {_ENTRY_UPSERT})"
     sql = f"WITH u AS (UPDATE snapshots SET {', '.join(sets)} WHERE {_FENCED_MOVE} RETURNING 1){entry} SELECT pg_notify(:ch, :np){lazy} FROM u"
     n = len((await conn.execute(text(sql), params)).all())
     if n != 1:
@@ -399,48 +397,55 @@ async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: F
         raise Fenced(run_id, f"snapshot {snapshot_id}: taking it over in phase {expected}", fence)
 
 
-async def store_gym_entry(
-    engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, instance_id: str, entry: JsonText, *, look_up_keys: bool
-) -> None:
-    """Store one instance's Gym manifest entry (its text, as the manifest holds it) while the
-    snapshot is in phase ``commit`` or ``drain``, fenced like a phase move. ``look_up_keys``: the pre-cut is
-    in, so the entry's staging keys its key rows lack are looked up now (``new_keys``), not at
-    the barrier. :class:`Fenced` when the snapshot is no longer this owner's in those phases."""
-    entry_keys = "SELECT t.k FROM jsonb_array_elements_text(x.e -> 'staging_keys') AS t(k)"
-    lookup = f"({_sorted_new_keys(entry_keys)})"
+@dataclass(frozen=True)
+class GymEntry:
+    """One instance's Gym manifest entry as ``snapshot_gym_entries`` keeps it while the snapshot
+    is pending: its text (as the manifest holds it), and ``new_keys``, its staging keys that the
+    pre-cut's key rows lack, sorted by code point (None when no pre-cut's keys were at hand: the
+    barrier looks them up)."""
+
+    instance_id: str
+    entry: JsonText
+    new_keys: list[str] | None
+
+    def params(self) -> dict[str, Any]:
+        return {"ei": self.instance_id, "ee": self.entry, "ek": self.new_keys}
+
+
+_ENTRY_INSERT = (
+    "INSERT INTO snapshot_gym_entries (run_id, snapshot_id, instance_id, entry, new_keys) "
+    "SELECT :r, :s, :ei, CAST(:ee AS jsonb), CAST(:ek AS text[])"
+)
+_ENTRY_UPSERT = "ON CONFLICT (run_id, snapshot_id, instance_id) DO UPDATE SET entry = EXCLUDED.entry, new_keys = EXCLUDED.new_keys"
+
+
+def new_keys(staging_keys: Iterable[str], pre_cut_keys: frozenset[str] | None) -> list[str] | None:
+    """An entry's ``new_keys``: of its ``staging_keys``, those the pre-cut's key rows
+    (``pre_cut_keys``, as :func:`pre_cut` answered them) lack, distinct and sorted by code point
+    (PostgreSQL's byte order, what the barrier's ``added`` is sorted by)."""
+    if pre_cut_keys is None:
+        return None
+    return sorted({k for k in staging_keys if k not in pre_cut_keys})
+
+
+async def store_gym_entry(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, gym_entry: GymEntry) -> None:
+    """Store one instance's Gym manifest entry while the snapshot is in phase ``commit`` or
+    ``drain``, fenced like a phase move. :class:`Fenced` when the snapshot is no longer this
+    owner's in those phases."""
     async with one_statement(engine) as conn:  # one statement: refused, it wrote nothing
         n = (
             await conn.execute(
                 text(
-                    "INSERT INTO snapshot_gym_entries (run_id, snapshot_id, instance_id, entry, new_keys) "
                     # Flushed: a database crash must not lose an entry whose write was answered
                     # (nothing would write it again, and the snapshot would publish without it).
-                    f"SELECT :r, :s, :i, x.e, {lookup if look_up_keys else 'NULL'} FROM (SELECT CAST(:entry AS jsonb) AS e) x "
-                    "WHERE EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain) AND outcome IS NULL "
-                    f"AND owner = :fence_owner) AND {fence_sql()} "
-                    "ON CONFLICT (run_id, snapshot_id, instance_id) DO UPDATE SET entry = EXCLUDED.entry, new_keys = EXCLUDED.new_keys"
+                    f"{_ENTRY_INSERT} WHERE EXISTS (SELECT 1 FROM snapshots WHERE run_id = :r AND snapshot_id = :s AND phase IN (:commit, :drain) "
+                    f"AND outcome IS NULL AND owner = :fence_owner) AND {fence_sql()} {_ENTRY_UPSERT}"
                 ),
-                {"r": run_id, "s": snapshot_id, "i": instance_id, "entry": entry, "commit": P.commit.value, "drain": P.drain.value, **fence.params()},
+                {"r": run_id, "s": snapshot_id, **gym_entry.params(), "commit": P.commit.value, "drain": P.drain.value, **fence.params()},
             )
         ).rowcount
     if n != 1:
-        raise Fenced(run_id, f"snapshot {snapshot_id}: Gym entry of {instance_id}", fence)
-
-
-def _sorted_new_keys(keys: str) -> str:
-    """A SELECT of one array: the keys of the SELECT ``keys`` (a column ``k``) that the pre-cut's
-    key rows lack, sorted: an entry's ``new_keys``."""
-    return f"SELECT COALESCE(array_agg(m.k ORDER BY m.k), '{{}}') FROM ({_not_pre_cut_keys(keys)}) m"
-
-
-async def new_keys_of(engine: AsyncEngine, run_id: str, snapshot_id: str, keys: list[str]) -> list[str]:
-    """Of an entry's staging ``keys``, those the pre-cut's key rows lack, sorted (what
-    ``store_gym_entry`` looks up with ``look_up_keys``), as a read: the last instance's entry is
-    stored without its lookup and this runs beside that write, on its own connection; the move
-    to ``data_plane`` records the answer (``move(..., entry_new_keys=...)``)."""
-    sql = _sorted_new_keys("SELECT t.k FROM unnest(CAST(:keys AS text[])) AS t(k)")
-    async with engine.connect() as conn:
-        return list((await conn.execute(text(sql), {"r": run_id, "s": snapshot_id, "keys": keys})).scalar())
+        raise Fenced(run_id, f"snapshot {snapshot_id}: Gym entry of {gym_entry.instance_id}", fence)
 
 
 async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
@@ -851,16 +856,29 @@ _FINISH_CUT_SQL = (
 )
 
 
+@dataclass(frozen=True)
+class PreCut:
+    """What a pre-cut copied: its groups, and its keys (what its key rows hold), with which the
+    owner finds each Gym entry's ``new_keys`` (:func:`new_keys`) without a lookup in the database."""
+
+    groups: int
+    keys: frozenset[str]
+
+
+# The pre-cut's key rows, inserted as ``_INSERT_KEYS_SQL`` does, answered as one JSON array.
+_PRE_CUT_KEYS_SQL = f"WITH ins AS ({_INSERT_KEYS_SQL} RETURNING key) SELECT count(*) AS n, CAST(COALESCE(json_agg(key), '[]') AS text) AS keys FROM ins"
+
+
 class _PreCutVoid(Exception):
     """The snapshot moved on during the pre-cut: roll its copy back."""
 
 
-async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> int | None:
+async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> PreCut | None:
     """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
     this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
     the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
-    Returns the number of groups copied, or None when the snapshot is past the point where a
-    pre-cut helps (ended, cut, already pre-cut): then nothing is written.
+    Returns what it copied (:class:`PreCut`), or None when the snapshot is past the point where
+    a pre-cut helps (ended, cut, already pre-cut): then nothing is written.
 
     No lock on the run or the snapshot row is held during the copy (the runner's phase updates
     must not wait for it); the closing conditional update decides, and a snapshot that ended
@@ -876,7 +894,7 @@ async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fen
         return None
 
 
-async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> int | None:
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> PreCut | None:
     if not await _writers_see_the_tracking(engine, tracked_from):
         return None
     async with engine.begin() as conn:
@@ -903,7 +921,8 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
         # Its keys as rows (the barrier then counts only what changed) and its size, so that the
         # barrier's counts need no pass over the cut either.
-        keys = (await conn.execute(text(_INSERT_KEYS_SQL), {"r": run_id, "s": snapshot_id})).rowcount
+        inserted = (await conn.execute(text(_PRE_CUT_KEYS_SQL), {"r": run_id, "s": snapshot_id})).one()
+        keys = int(inserted.n)
         sibs = (
             await conn.execute(
                 text("SELECT COALESCE(sum(cardinality(siblings)), 0) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s"),
@@ -924,7 +943,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         if done != 1:
             raise _PreCutVoid()
         await _notify(conn, run_id, [snapshot_id], progress=True)  # a waiting trainer fetches the pre-cut's keys
-        return int(n)
+    return PreCut(int(n), frozenset(json.loads(inserted.keys)))
 
 
 # How long the pre-cut waits for the transactions that were writing when the snapshot entered a

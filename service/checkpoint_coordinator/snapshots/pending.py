@@ -147,14 +147,15 @@ class PendingSnapshot:
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
-        self._pre_cut_taken = False
+        # The pre-cut's keys, once it is in: each Gym entry's new keys are found against them.
+        self._pre_cut_keys: frozenset[str] | None = None
         # Each instance's Gym manifest entry, stored while the other instances still commit;
         # closed once the snapshot ends (an entry written after its end would be left behind).
         self._entries: dict[str, asyncio.Future[None]] = {}
         self._entries_closed = False
-        # The new keys of the last entry, looked up beside its write; the move to data_plane
-        # records them.
-        self._last_new_keys: dict[str, list[str]] = {}
+        # The last instance's entry, stored by the move to data_plane (one statement fewer
+        # while Gym waits).
+        self._last_entry: tuple[str, InstanceCommit] | None = None
         self._data_plane_reached = False
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
@@ -317,7 +318,9 @@ class PendingSnapshot:
         try:
             await self._settle_pre_cut()  # the barrier must find it done (or never started)
             await self._step(self._stored_entries(commit))
-            await self._move(P.data_plane, entry_new_keys=self._last_new_keys or None)
+            last = self._last_entry
+            await self._move(P.data_plane, gym_entry=self._gym_entry(*last) if last else None)
+            self._pre_cut_keys = None  # the entries are in: the keys are not needed any more
             self._data_plane_reached = True
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
@@ -587,27 +590,21 @@ class PendingSnapshot:
     def _store_entry_soon(self, instance_id: str, ic: InstanceCommit) -> None:
         """An instance's commit validated while others may still commit: store its manifest
         entry now, beside their calls, rather than the whole manifest once Gym waits. The last
-        instance's is what the move to ``data_plane`` waits for: its keys are looked up beside
-        its write, on another connection, and the move records them."""
-        if instance_id not in self._entries and not self._entries_closed:
-            last = self.save is not None and len(self._entries) + 1 >= len(self.save.topology)
-            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic, last=last))
-
-    async def _store_entry(self, instance_id: str, ic: InstanceCommit, *, last: bool = False) -> None:
-        await self._settle_pre_cut()  # its key rows are what the entry's keys are looked up in
-        entry = JsonText(ic.manifest_entry or encode_instance_entry(ic))
-        if not (last and self._pre_cut_taken):
-            await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=self._pre_cut_taken)
+        instance's is kept for the move to ``data_plane``, which stores it."""
+        if instance_id in self._entries or self._entries_closed or (self._last_entry and self._last_entry[0] == instance_id):
             return
-        write = repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, instance_id, entry, look_up_keys=False)
-        lookup = repo.new_keys_of(self.engine, self.run_id, self.snapshot_id, list(ic.staging_keys))
-        stored, keys = await asyncio.gather(write, lookup, return_exceptions=True)
-        if isinstance(stored, BaseException):
-            raise stored
-        if isinstance(keys, BaseException):  # the barrier looks them up itself
-            log.info("snapshot %s: looking up the last Gym entry's keys failed (%s); the barrier does it", self.snapshot_id, keys)
+        if self.save is not None and len(self._entries) + 1 >= len(self.save.topology):
+            self._last_entry = (instance_id, ic)
         else:
-            self._last_new_keys = {instance_id: keys}
+            self._entries[instance_id] = asyncio.ensure_future(self._store_entry(instance_id, ic))
+
+    async def _store_entry(self, instance_id: str, ic: InstanceCommit) -> None:
+        await self._settle_pre_cut()  # its keys are what the entry's new keys are found against
+        await repo.store_gym_entry(self.engine, self.run_id, self.snapshot_id, self.fence, self._gym_entry(instance_id, ic))
+
+    def _gym_entry(self, instance_id: str, ic: InstanceCommit) -> repo.GymEntry:
+        entry = JsonText(ic.manifest_entry or encode_instance_entry(ic))
+        return repo.GymEntry(instance_id, entry, repo.new_keys(ic.staging_keys, self._pre_cut_keys))
 
     async def _stored_entries(self, commit: CommitResult) -> None:
         """Until every committed instance's entry is stored (those validated only after a second
@@ -655,13 +652,13 @@ class PendingSnapshot:
     async def _take_pre_cut(self) -> None:
         t = time.monotonic()
         try:
-            groups = await repo.pre_cut(self.engine, self.run_id, self.snapshot_id, self.fence)
+            taken = await repo.pre_cut(self.engine, self.run_id, self.snapshot_id, self.fence)
         except Exception as e:  # the barrier then copies the whole run: slower, not wrong
             log.warning("snapshot %s of run %s: pre-cut failed (%s: %s); the barrier will copy the whole ledger",
                         self.snapshot_id, self.run_id, type(e).__name__, str(e)[:500])
             return
-        if groups is not None:
-            self._pre_cut_taken = True
+        if taken is not None:
+            self._pre_cut_keys = taken.keys
             self.timings["pre_cut"] = time.monotonic() - t
 
     async def _settle_pre_cut(self) -> None:
