@@ -550,3 +550,31 @@ async def test_a_snapshot_that_fails_after_its_data_plane_move_keeps_its_gym_man
     assert await _rows(engine, "SELECT count(*) FROM snapshot_gym_entries WHERE run_id = :r") == [(0,)]
     (manifest,), = await _rows(engine, "SELECT gym_manifest FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
     assert manifest["instances"]["math/replica-0"]["staging_keys"] == ["model/x"]
+
+
+def _key_rows_read(plan: dict[str, Any]) -> int:
+    """Rows the plan's nodes on ``snapshot_cut_keys`` produced, over all their loops."""
+    n = plan.get("Actual Rows", 0) * plan.get("Actual Loops", 1) if plan.get("Relation Name") == "snapshot_cut_keys" else 0
+    return int(n) + sum(_key_rows_read(p) for p in plan.get("Plans", ()))
+
+
+@pytest.mark.parametrize("changed", [False, True])
+async def test_the_barrier_s_key_statement_reads_only_the_changed_key_rows_of_a_fresh_pre_cut(engine: Any, changed: bool) -> None:
+    # The pre-cut's key rows were inserted moments before the barrier: no statistics show them.
+    # A plan that joined them walked every key row (twice) even when no key changed.
+    await _committing(engine, "p")
+    await _to_data_plane(engine, "p")
+    async with engine.begin() as conn:
+        await conn.execute(text("INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) "
+                                "SELECT :r, 'p', 'tq/k' || lpad(g::text, 6, '0'), 1 FROM generate_series(1, 20000) g"), {"r": RUN})
+    old = [f"tq/k{g:06d}" for g in range(1, 21)] if changed else []
+    new = ([f"tq/k{g:06d}" for g in range(11, 21)] + ["tq/fresh"]) if changed else []
+    params = {"r": RUN, "s": "p", "old": old, "new": new, "extra": "{}", "cx": 1, "cs": "x", "g": 1, "n": 1, **repo._notice(RUN, "p")}
+    async with engine.begin() as conn:
+        (plan,), = (await conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + repo._DELTA_CUT_SQL), params)).one()
+        row = (await conn.execute(text("SELECT cut_keys_added, cut_keys_removed FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})).one()
+    assert _key_rows_read(plan["Plan"]) <= 2 * len(set(old) | set(new))
+    # The manifest's keys (model/x, tq/a) are added either way; with the changes, tq/k1..10 lose
+    # their only group and go, tq/fresh comes, tq/k11..20 stay as they were.
+    assert row.cut_keys_added == (["model/x", "tq/a", "tq/fresh"] if changed else ["model/x", "tq/a"])
+    assert row.cut_keys_removed == ([f"tq/k{g:06d}" for g in range(1, 11)] if changed else [])

@@ -823,12 +823,16 @@ _DELTA_CUT_SQL = (
     "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
     " SELECT k, 1 AS n FROM unnest(CAST(:new AS text[])) AS k"
     " UNION ALL SELECT k, -1 FROM unnest(CAST(:old AS text[])) AS k) x GROUP BY x.k HAVING sum(x.n) <> 0), "
-    "prev AS (SELECT chg.k COLLATE \"C\" AS k, chg.n, COALESCE(ck.refs, 0) AS before FROM chg LEFT JOIN snapshot_cut_keys ck "
-    " ON ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = chg.k COLLATE \"C\"), "
+    # Each changed key is probed in the key index (a scalar subquery, and ``= ANY`` of the keys
+    # to update or delete): the pre-cut inserted the key rows moments ago and their statistics do
+    # not show them, so a join let the planner walk every key row of the cut, once per part.
+    "prev AS (SELECT chg.k COLLATE \"C\" AS k, chg.n, COALESCE((SELECT ck.refs FROM snapshot_cut_keys ck "
+    " WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = chg.k COLLATE \"C\"), 0) AS before FROM chg), "
     "up AS (INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, k, n FROM prev WHERE before = 0 AND n > 0 ORDER BY k), "
-    "upd AS (UPDATE snapshot_cut_keys ck SET refs = prev.before + prev.n FROM prev "
-    " WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before > 0 AND prev.before + prev.n > 0), "
-    "gone AS (DELETE FROM snapshot_cut_keys ck USING prev WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = prev.k AND prev.before + prev.n <= 0), "
+    "upd AS (UPDATE snapshot_cut_keys ck SET refs = p.before + p.n FROM prev p WHERE ck.run_id = :r AND ck.snapshot_id = :s "
+    " AND ck.key = ANY(ARRAY(SELECT k FROM prev WHERE before > 0 AND before + n > 0)) AND ck.key = p.k), "
+    "gone AS (DELETE FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s "
+    " AND ck.key = ANY(ARRAY(SELECT k FROM prev WHERE before > 0 AND before + n <= 0))), "
     # Every statement part reads the key rows as they were before it: the pre-cut's.
     "added AS (SELECT COALESCE(array_agg(a.k ORDER BY a.k), '{}') AS ks FROM (SELECT k FROM prev WHERE before <= 0 AND before + n > 0 "
     f" UNION SELECT k FROM ({_MANIFEST_NEW_KEYS}) mn) a), "
