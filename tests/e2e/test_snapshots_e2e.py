@@ -79,6 +79,36 @@ async def test_publish_under_live_traffic(client, admin, app, gyms, tmp_path: Pa
     assert full["resume_failure"] is None
 
 
+async def test_every_gym_entry_carries_its_new_keys_to_the_barrier(client, admin, app, gyms, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # With a pre-cut in, each entry's new keys are found as it is stored (the last one's by the
+    # move to data_plane): the barrier looks none up. What the barrier finds is recorded here.
+    from sqlalchemy import text
+
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+
+    api = await _setup(client, admin, app, gyms)
+    take_cut = ledger_snapshots.take_cut
+    found: list[list[tuple[str, bool]]] = []
+
+    async def recording_take_cut(engine, run_id, snapshot_id, **kwargs):  # type: ignore[no-untyped-def]
+        async with engine.connect() as conn:
+            rows = (await conn.execute(text("SELECT instance_id, new_keys IS NOT NULL FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s "
+                                            "ORDER BY 1"), {"r": run_id, "s": snapshot_id})).all()
+        found.append([tuple(r) for r in rows])
+        return await take_cut(engine, run_id, snapshot_id, **kwargs)
+
+    monkeypatch.setattr(ledger_snapshots, "take_cut", recording_take_cut)
+    trainer = Trainer(api, gyms, turns=8)
+    for iid in gyms:
+        await trainer.admit_and_dispatch([group_body(f"g{iid[-1]}{k}", 2) for k in range(2)], iid)
+    await asyncio.sleep(0.12)
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    await trainer.wait_idle()
+    assert snap["outcome"] == "published", snap
+    assert snap["counts"]["cut_pre_cut_groups"] > 0
+    assert found[0] == [("math/replica-0", True), ("math/replica-1", True)]
+
+
 async def test_drained_rows_are_sealed_not_exported(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = await _setup(client, admin, app, gyms)
     gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 0.6, "times": 2})

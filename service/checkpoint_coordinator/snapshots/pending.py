@@ -320,7 +320,6 @@ class PendingSnapshot:
             await self._step(self._stored_entries(commit))
             last = self._last_entry
             await self._move(P.data_plane, gym_entry=self._gym_entry(*last) if last else None)
-            self._pre_cut_keys = None  # the entries are in: the keys are not needed any more
             self._data_plane_reached = True
             await self._step(save.within_lease(self._captured(self._clipped(float(cfg.get("data_plane_timeout_s", 600))))))
         except BaseException:
