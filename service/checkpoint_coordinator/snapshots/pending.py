@@ -97,6 +97,16 @@ async def until_database_answers(write: Callable[[], Awaitable[T]], what: str) -
             await asyncio.sleep(DB_RETRY_S)
 
 
+async def all_ended(*aws: Awaitable[Any]) -> list[Any]:
+    """Their results, once every one of them has ended; the first failure (in argument order) is
+    raised then, so that none is left running, or unretrieved, behind the error handling."""
+    done = await asyncio.gather(*aws, return_exceptions=True)
+    for d in done:
+        if isinstance(d, BaseException):
+            raise d
+    return done
+
+
 def outcome_of(reason: SnapshotReason | str) -> SnapshotOutcome:
     return REASON_OUTCOME[SnapshotReason(reason)]
 
@@ -248,18 +258,13 @@ class PendingSnapshot:
         # that a failure of one leaves no write in flight behind the error handling. The close,
         # the longest, sends its statement first (``_write`` starts it in a task of its own, which
         # each read, yielding once, lets run before it takes its connection).
-        done = await asyncio.gather(
+        owed, run, snap, topology, left = await all_ended(
             self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence)),
             self._read(lambda c: get_run(c, self.run_id)),
             self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
             self._read(lambda c: load_topology(c, self.run_id)),
             self._read(lambda c: repo.deadline_left_s(c, self.run_id, self.snapshot_id)),
-            return_exceptions=True,
         )
-        for d in done:
-            if isinstance(d, BaseException):
-                raise d
-        owed, run, snap, topology, left = done
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
         if left is not None:
@@ -337,11 +342,9 @@ class PendingSnapshot:
         # Gym is resumed beside the phase write, not after it: recovery resumes Gym from either
         # phase, and a resume of an ended checkpoint changes nothing in Gym (protocol section 4). A
         # refused write is raised once the resume is answered.
-        moved = asyncio.ensure_future(until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase"))
-        finished = asyncio.ensure_future(save.finish())
-        await asyncio.wait({moved, finished})
-        moved.result()
-        result = finished.result()
+        _, result = await all_ended(
+            until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase"), save.finish()
+        )
         # A stopping snapshot keeps the gate closed: the run is stopped until a restore or reopen.
         await until_database_answers(
             lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence, keep_gate=self.stop)),
