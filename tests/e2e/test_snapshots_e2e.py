@@ -109,6 +109,45 @@ async def test_every_gym_entry_carries_its_new_keys_to_the_barrier(client, admin
     assert found[0] == [("math/replica-0", True), ("math/replica-1", True)]
 
 
+async def test_the_owner_answers_the_pre_cut_keys_fetch_with_the_keys_it_holds(client, admin, app, gyms, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The fetch lands while Gym commits; the replica driving the snapshot answers it with the
+    # pre-cut's keys it holds (no aggregation of the key rows), the same text the rows give.
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+
+    api = await _setup(client, admin, app, gyms)
+    for g in gyms.values():
+        g.admin("POST", "/admin/faults", {"server_name": "policy_model", "op": "commit", "type": "delay", "seconds": 1.5})
+    done = Trainer(api, gyms, turns=1)  # sealed before the snapshot: their keys are the pre-cut's
+    for iid in gyms:
+        await done.admit_and_dispatch([group_body(f"d{iid[-1]}", 2)], iid)
+    await done.wait_idle()
+    trainer = Trainer(api, gyms, turns=8)
+    for iid in gyms:
+        await trainer.admit_and_dispatch([group_body(f"g{iid[-1]}{k}", 2) for k in range(2)], iid)
+    await asyncio.sleep(0.12)
+    cut_keys = ledger_snapshots.cut_keys
+    held: list[str | None] = []
+
+    async def recording_cut_keys(engine, run_id, snapshot_id, **kwargs):  # type: ignore[no-untyped-def]
+        held.append(kwargs.get("pre_cut_keys"))
+        return await cut_keys(engine, run_id, snapshot_id, **kwargs)
+
+    monkeypatch.setattr(ledger_snapshots, "cut_keys", recording_cut_keys)
+    r = await api.c.post(f"/v1/runs/{api.run_id}/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+    assert r.status_code in (200, 202), r.text
+    async with asyncio.timeout(30):
+        while not ((s := await api.get("/snapshots/s1"))["phase"] == "commit" and s["counts"].get("cut_pre_cut_keys") is not None):
+            assert s["outcome"] is None, s
+            await asyncio.sleep(0.02)
+    fetched = await api.get("/snapshots/s1/staging-keys")
+    from_rows = await cut_keys(app.state.engine, api.run_id, "s1")
+    assert fetched["as_of"] == "pre_cut" and len(fetched["staging_keys"]) == s["counts"]["cut_pre_cut_keys"] > 0
+    assert held and held[-1] is not None and from_rows == ("pre_cut", held[-1])
+    snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+    await trainer.wait_idle()
+    assert snap["outcome"] == "published", snap
+
+
 async def test_drained_rows_are_sealed_not_exported(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     api = await _setup(client, admin, app, gyms)
     gyms["math/replica-0"].admin("POST", "/admin/faults", {"server_name": "workplace_agent", "op": "run_reply", "type": "delay", "seconds": 0.6, "times": 2})

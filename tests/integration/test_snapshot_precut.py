@@ -322,11 +322,12 @@ async def test_the_keys_json_the_database_writes_reads_back_as_the_keys_in_code_
     async with engine.begin() as conn:
         await _add_group(conn, "h9", keys=awkward)
     await _committing(engine, "p")
-    await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
+    taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
     as_of, raw = await repo.cut_keys(engine, RUN, "p")
     keys = json.loads(raw)
     assert as_of == "pre_cut" and set(awkward) <= set(keys)
     assert keys == sorted(keys)  # Python compares str by code point, as the C collation orders UTF-8
+    assert taken.keys_json == raw  # what the owner hands a trainer's fetch is the database's answer, byte for byte
     await _to_data_plane(engine, "p")
     await repo.take_cut(engine, RUN, "p")
     as_of, raw = await repo.cut_keys(engine, RUN, "p")
@@ -438,6 +439,18 @@ async def test_the_pre_cut_answers_the_keys_its_key_rows_hold(engine: Any) -> No
     taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
     as_of, rows = await _cut_keys(engine)
     assert as_of == "pre_cut" and taken.keys == frozenset(rows) and len(rows) == len(taken.keys) > 0
+
+
+async def test_the_owner_s_pre_cut_keys_answer_the_fetch_only_between_the_pre_cut_and_the_barrier(engine: Any) -> None:
+    held = '["held/by/the/owner"]'
+    await _committing(engine, "p")
+    assert await repo.cut_keys(engine, RUN, "p", pre_cut_keys=held) == ("none", "[]")  # no pre-cut in the row yet
+    await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))
+    assert await repo.cut_keys(engine, RUN, "p", pre_cut_keys=held) == ("pre_cut", held)
+    await _to_data_plane(engine, "p")
+    await repo.take_cut(engine, RUN, "p")
+    as_of, raw = await repo.cut_keys(engine, RUN, "p", pre_cut_keys=held)
+    assert as_of == "cut" and raw != held and raw == (await repo.cut_keys(engine, RUN, "p"))[1]
 
 
 def test_an_entry_s_new_keys_are_its_distinct_keys_the_pre_cut_lacks_in_code_point_order() -> None:

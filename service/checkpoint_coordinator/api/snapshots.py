@@ -165,7 +165,8 @@ async def snapshot_staging_keys(request: Request, snapshot_id: str = SnapshotIdP
     record's `counts.cut_pre_cut_keys`) and until the barrier, `cut` after it, `none` before
     either. A trainer fetches the pre-cut's keys while Gym commits and asks its barrier for the
     delta only, so the barrier's answer grows with what changed, not with the run."""
-    as_of, keys = await repo.cut_keys(request.app.state.engine, caller.run_id, snapshot_id)
+    held = request.app.state.snapshots.pre_cut_keys_json(caller.run_id, snapshot_id)
+    as_of, keys = await repo.cut_keys(request.app.state.engine, caller.run_id, snapshot_id, pre_cut_keys=held)
     return json_with_raw({"snapshot_id": snapshot_id, "as_of": as_of}, "staging_keys", keys)
 
 

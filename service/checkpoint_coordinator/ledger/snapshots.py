@@ -675,24 +675,30 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
         return row
 
 
-async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str) -> tuple[str, str]:
+async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cut_keys: str | None = None) -> tuple[str, str]:
     """The keys the trainer may fetch ahead of the barrier, as a JSON array (text, sorted by code
     point): ``("pre_cut", keys)`` once a pre-cut was taken and until the barrier, ``("cut", keys)``
     after it, ``("none", "[]")`` before either. A trainer that holds the pre-cut's keys asks the
     barrier for its delta only. One statement, so the state and the keys are of the same moment;
     PostgreSQL writes the JSON, which spares this process parsing and encoding a few hundred
-    thousand keys while Gym commits."""
+    thousand keys while Gym commits.
+
+    ``pre_cut_keys``: the snapshot's pre-cut keys as :func:`pre_cut` answered them (its owner
+    holds them, ``PreCut.keys_json``); answered in the pre-cut state instead of aggregating the
+    key rows again (a snapshot takes one pre-cut, and nothing else writes its key rows before
+    the barrier). The trainer's fetch may still be running when Gym's commit ends, and the
+    barrier waits for it."""
     async with engine.connect() as conn:
         st = (
             await conn.execute(
                 text(
-                    "SELECT x.cut, x.pre_cut, CASE WHEN x.cut THEN CAST(array_to_json(x.keys) AS text) WHEN x.pre_cut THEN "
+                    "SELECT x.cut, x.pre_cut, CASE WHEN x.cut THEN CAST(array_to_json(x.keys) AS text) WHEN x.pre_cut AND NOT :known THEN "
                     "(SELECT CAST(COALESCE(json_agg(ck.key ORDER BY ck.key), '[]') AS text) FROM snapshot_cut_keys ck "
                     "WHERE ck.run_id = :r AND ck.snapshot_id = :s) END AS keys FROM ("
                     "SELECT cut_at IS NOT NULL AS cut, counts ->> 'cut_pre_cut_keys' IS NOT NULL AND cut_base_xid IS NOT NULL AS pre_cut, "
                     f"{_KEYS} AS keys FROM snapshots WHERE run_id = :r AND snapshot_id = :s) x"
                 ),
-                {"r": run_id, "s": snapshot_id},
+                {"r": run_id, "s": snapshot_id, "known": pre_cut_keys is not None},
             )
         ).first()
     if st is None:
@@ -701,7 +707,7 @@ async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str) -> tuple[
         return "cut", st.keys or "[]"
     if not st.pre_cut:
         return "none", "[]"
-    return "pre_cut", st.keys
+    return "pre_cut", st.keys if pre_cut_keys is None else pre_cut_keys
 
 
 _GROUP_COLS = ", ".join(SNAPSHOT_GROUP_COLUMNS)
@@ -863,14 +869,20 @@ _FINISH_CUT_SQL = (
 @dataclass(frozen=True)
 class PreCut:
     """What a pre-cut copied: its groups, and its keys (what its key rows hold), with which the
-    owner finds each Gym entry's ``new_keys`` (:func:`new_keys`) without a lookup in the database."""
+    owner finds each Gym entry's ``new_keys`` (:func:`new_keys`) without a lookup in the database;
+    ``keys_json``, the same keys as :func:`cut_keys` answers them (a JSON array sorted by code
+    point), which the owner hands to the trainer's fetch."""
 
     groups: int
     keys: frozenset[str]
+    keys_json: str
 
 
-# The pre-cut's key rows, inserted as ``_INSERT_KEYS_SQL`` does, answered as one JSON array.
-_PRE_CUT_KEYS_SQL = f"WITH ins AS ({_INSERT_KEYS_SQL} RETURNING key) SELECT count(*) AS n, CAST(COALESCE(json_agg(key), '[]') AS text) AS keys FROM ins"
+# The pre-cut's key rows, inserted as ``_INSERT_KEYS_SQL`` does, answered as one JSON array sorted
+# as ``cut_keys`` sorts them (the column's collation is "C").
+_PRE_CUT_KEYS_SQL = (
+    f"WITH ins AS ({_INSERT_KEYS_SQL} RETURNING key) SELECT count(*) AS n, CAST(COALESCE(json_agg(key ORDER BY key), '[]') AS text) AS keys FROM ins"
+)
 
 
 class _PreCutVoid(Exception):
@@ -947,7 +959,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         if done != 1:
             raise _PreCutVoid()
         await _notify(conn, run_id, [snapshot_id], progress=True)  # a waiting trainer fetches the pre-cut's keys
-    return PreCut(int(n), frozenset(json.loads(inserted.keys)))
+    return PreCut(int(n), frozenset(json.loads(inserted.keys)), inserted.keys)
 
 
 # How long the pre-cut waits for the transactions that were writing when the snapshot entered a

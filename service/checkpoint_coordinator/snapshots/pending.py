@@ -157,8 +157,10 @@ class PendingSnapshot:
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
-        # The pre-cut's keys, once it is in: each Gym entry's new keys are found against them.
+        # The pre-cut's keys, once it is in: each Gym entry's new keys are found against them;
+        # as JSON, what a trainer's fetch of them is answered on this replica.
         self._pre_cut_keys: frozenset[str] | None = None
+        self.pre_cut_keys_json: str | None = None
         # Each instance's Gym manifest entry, stored while the other instances still commit;
         # closed once the snapshot ends (an entry written after its end would be left behind).
         self._entries: dict[str, asyncio.Future[None]] = {}
@@ -660,7 +662,7 @@ class PendingSnapshot:
                         self.snapshot_id, self.run_id, type(e).__name__, str(e)[:500])
             return
         if taken is not None:
-            self._pre_cut_keys = taken.keys
+            self._pre_cut_keys, self.pre_cut_keys_json = taken.keys, taken.keys_json
             self.timings["pre_cut"] = time.monotonic() - t
 
     async def _settle_pre_cut(self) -> None:

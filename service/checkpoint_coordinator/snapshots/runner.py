@@ -48,6 +48,12 @@ class SnapshotRunner:
             self._tasks[key] = task
         return job
 
+    def pre_cut_keys_json(self, run_id: str, snapshot_id: str) -> str | None:
+        """The pre-cut's keys of a snapshot this replica drives, as its fetch answers them (None:
+        not driven here, or no pre-cut in yet; the fetch then reads them from the database)."""
+        job = self.jobs.get((run_id, snapshot_id))
+        return job.pre_cut_keys_json if job is not None else None
+
     async def _run(self, job: PendingSnapshot) -> None:
         try:
             await job.run()
