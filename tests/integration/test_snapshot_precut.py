@@ -249,6 +249,21 @@ async def test_a_pre_cut_is_refused_once_the_snapshot_moved_on(engine: Any) -> N
     assert await _stored(engine, "b") == 0
 
 
+async def test_a_refused_second_pre_cut_keeps_the_groups_recorded_since_the_first(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 12
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/after}' WHERE run_id = :r AND rollout_id = 'g1-3-reserved'"), {"r": RUN})
+    recorded = "SELECT group_id FROM snapshot_changed_groups WHERE run_id = :r"
+    assert await _rows(engine, recorded) == [("g1",)]
+    assert await repo.pre_cut(engine, RUN, "p", await owner_fence(engine)) is None  # once per snapshot
+    assert await _rows(engine, recorded) == [("g1",)]  # its emptying of the record rolled back
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert row.counts["cut_recopied_groups"] == 1 and "tq/after" in row.cut_staging_keys
+
+
 async def test_a_snapshot_that_does_not_publish_takes_its_pre_cut_with_it(engine: Any) -> None:
     await _committing(engine, "p")
     assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 2
@@ -406,8 +421,8 @@ async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any
         assert (await repo.pre_cut(engine, RUN, "p", await owner_fence(engine))).groups == 12
     finally:
         event.remove(engine.sync_engine, "before_cursor_execute", record)
-    lazy = [i for i, s in enumerate(sent) if "synchronous_commit = off" in s]
-    copy = [i for i, s in enumerate(sent) if s.startswith("INSERT INTO snapshot_cut_groups")]
+    lazy = [i for i, s in enumerate(sent) if "set_config('synchronous_commit', 'off', true)" in s]
+    copy = [i for i, s in enumerate(sent) if "INSERT INTO snapshot_cut_groups" in s]
     assert len(lazy) == 1 and len(copy) == 1 and lazy[0] < copy[0]
     async with engine.connect() as conn:
         assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"

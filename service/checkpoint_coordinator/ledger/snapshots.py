@@ -77,11 +77,11 @@ async def notify_created(conn: AsyncConnection, run_id: str, snapshot_id: str) -
     await _notify(conn, run_id, [snapshot_id], created=True)
 
 
-async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, created: bool = False, progress: bool = False) -> None:
+async def _notify(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, created: bool = False) -> None:
     if snapshot_ids:
         await conn.execute(
             text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"),
-            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s, created=created, progress=progress) for s in snapshot_ids]},
+            {"ch": NOTIFY_CHANNEL, "ps": [notify_payload(run_id, s, created=created) for s in snapshot_ids]},
         )
 
 
@@ -731,14 +731,17 @@ def _cut_insert(*, only_named_groups: bool) -> str:
     )
 
 
+# Hash joins and a hash aggregate for a whole-run copy, with room for them (the aggregate holds the
+# whole cut). With statistics the planner otherwise sorts every joined row by group id (a
+# linguistic sort) for a merge join and a group aggregate, or plans a nested loop of one index
+# probe per sibling; both were slower (bench/README.md, snapshot_overhead). Transaction-local
+# settings as a select list, so that they ride on a statement the caller sends anyway.
+_CUT_SETTINGS = "set_config('enable_nestloop', 'off', true), set_config('enable_sort', 'off', true), set_config('work_mem', '128MB', true)"
+
+
 async def _cut_settings(conn: AsyncConnection) -> None:
-    """Hash joins and a hash aggregate for a whole-run copy, with room for them (the aggregate
-    holds the whole cut). With statistics the planner otherwise sorts every joined row by group
-    id (a linguistic sort) for a merge join and a group aggregate, or plans a nested loop of one
-    index probe per sibling; both were slower (bench/README.md, snapshot_overhead)."""
-    await conn.execute(text("SET LOCAL enable_nestloop = off"))
-    await conn.execute(text("SET LOCAL enable_sort = off"))
-    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    """The whole-run copy's plan settings (``_CUT_SETTINGS``) for the rest of the transaction."""
+    await conn.execute(text(f"SELECT {_CUT_SETTINGS}"))
 
 
 # Above this many groups to copy again at the barrier, the whole-run plan settings are used.
@@ -913,53 +916,62 @@ async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fen
 async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> PreCut | None:
     if not await _writers_see_the_tracking(engine, tracked_from):
         return None
+    p = {"r": run_id, "s": snapshot_id}
+    # Few round trips: this copy runs beside Gym's commit, and when it outlasts the commit the
+    # move to data_plane (Gym parked) waits for it.
     async with engine.begin() as conn:
+        # Not flushed at its commit (``synchronous_commit``): the flushed commits after it (the
+        # move to data_plane, which waits for this copy, and the barrier) come later in the log
+        # and flush it too. A crash that loses it leaves no ``cut_base_xid``: the barrier then
+        # copies the whole run and answers the whole key list, also to a trainer that fetched
+        # these keys and asked for the delta. The base is this statement's xmin, taken before
+        # the copy's own statement snapshot: anything the copy saw that this base does not is
+        # counted as changed at the barrier, never the other way round.
+        # The recorded groups are emptied here, before the copy's statement: what was recorded
+        # before the copy's snapshot is in the copy; what is written after it stays recorded (the
+        # snapshot is in a tracking phase) and is copied again at the barrier. A writer still
+        # open on a record holds this statement back until it commits, so that the copy sees
+        # its write (in the copy's own statement, the copy's snapshot would be older than it).
         st = (
             await conn.execute(
-                text("SELECT outcome, phase, cut_at, cut_base_xid FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+                text(
+                    "WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r) "
+                    f"SELECT outcome, phase, cut_at, cut_base_xid, {CURRENT_XMIN_SQL} AS base, set_config('synchronous_commit', 'off', true), "
+                    f"{_CUT_SETTINGS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"
+                ),
+                p,
             )
         ).first()
         if st is None or st.outcome is not None or st.cut_at is not None or st.cut_base_xid is not None or st.phase == P.data_plane:
-            return None
-        # Not flushed at its commit: the flushed commits after it (the move to data_plane, which
-        # waits for this copy, and the barrier) come later in the log and flush it too. A crash
-        # that loses it leaves no ``cut_base_xid``: the barrier then copies the whole run and
-        # answers the whole key list, also to a trainer that fetched these keys and asked for
-        # the delta.
-        await conn.execute(text("SET LOCAL synchronous_commit = off"))
-        # Taken before the copy's own statement snapshot: anything the copy saw that this base
-        # does not is counted as changed at the barrier, never the other way round.
-        base = (await conn.execute(text(f"SELECT {CURRENT_XMIN_SQL}"))).scalar()
-        # What was recorded before this point is in the copy below; what is written after it is
-        # recorded (the snapshot is in a tracking phase) and re-copied at the barrier.
-        await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
-        await _cut_settings(conn)
-        n = (await conn.execute(text(_cut_insert(only_named_groups=False)), {"r": run_id, "s": snapshot_id})).rowcount
-        # Its keys as rows (the barrier then counts only what changed) and its size, so that the
-        # barrier's counts need no pass over the cut either.
-        inserted = (await conn.execute(text(_PRE_CUT_KEYS_SQL), {"r": run_id, "s": snapshot_id})).one()
-        keys = int(inserted.n)
-        sibs = (
+            raise _PreCutVoid()  # rolls the emptying of the record back
+        # Its size comes back with the copy, so that the barrier's counts need no pass over it.
+        copied = (
             await conn.execute(
-                text("SELECT COALESCE(sum(cardinality(siblings)), 0) FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s"),
-                {"r": run_id, "s": snapshot_id},
+                text(f"WITH ins AS ({_cut_insert(only_named_groups=False)} RETURNING cardinality(siblings) AS n) "
+                     "SELECT count(*) AS groups, COALESCE(sum(ins.n), 0) AS siblings FROM ins"),
+                p,
             )
-        ).scalar()
+        ).one()
+        n, sibs = int(copied.groups), int(copied.siblings)
+        # Its keys as rows: the barrier then counts only what changed.
+        inserted = (await conn.execute(text(_PRE_CUT_KEYS_SQL), p)).one()
+        keys = int(inserted.n)
         done = (
             await conn.execute(
                 text(
                     "UPDATE snapshots SET cut_base_xid = :b, counts = COALESCE(counts, '{}'::jsonb) || jsonb_build_object('cut_pre_cut_groups', CAST(:n AS bigint), "
                     "'cut_pre_cut_siblings', CAST(:sib AS bigint), 'cut_pre_cut_keys', CAST(:keys AS bigint)) "
                     "WHERE run_id = :r AND snapshot_id = :s AND outcome IS NULL "
-                    f"AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> :dp AND owner = :fence_owner AND {fence_sql()}"
+                    f"AND cut_at IS NULL AND cut_base_xid IS NULL AND phase <> :dp AND owner = :fence_owner AND {fence_sql()} "
+                    # A waiting trainer fetches the pre-cut's keys.
+                    "RETURNING pg_notify(:ch, :np)"
                 ),
-                {"r": run_id, "s": snapshot_id, "b": base, "n": n, "sib": int(sibs), "keys": keys, "dp": P.data_plane.value, **fence.params()},
+                {**p, "b": st.base, "n": n, "sib": sibs, "keys": keys, "dp": P.data_plane.value, **fence.params(), **_notice(run_id, snapshot_id, progress=True)},
             )
-        ).rowcount
-        if done != 1:
+        ).all()
+        if len(done) != 1:
             raise _PreCutVoid()
-        await _notify(conn, run_id, [snapshot_id], progress=True)  # a waiting trainer fetches the pre-cut's keys
-    return PreCut(int(n), frozenset(json.loads(inserted.keys)), inserted.keys)
+    return PreCut(n, frozenset(json.loads(inserted.keys)), inserted.keys)
 
 
 # How long the pre-cut waits for the transactions that were writing when the snapshot entered a
