@@ -278,7 +278,9 @@ async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gy
     await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
     s = await _ended(api)
     assert (s["outcome"], s["reason"]) == ("aborted", "deadline_exceeded"), s
-    assert await _phase_path(app.state.engine, "s1") == ["requested", "gate", "aborted"]
+    # Nothing owed to Gym: the close's transaction went on to prepare (the checkpoint id written,
+    # no Gym call made), and the deadline ends it from there.
+    assert await _phase_path(app.state.engine, "s1") == ["requested", "gate", "prepare", "aborted"]
     assert (await api.get(""))["dispatch_gate"]["open"]
     for g in gyms.values():
         assert all(x["prepare_count"] == 0 for x in g.state()["servers"].values() if x.get("participant"))

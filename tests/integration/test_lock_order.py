@@ -162,7 +162,7 @@ async def test_the_gates_close_takes_the_run_row_before_the_lease(engine: Any) -
             with pytest.raises(DBAPIError) as e:
                 await probe.execute(text("SELECT 1 FROM runs WHERE run_id = :r FOR UPDATE NOWAIT"), {"r": RUN})
             assert getattr(e.value.orig, "sqlstate", None) == "55P03"  # lock_not_available: the close holds it
-    assert await asyncio.wait_for(closed, 10) == set()
+    assert await asyncio.wait_for(closed, 10) == repo.GateClosed(set(), False)
 
 
 async def test_a_capture_in_one_statement_takes_the_run_row_before_the_snapshot_row(engine: Any) -> None:

@@ -295,8 +295,8 @@ async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) 
             ),
             {"r": RUN},
         )
-    assert await repo.close_gate(engine, RUN, "s1", fence) == {("i/0", "retire"), ("i/1", "forget")}
-    assert await state("s1") == ("s1", "gate")
+    assert await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0000") == repo.GateClosed({("i/0", "retire"), ("i/1", "forget")}, False)
+    assert await state("s1") == ("s1", "gate")  # owed items first: no move to prepare with the close
 
     async with engine.begin() as conn:  # a run closed under a new snapshot
         await conn.execute(text("UPDATE runs SET state = 'closed', gate_snapshot_id = NULL WHERE run_id = :r"), {"r": RUN})
@@ -305,6 +305,30 @@ async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) 
     with pytest.raises(RunClosed):
         await repo.close_gate(engine, RUN, "s2", fence)
     assert await state("s2") == (None, "requested")
+
+
+async def test_with_nothing_owed_the_close_moves_on_to_prepare_in_its_transaction(engine: Any) -> None:
+    fence = await owner_fence(engine)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) VALUES (:r, 's1', 0, 'requested', 'test', '/ck/s1')"),
+            {"r": RUN},
+        )
+    closed = await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0001")
+    assert closed == repo.GateClosed(set(), True)
+    async with engine.connect() as conn:
+        row = await repo.get(conn, RUN, "s1")
+        gate = (await conn.execute(text("SELECT gate_snapshot_id FROM runs WHERE run_id = :r"), {"r": RUN})).scalar()
+    assert (row.phase, row.gym_checkpoint_id, row.snapshot_dir, gate) == ("prepare", "snap-s1-0001", "/ck/s1", "s1")
+    # A row without a snapshot_dir stays in gate: its owner writes the directory with the move.
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r"), {"r": RUN})
+        await conn.execute(text("UPDATE snapshots SET phase = 'aborted', outcome = 'aborted', reason = 'cancelled' WHERE run_id = :r"), {"r": RUN})
+        await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, 's2', 0, 'requested', 'test')"), {"r": RUN})
+    assert await repo.close_gate(engine, RUN, "s2", fence, prepare_as="snap-s2-0001") == repo.GateClosed(set(), False)
+    async with engine.connect() as conn:
+        row = await repo.get(conn, RUN, "s2")
+    assert (row.phase, row.gym_checkpoint_id) == ("gate", None)
 
 
 async def test_moves_recovery_treats_alike_commit_without_a_flush_and_stay_fenced(engine: Any) -> None:

@@ -40,6 +40,17 @@ class Budgets:
         return max(0.01, min(self.control_s / 3.0, 10.0))
 
 
+def checkpoint_id_for(snapshot_id: str | int | None = None) -> str:
+    """A fresh save id, ``snap-<snapshot_id>-<8 hex>`` (random, so never one issued before in
+    practice; a prepare refuses an id it already used). A caller that must record the id before
+    it has a client (a snapshot writes it with its gate) draws it here; the prepare that uses it
+    books it as issued."""
+    cid = f"snap-{snapshot_id}-{secrets.token_hex(4)}" if snapshot_id is not None else f"snap-{secrets.token_hex(8)}"
+    if not is_valid_checkpoint_id(cid):
+        raise ValueError(f"snapshot id {snapshot_id!r} does not make a valid checkpoint id")
+    return cid
+
+
 class CheckpointBook:
     """The ids this client issued and the checkpoints it has open.
 
@@ -58,9 +69,7 @@ class CheckpointBook:
 
     def new_checkpoint_id(self, snapshot_id: str | int | None = None) -> str:
         while True:
-            cid = f"snap-{snapshot_id}-{secrets.token_hex(4)}" if snapshot_id is not None else f"snap-{secrets.token_hex(8)}"
-            if not is_valid_checkpoint_id(cid):
-                raise ValueError(f"snapshot id {snapshot_id!r} does not make a valid checkpoint id")
+            cid = checkpoint_id_for(snapshot_id)
             if cid not in self._issued:
                 self._issued.add(cid)
                 return cid

@@ -452,11 +452,22 @@ async def lease_owner(conn: AsyncConnection, run_id: str) -> str | None:
     return (await conn.execute(text("SELECT owner FROM ownership_leases WHERE run_id = :r AND expires_at > now()"), {"r": run_id})).scalar()
 
 
-async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> set[tuple[str, str]]:
+@dataclass(frozen=True)
+class GateClosed:
+    """What :func:`close_gate` did: the run's pending outbox pairs (instance, op), read after the
+    close, and whether the snapshot went on to ``prepare`` in the same transaction."""
+
+    owed: set[tuple[str, str]]
+    prepared: bool
+
+
+async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosed:
     """Phase ``gate``, persisted together with the gate itself, in one statement: the gate's
     update of the run row waits for in-flight dispatch transactions (they hold it FOR SHARE), so
-    none lands after the close. Returns the run's pending outbox pairs (instance, op), read
-    after the close: with none, the snapshot has nothing to deliver before its prepare."""
+    none lands after the close. The run's pending outbox pairs are read after the close: with
+    none, the snapshot has nothing to deliver before its prepare, and with ``prepare_as`` (its
+    Gym checkpoint id) it moves on to ``prepare`` in the same transaction, one flush fewer
+    before Gym is prepared (not for a row without a ``snapshot_dir``: the caller moves it)."""
     params = {"r": run_id, "s": snapshot_id, "to": P.gate.value, "expected": P.requested.value, **fence.params(),
               **_notice(run_id, snapshot_id, progress=True)}
     async with engine.begin() as conn:
@@ -466,7 +477,18 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
             raise Fenced(run_id, f"snapshot {snapshot_id}: the gate of a run that changed meanwhile", fence)
         if not moved:
             raise Fenced(run_id, f"snapshot {snapshot_id}: {P.requested} -> {P.gate}", fence)  # the gate's close rolls back
-        return await pending_of_run(conn, run_id)
+        owed = await pending_of_run(conn, run_id)
+        prepared = False
+        if prepare_as is not None and not owed:
+            # The same fence as the close, in its transaction (``now()`` is the transaction's):
+            # no row only when it has no snapshot_dir. Its notification is the close's.
+            prepared = (
+                await conn.execute(
+                    text(f"UPDATE snapshots SET phase = :to, gym_checkpoint_id = :cid WHERE {_FENCED_MOVE} AND snapshot_dir IS NOT NULL RETURNING 1"),
+                    {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
+                )
+            ).first() is not None
+        return GateClosed(owed, prepared)
 
 
 _CLOSE_GATE_SQL = (

@@ -37,6 +37,7 @@ from ..domain.snapshot_state import (
     check_snapshot_transition,
     reason_for_gym_failure,
 )
+from ..gym.context import checkpoint_id_for
 from ..gym.errors import GymControlError
 from ..gym.manifest import encode_instance_entry
 from ..gym.models import Episode, Topology
@@ -260,8 +261,15 @@ class PendingSnapshot:
         # that a failure of one leaves no write in flight behind the error handling. The close,
         # the longest, sends its statement first (``_write`` starts it in a task of its own, which
         # each read, yielding once, lets run before it takes its connection).
-        owed, run, snap, topology, left = await all_ended(
-            self._write(P.gate, lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence)),
+        # The Gym checkpoint id is drawn now: with nothing owed to Gym, the close's transaction
+        # moves on to prepare with it (one flushed write, not two, before Gym is prepared).
+        checkpoint_id = checkpoint_id_for(self.snapshot_id)
+        gate, run, snap, topology, left = await all_ended(
+            self._write(
+                P.gate,
+                lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence, prepare_as=checkpoint_id),
+                reached=lambda closed: P.prepare if closed.prepared else P.gate,
+            ),
             self._read(lambda c: get_run(c, self.run_id)),
             self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
             self._read(lambda c: load_topology(c, self.run_id)),
@@ -280,7 +288,6 @@ class PendingSnapshot:
         if not topology:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
         client = self.ctx.gym.for_run(self.run_id, cfg)
-        checkpoint_id = client.new_checkpoint_id(self.snapshot_id)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
         save = self.save = GymSave(
             client, topology, snapshot_dir=snapshot_dir, drain_timeout_s=self._clipped(float(cfg.get("drain_timeout_s", 120))),
@@ -289,12 +296,13 @@ class PendingSnapshot:
         # The gate is closed, no dispatch adds to the candidates: their query, and their sorting
         # into commit scopes, run beside the retire delivery and the prepare calls.
         self._candidates = asyncio.create_task(self._load_candidates(save, topology))
-        # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first
-        # (items of an unregistered instance wait for its registration, as in every delivery).
-        if any(iid in topology for iid, _ in owed):
-            await self._move(P.retire)
-            await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
-        await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
+        if self.phase is P.gate:
+            # Gym refuses retire and forget once a checkpoint is open: deliver what is owed first
+            # (items of an unregistered instance wait for its registration, as in every delivery).
+            if any(iid in topology for iid, _ in gate.owed):
+                await self._move(P.retire)
+                await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
+            await self._move(P.prepare, gym_checkpoint_id=checkpoint_id, snapshot_dir=snapshot_dir)
         self.timings[SnapshotTiming.gate] = time.monotonic() - self._started
         # Copy the ledger now, beside Gym's prepare and commit, so that the barrier (while Gym and
         # the trainer wait) copies only the groups written since.
@@ -412,10 +420,19 @@ class PendingSnapshot:
             return self._unflushed_from
         return None
 
-    async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[T]]) -> T:
-        """Apply one transition; returns what the write answered. A cancellation (shutdown) waits
-        for the write in flight, so that ``phase`` always says what the row holds."""
+    async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[T]], *, reached: Callable[[T], SnapshotPhase] | None = None) -> T:
+        """Apply one transition; returns what the write answered. ``reached``: the phase the
+        answer says the row went on to (a write that may take ``to`` and the next transition
+        together). A cancellation (shutdown) waits for the write in flight, so that ``phase``
+        always says what the row holds."""
         check_snapshot_transition(self.phase, to, cut_taken=self.cut_taken)
+
+        def now_in(answer: T) -> SnapshotPhase:
+            end = to if reached is None else reached(answer)
+            if end is not to:
+                check_snapshot_transition(to, end, cut_taken=self.cut_taken)
+            return end
+
         task = asyncio.ensure_future(write())
         try:
             answer = await asyncio.shield(task)
@@ -423,9 +440,9 @@ class PendingSnapshot:
             with contextlib.suppress(BaseException):
                 await task
             if task.done() and not task.cancelled() and task.exception() is None:
-                self.phase = to
+                self.phase = now_in(task.result())
             raise
-        self.phase = to
+        self.phase = now_in(answer)
         return answer
 
     async def _end(
