@@ -69,7 +69,7 @@ from pending_lookup import build_ledger, create_run, plain_url, vacuum_analyze  
 
 TOTAL_TARGET_S = 1.5
 CUT_TARGET_S = 1.0
-# The park's target: the coordinator's own time at most half the same-run INSERT ... SELECT.
+# The coordinator's own time per snapshot at most half the same-run INSERT ... SELECT.
 OWN_RATIO_TARGET = 0.5
 GROUP_SIZE = 8
 # gymsim's agent reaches the policy model through one httpx pool of 2 000 connections per
@@ -786,10 +786,10 @@ async def run(args: argparse.Namespace, pg: Postgres, coord: TimedCoordinator, g
           f"[{'within' if m('coord_total') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
     print(f"snapshot_overhead: coordinator's own time (also minus Gym calls in flight) {fmt_s(m('own'))} "
           f"[{'within' if m('own') <= TOTAL_TARGET_S else 'over'} target <= {TOTAL_TARGET_S} s]")
-    # The park's figure: own time against the same-run reference. Both move with the machine's
-    # load, so the median of the per-snapshot ratios is printed beside the ratio of the medians.
+    # Own time against the same-run reference. Both move with the machine's load, so the median
+    # of the per-snapshot ratios is printed beside the ratio of the medians.
     own_ratios = [r["own"] / r["ref"] for r in results]
-    print(f"snapshot_overhead: park: coordinator's own time / INSERT ... SELECT reference = {m('own') / m('ref'):.2f} (ratio of medians); "
+    print(f"snapshot_overhead: own / reference: coordinator's own time / INSERT ... SELECT reference = {m('own') / m('ref'):.2f} (ratio of medians); "
           f"median of the per-snapshot ratios {statistics.median(own_ratios):.2f} [{'within' if m('own') / m('ref') <= OWN_RATIO_TARGET else 'over'} "
           f"target <= {OWN_RATIO_TARGET}]; per snapshot " + ", ".join(f"{x:.2f}" for x in own_ratios))
     print(f"snapshot_overhead: ledger cut {fmt_s(m('cut'))} [{'within' if m('cut') <= CUT_TARGET_S else 'over'} target <= {CUT_TARGET_S} s]; "

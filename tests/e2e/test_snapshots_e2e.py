@@ -264,23 +264,18 @@ async def test_the_gates_close_is_sent_before_the_owners_first_reads(client, adm
     assert all(close < i for i in reads), (close, reads)
 
 
-async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gym(client, admin, app, gyms, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gym(client, admin, app, gyms) -> None:  # type: ignore[no-untyped-def]
     """A deadline already past when the owner starts (a late start, a takeover): the gate's
     close is undone and the snapshot ends aborted/deadline_exceeded with no Gym call at all."""
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
-
-    async def past(*args, **kwargs):  # type: ignore[no-untyped-def]
-        return -1.0
-
-    monkeypatch.setattr(ledger_snapshots, "deadline_left_s", past)
     api = await _setup(client, admin, app, gyms)
     await _log_phase_moves(app.state.engine)
-    await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
+    # A microsecond from the request: past by the time its owner closes the gate.
+    await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0, "stop": True, "deadline_s": 1e-6}, expect=202)
     s = await _ended(api)
     assert (s["outcome"], s["reason"]) == ("aborted", "deadline_exceeded"), s
-    # Nothing owed to Gym: the close's transaction went on to prepare (the checkpoint id written,
-    # no Gym call made), and the deadline ends it from there.
-    assert await _phase_path(app.state.engine, "s1") == ["requested", "gate", "prepare", "aborted"]
+    # Nothing owed to Gym, but the close does not go on to prepare past the deadline.
+    assert await _phase_path(app.state.engine, "s1") == ["requested", "gate", "aborted"]
+    assert (await api.get("/snapshots/s1"))["gym_checkpoint_id"] is None
     assert (await api.get(""))["dispatch_gate"]["open"]
     for g in gyms.values():
         assert all(x["prepare_count"] == 0 for x in g.state()["servers"].values() if x.get("participant"))

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 # trigger holds ("db:<next phase>")
 PHASES: dict[str, dict[str, Any] | str | None] = {
     "requested": "db:gate",
-    "gate": "db:prepare",  # nothing owed to Gym: the gate moves straight to prepare
+    "gate": "db:prepare",  # owed only to an unregistered instance: gate, then prepare in a write of its own
     "retire": {"server_name": "workplace_agent", "op": "retire", "type": "delay", "seconds": 4, "times": 1},
     "prepare": {"server_name": "calendar_resources", "op": "prepare", "type": "delay", "seconds": 4, "times": 1},
     "commit": {"server_name": "calendar_resources", "op": "commit", "type": "delay", "seconds": 4, "times": 1},
@@ -131,6 +131,19 @@ async def test_kill_coordinator_inside_phase(phase: str, successor: str, databas
                 owed = [r["rollout_id"] for g in (await api.admit(group_body("owed", 1)))["groups"] for r in g["rows"]]
                 await api.dispatch(owed)
                 await api.post("/groups/abandon", {"group_ids": ["owed"]})
+            if phase == "gate":
+                from sqlalchemy import text
+
+                # With nothing owed at all the close's own transaction moves on to prepare (held
+                # here, it would never commit gate). An item for an instance no longer registered
+                # is owed but not delivered: gate commits, and prepare is a write of its own.
+                engine = create_async_engine(sqlalchemy_url(database_url))
+                async with engine.begin() as conn:
+                    await conn.execute(text(
+                        "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, checkpoint_id, state, next_attempt_at) "
+                        "VALUES ('run-1', 'math/gone', 'retire', 'gone-0', 'retire', 'pending', now())"
+                    ))
+                await engine.dispose()
             rows = await trainer.admit_and_dispatch([group_body("g1", 2)], "math/replica-0")
             if phase == "drain":
                 await asyncio.sleep(0.4)  # episodes done; one reply is held on the wire

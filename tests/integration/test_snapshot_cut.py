@@ -309,11 +309,23 @@ async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) 
 
 async def test_with_nothing_owed_the_close_moves_on_to_prepare_in_its_transaction(engine: Any) -> None:
     fence = await owner_fence(engine)
+
+    async def requested(sid: str, snapshot_dir: str | None) -> None:
+        async with engine.begin() as conn:
+            await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r"), {"r": RUN})
+            await conn.execute(text("UPDATE snapshots SET phase = 'aborted', outcome = 'aborted', reason = 'cancelled' WHERE run_id = :r AND outcome IS NULL"),
+                               {"r": RUN})
+            await conn.execute(
+                text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) VALUES (:r, :s, 0, 'requested', 'test', :d)"),
+                {"r": RUN, "s": sid, "d": snapshot_dir},
+            )
+
+    # No instance registered: the snapshot cannot reach Gym, the close stops at gate.
+    await requested("s0", "/ck/s0")
+    assert await repo.close_gate(engine, RUN, "s0", fence, prepare_as="snap-s0-0001") == repo.GateClosed(set(), False)
     async with engine.begin() as conn:
-        await conn.execute(
-            text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner, snapshot_dir) VALUES (:r, 's1', 0, 'requested', 'test', '/ck/s1')"),
-            {"r": RUN},
-        )
+        await conn.execute(text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES (:r, 'i/0', '{}', 'tok')"), {"r": RUN})
+    await requested("s1", "/ck/s1")
     closed = await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0001")
     assert closed == repo.GateClosed(set(), True)
     async with engine.connect() as conn:
@@ -321,10 +333,7 @@ async def test_with_nothing_owed_the_close_moves_on_to_prepare_in_its_transactio
         gate = (await conn.execute(text("SELECT gate_snapshot_id FROM runs WHERE run_id = :r"), {"r": RUN})).scalar()
     assert (row.phase, row.gym_checkpoint_id, row.snapshot_dir, gate) == ("prepare", "snap-s1-0001", "/ck/s1", "s1")
     # A row without a snapshot_dir stays in gate: its owner writes the directory with the move.
-    async with engine.begin() as conn:
-        await conn.execute(text("UPDATE runs SET gate_snapshot_id = NULL WHERE run_id = :r"), {"r": RUN})
-        await conn.execute(text("UPDATE snapshots SET phase = 'aborted', outcome = 'aborted', reason = 'cancelled' WHERE run_id = :r"), {"r": RUN})
-        await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, 's2', 0, 'requested', 'test')"), {"r": RUN})
+    await requested("s2", None)
     assert await repo.close_gate(engine, RUN, "s2", fence, prepare_as="snap-s2-0001") == repo.GateClosed(set(), False)
     async with engine.connect() as conn:
         row = await repo.get(conn, RUN, "s2")

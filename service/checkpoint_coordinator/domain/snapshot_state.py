@@ -14,12 +14,12 @@ Snapshot phases (ledger section 5). Each phase is persisted before its side effe
   them while a checkpoint is open); ``resume`` resumes Gym and reopens the gate, before
   ``publish``.
 * A phase with nothing to do is not entered: ``gate -> prepare`` when the run owes Gym no retire
-  or forget (in the gate's own transaction), ``commit -> data_plane`` when every candidate was
-  exported (nothing to drain). Each skipped write is one flushed commit and one wake of every
-  waiter less while Gym is parked.
-* A failure or abort between ``gate`` and ``data_plane`` first moves to ``resume`` (resume is
-  also the abort) and then to ``failed``/``aborted``; a phase that never touched Gym
-  (``requested``) may end directly. ``resume`` may end in ``publish`` only when the ledger cut
+  or forget for a registered instance (in the gate's own transaction when it owes none at all),
+  ``commit -> data_plane`` when every candidate was exported (nothing to drain). Each skipped
+  write is one flushed commit and one wake of every waiter less while Gym is parked.
+* A failure or abort once Gym's prepare was sent first moves to ``resume`` (resume is also the
+  abort) and then to ``failed``/``aborted``; a snapshot that never sent it (``requested``,
+  ``gate``, ``retire``, or ``prepare`` reached by the gate's close) may end directly. ``resume`` may end in ``publish`` only when the ledger cut
   was taken: that fact is held by the snapshot record, and :func:`check_snapshot_transition`
   takes it as ``cut_taken``.
 * Any non-terminal phase may go straight to ``aborted`` with reason ``coordinator_restart``

@@ -480,11 +480,17 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
         owed = await pending_of_run(conn, run_id)
         prepared = False
         if prepare_as is not None and not owed:
-            # The same fence as the close, in its transaction (``now()`` is the transaction's):
-            # no row only when it has no snapshot_dir. Its notification is the close's.
+            # The close holds the snapshot row and the lease row: the fence cannot move in
+            # between. Not taken for a snapshot that cannot reach Gym (past its deadline, no
+            # instance registered: it ends from gate) nor for a row without a snapshot_dir (the
+            # owner writes it with its own move). Its notification is the close's.
             prepared = (
                 await conn.execute(
-                    text(f"UPDATE snapshots SET phase = :to, gym_checkpoint_id = :cid WHERE {_FENCED_MOVE} AND snapshot_dir IS NOT NULL RETURNING 1"),
+                    text(
+                        f"UPDATE snapshots SET phase = :to, gym_checkpoint_id = :cid WHERE {_FENCED_MOVE} AND snapshot_dir IS NOT NULL "
+                        "AND (deadline_at IS NULL OR deadline_at > clock_timestamp()) AND EXISTS (SELECT 1 FROM gym_instances WHERE run_id = :r) "
+                        "RETURNING 1"
+                    ),
                     {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
                 )
             ).first() is not None
@@ -911,7 +917,8 @@ _PRE_CUT_KEYS_SQL = (
 
 
 class _PreCutVoid(Exception):
-    """The snapshot moved on during the pre-cut: roll its copy back."""
+    """No pre-cut for this snapshot (it moved on, or already has one): roll back what the
+    pre-cut's transaction wrote, its copy and its emptying of the changed-groups record."""
 
 
 async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> PreCut | None:

@@ -1,13 +1,16 @@
 """One pending snapshot as a state machine (recovery-ledger.md section 5), owned by one replica.
 
 requested -> gate -> retire -> prepare -> commit -> drain -> data_plane -> resume -> publish
--> published (``retire`` and ``drain`` only when they have something to do); before the cut, any
-failure or abort goes through resume (Gym's abort) to failed or aborted.
+-> published (``retire`` and ``drain`` only when they have something to do); before the cut, a
+failure or abort once Gym was prepared goes through resume (Gym's abort) to failed or aborted;
+before Gym's prepare was sent it ends from the phase it reached.
 
 The object owns its phases, its Gym calls (the steps of :class:`~..gym.save.GymSave`), its timers
 and its abort. Every transition is one write, fenced by the phase it leaves and the owner's lease
-epoch (``ledger.snapshots.move_in``); a write that matches nothing raises ``Fenced`` and the
-object stops at once, with no further Gym call: whoever holds the run's lease now ends it.
+epoch (``ledger.snapshots.move_in``); the gate's close is the one write that may take two
+(``gate``, and ``prepare`` when nothing is owed to Gym). A write that matches nothing raises
+``Fenced`` and the object stops at once, with no further Gym call: whoever holds the run's lease
+now ends it.
 
 Trainer handshakes (barrier, capture, abort, a train step announced) reach it as events: the
 transaction that records one notifies, the replica's listener calls :meth:`wake`, and the object
@@ -284,7 +287,9 @@ class PendingSnapshot:
                 self.abort(SnapshotReason.deadline_exceeded)
             else:
                 self._deadline_timer = asyncio.get_running_loop().call_later(left, self.abort, SnapshotReason.deadline_exceeded)
-        self._raise_interrupt()  # an abort or a lost lease during the close: no further phase is written
+        # An abort or a lost lease during the close: no Gym call follows, and the snapshot ends
+        # from the phase the close reached.
+        self._raise_interrupt()
         if not topology:
             raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
         client = self.ctx.gym.for_run(self.run_id, cfg)
@@ -343,6 +348,7 @@ class PendingSnapshot:
         await self._step(manifest_file)
         save.cut()
         self.cut_taken = True
+        self.pre_cut_keys_json = None  # the fetch answers the cut's keys from the database now
         # From here on nothing turns the snapshot into an abort: a shutdown waits for this task,
         # and a database outage delays its writes.
         self._finishing = asyncio.ensure_future(self._after_cut(save, commit, drained, unknown))
@@ -517,7 +523,7 @@ class PendingSnapshot:
 
     async def _step(self, aw: Awaitable[T]) -> T:
         """Await one step (a Gym call, a wait) unless an abort or a lost lease comes first; then
-        cancel it and raise that. Writes are never raced: they are one transition each. A step
+        cancel it and raise that. Writes are never raced: each is one transition (the close, two). A step
         asked for after the interrupt does not start."""
         try:
             self._raise_interrupt()
