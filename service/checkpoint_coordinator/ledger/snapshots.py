@@ -739,23 +739,35 @@ async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cu
 
 
 _GROUP_COLS = ", ".join(SNAPSHOT_GROUP_COLUMNS)
-_SIBLING = "CAST(ROW(" + ", ".join(f"a.{name}" for name, _ in SNAPSHOT_SIBLING_FIELDS) + ") AS snapshot_sibling)"
+
+
+def _sibling(row_attempts: str = "a") -> str:
+    """One sibling of a cut row, from ``a`` (its attempt's columns) and ``row_attempts`` (the
+    alias holding ``row_attempts_used``)."""
+    return "CAST(ROW(" + ", ".join(f"{row_attempts if name == 'row_attempts_used' else 'a'}.{name}" for name, _ in SNAPSHOT_SIBLING_FIELDS) + ") AS snapshot_sibling)"
+
+
+_LIVE = f"('{GroupStatus.generating}', '{GroupStatus.ready}')"
 
 # The cut: one row per live group into ``snapshot_cut_groups``, its siblings (each with its
 # current attempt) aggregated into one array, and the staging keys of its sealed and returned
 # siblings into another (the barrier's answer is their union with the Gym manifest's keys).
+# The siblings are aggregated per group before the group's own columns join them, so that the
+# join and the aggregate carry one narrow row per sibling, not the group's columns with each
+# (bench/README.md). The inner join with the live groups keeps the aggregate to them: a run's
+# finalized groups stay in the ledger as history.
 def _cut_insert(*, only_named_groups: bool) -> str:
     named_g = " AND g.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
     named_a = " AND a.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
     return (
         f"INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings, staging_keys) "
-        f"SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, "
-        f"COALESCE(array_agg({_SIBLING}) FILTER (WHERE a.attempt_id IS NOT NULL), '{{}}'), "
-        f"ckptc_text_cat(a.staging_keys) FILTER (WHERE a.status IN ('{AttemptStatus.sealed}', '{AttemptStatus.returned}')) "
-        "FROM prompt_groups g LEFT JOIN (SELECT a.*, s.row_attempts_used FROM attempts a JOIN siblings s "
-        "ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
-        f"WHERE a.run_id = :r AND a.is_current{named_a}) a ON a.group_id = g.group_id "
-        f"WHERE g.run_id = :r AND g.status IN ('{GroupStatus.generating}', '{GroupStatus.ready}'){named_g} GROUP BY g.run_id, g.group_id"
+        f"SELECT g.run_id, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, COALESCE(x.siblings, '{{}}'), x.keys "
+        f"FROM prompt_groups g LEFT JOIN (SELECT a.group_id, array_agg({_sibling('s')}) AS siblings, "
+        f"ckptc_text_cat(a.staging_keys) FILTER (WHERE a.status IN ('{AttemptStatus.sealed}', '{AttemptStatus.returned}')) AS keys "
+        "FROM attempts a JOIN siblings s ON s.run_id = a.run_id AND s.group_id = a.group_id AND s.generation_index = a.generation_index "
+        f"JOIN prompt_groups lg ON lg.run_id = a.run_id AND lg.group_id = a.group_id AND lg.status IN {_LIVE} "
+        f"WHERE a.run_id = :r AND a.is_current{named_a} GROUP BY a.group_id) x ON x.group_id = g.group_id "
+        f"WHERE g.run_id = :r AND g.status IN {_LIVE}{named_g}"
     )
 
 
@@ -1043,7 +1055,7 @@ async def insert_cut_rows(conn: AsyncConnection, run_id: str, snapshot_id: str, 
             text(
                 f"INSERT INTO snapshot_cut_groups (run_id, snapshot_id, {_GROUP_COLS}, siblings) "
                 f"SELECT :r, :s, {', '.join('g.' + c for c in SNAPSHOT_GROUP_COLUMNS)}, COALESCE(x.siblings, '{{}}') "
-                f"FROM ({groups_sql}) AS g LEFT JOIN (SELECT a.group_id, array_agg({_SIBLING}) AS siblings FROM ({attempts_sql}) AS a "
+                f"FROM ({groups_sql}) AS g LEFT JOIN (SELECT a.group_id, array_agg({_sibling()}) AS siblings FROM ({attempts_sql}) AS a "
                 "GROUP BY a.group_id) AS x ON x.group_id = g.group_id"
             ),
             {**params, "r": run_id, "s": snapshot_id},
