@@ -374,6 +374,119 @@ async def test_a_snapshot_that_does_not_publish_leaves_no_key_rows(engine: Any) 
     assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'") == [(0,)]
 
 
+async def _holding_key_row(engine: Any, key: str) -> Any:
+    """A transaction holding an uncommitted key row of snapshot p: the writer of the pre-cut's key
+    rows, inserting the same key, waits for it to end (and keeps its lock meanwhile). Opened after
+    the snapshot's tracking began (``tracked_from``), so that the pre-cut does not wait for it."""
+    conn = await engine.connect().start()
+    await conn.execution_options(isolation_level="READ COMMITTED")
+    await conn.begin()
+    await conn.execute(text("INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) VALUES (:r, 'p', :k, 1)"), {"r": RUN, "k": key})
+    return conn
+
+
+async def _key_row_count(engine: Any) -> int:
+    return int((await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = 'p'"))[0][0])
+
+
+async def _seal_g1(engine: Any) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE attempts SET status = 'sealed', staging_keys = '{tq/new}' WHERE run_id = :r AND rollout_id = 'g1-2-dispatched'"), {"r": RUN}
+        )
+
+
+async def test_a_barrier_that_copies_groups_again_waits_for_the_pre_cut_s_key_rows(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    tracked_from = await repo.tracking_horizon(engine)
+    blocker = await _holding_key_row(engine, "tq/q00")
+    try:
+        taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from, defer_key_rows=True)
+        assert taken is not None and taken.groups == 12 and taken.key_rows is not None
+        await asyncio.sleep(0.2)
+        assert not taken.key_rows.done()  # returned with its key rows still being written
+        await _seal_g1(engine)
+        await _to_data_plane(engine, "p")
+        barrier = asyncio.create_task(repo.take_cut(engine, RUN, "p"))
+        await asyncio.sleep(0.3)
+        assert not barrier.done()  # g1 changed: its keys are counted against the key rows, not in yet
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    assert await taken.key_rows == len(taken.keys)
+    row = await barrier
+    assert row.counts["cut_recopied_groups"] == 1 and "tq/new" in row.cut_staging_keys
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_barrier_copies_the_whole_run_when_the_pre_cut_s_key_rows_never_came(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing(engine, "p")
+    tracked_from = await repo.tracking_horizon(engine)
+    blocker = await _holding_key_row(engine, "tq/q00")
+    try:
+        taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from, defer_key_rows=True)
+        assert taken is not None and taken.key_rows is not None
+        taken.key_rows.cancel()  # their writer is gone before it wrote them (its transaction rolls back)
+        with pytest.raises(asyncio.CancelledError):
+            await taken.key_rows
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    assert await _key_row_count(engine) == 0
+    await _seal_g1(engine)
+    await _to_data_plane(engine, "p")
+    row = await repo.take_cut(engine, RUN, "p")
+    assert "cut_recopied_groups" not in row.counts and row.counts["cut_pre_cut_groups"] == 12
+    assert await _key_row_count(engine) == 0  # a whole-run cut writes none: its keys are read from its rows
+    assert "tq/new" in row.cut_staging_keys
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_barrier_that_copies_nothing_again_does_not_wait_for_the_key_rows(engine: Any) -> None:
+    await _quiet_groups(engine)
+    await _committing_with_entries(engine, "p")
+    fence = await owner_fence(engine)
+    tracked_from = await repo.tracking_horizon(engine)
+    blocker = await _holding_key_row(engine, "tq/q00")
+    try:
+        taken = await repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from, defer_key_rows=True)
+        assert taken is not None and taken.key_rows is not None
+        # Gym's entry, its keys found against the pre-cut's (as the owner stores it).
+        await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("i1", ["model/x", "tq/q01"], taken.keys))
+        await _to_data_plane(engine, "p")
+        row = await asyncio.wait_for(repo.take_cut(engine, RUN, "p"), 5)  # the rows are still held back
+        assert row.counts["cut_recopied_groups"] == 0 and not taken.key_rows.done()
+        keys = json.loads((await repo.cut_keys(engine, RUN, "p"))[1])  # read from the cut rows meanwhile
+        assert keys == row.cut_staging_keys and set(taken.keys) <= set(keys)
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    assert await taken.key_rows == len(taken.keys)
+    assert json.loads((await repo.cut_keys(engine, RUN, "p"))[1]) == row.cut_staging_keys  # and from the key rows now
+    await _same_as_a_whole_run_cut(engine, "p", row)
+
+
+async def test_a_snapshot_ended_while_its_key_rows_are_written_leaves_none_behind(engine: Any) -> None:
+    await _committing(engine, "p")
+    fence = await owner_fence(engine)
+    tracked_from = await repo.tracking_horizon(engine)
+    blocker = await _holding_key_row(engine, "tq/a")
+    try:
+        taken = await repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from, defer_key_rows=True)
+        assert taken is not None and taken.key_rows is not None
+        ending = asyncio.create_task(repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit))
+        await asyncio.sleep(0.3)
+        assert not ending.done()  # the end waits for their writer, which has begun writing them
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+    await ending
+    assert await taken.key_rows > 0
+    assert await _key_row_count(engine) == 0
+
+
 async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not_removed(engine: Any) -> None:
     await _quiet_groups(engine)
     async with engine.begin() as conn:
@@ -405,8 +518,8 @@ async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) 
 
 
 async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any) -> None:
-    """Its commit is asynchronous (the barrier's flushed commit comes later and flushes it); the
-    setting stays inside its transaction."""
+    """Its commit, and its key rows' (a transaction of their own), are asynchronous (the barrier's
+    flushed commit comes later and flushes them); the setting stays inside the transactions."""
     from sqlalchemy import event
 
     await _quiet_groups(engine)
@@ -423,7 +536,9 @@ async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any
         event.remove(engine.sync_engine, "before_cursor_execute", record)
     lazy = [i for i, s in enumerate(sent) if "set_config('synchronous_commit', 'off', true)" in s]
     copy = [i for i, s in enumerate(sent) if "INSERT INTO snapshot_cut_groups" in s]
-    assert len(lazy) == 1 and len(copy) == 1 and lazy[0] < copy[0]
+    key_rows = [i for i, s in enumerate(sent) if "INSERT INTO snapshot_cut_keys" in s]
+    # Two transactions: the copy's, and that of its key rows, which come after it.
+    assert len(lazy) == 2 and len(copy) == 1 and len(key_rows) == 1 and max(lazy) < copy[0] < key_rows[0]
     async with engine.connect() as conn:
         assert (await conn.execute(text("SHOW synchronous_commit"))).scalar() == "on"
     assert await _stored(engine, "p") == 12

@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -142,12 +142,32 @@ _ENTRIES_MANIFEST = (
     "WHERE ge.run_id = snapshots.run_id AND ge.snapshot_id = snapshots.snapshot_id HAVING count(*) > 0)"
 )
 
-# A pending snapshot's cut keys are its groups' keys, rows of ``snapshot_cut_keys``, and its Gym
-# manifest's; a published one's are in ``cut_staging_keys``; one that ended otherwise has none.
-# Sorted by code point.
+
+
+def _cut_row_keys(run: str, snap: str) -> str:
+    """A SELECT yielding ``k``, the distinct staging keys of a snapshot's cut rows, in the "C"
+    collation (the key rows' own)."""
+    return (
+        "SELECT DISTINCT x.k COLLATE \"C\" AS k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS x(k) "
+        f"WHERE c.run_id = {run} AND c.snapshot_id = {snap}"
+    )
+
+
+def _key_rows(run: str, snap: str) -> str:
+    return f"SELECT ck.key AS k FROM snapshot_cut_keys ck WHERE ck.run_id = {run} AND ck.snapshot_id = {snap}"
+
+
+# A pending snapshot's cut keys are its groups' keys and its Gym manifest's; a published one's
+# are in ``cut_staging_keys``; one that ended otherwise has none. Sorted by code point. The
+# groups' keys are read from the key rows (``snapshot_cut_keys``, an index) of a cut taken on a
+# pre-cut (``cut_recopied_groups``) once they are in, else from the cut rows themselves: a
+# pre-cut's key rows are written after it commits, by a transaction of their own (``pre_cut``),
+# and may come after the barrier, or not at all; a whole-run cut writes none.
+_KEY_ROWS_KEPT = f"(snapshots.counts ? 'cut_recopied_groups' AND EXISTS ({_key_rows('snapshots.run_id', 'snapshots.snapshot_id')}))"
 _KEYS = (
     "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL AND outcome IS NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
-    "SELECT ck.key AS k FROM snapshot_cut_keys ck WHERE ck.run_id = snapshots.run_id AND ck.snapshot_id = snapshots.snapshot_id "
+    f"{_key_rows('snapshots.run_id', 'snapshots.snapshot_id')} AND {_KEY_ROWS_KEPT} "
+    f"UNION SELECT cr.k FROM ({_cut_row_keys('snapshots.run_id', 'snapshots.snapshot_id')}) cr WHERE NOT {_KEY_ROWS_KEPT} "
     f"UNION SELECT mk.k COLLATE \"C\" FROM ({_manifest_keys('snapshots.run_id', 'snapshots.snapshot_id', 'snapshots.gym_manifest')}) mk"
     ") u) END)"
 )
@@ -606,7 +626,9 @@ async def poll(engine: AsyncEngine, run_id: str, snapshot_id: str) -> SnapshotPr
     return SnapshotProgress(*r)
 
 
-_BARRIER_READS = frozenset({"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded"})
+_BARRIER_READS = frozenset(
+    {"cut_base_xid", "cut_xmin", "cut_system_id", "pre_cut_groups", "pre_cut_siblings", "newest_step", "recorded", "pre_cut_keys", "unfound_keys"}
+)
 
 
 async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_keys: bool = True) -> SnapshotRow:
@@ -634,7 +656,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
             "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
             "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded",
+            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded, "
+            "CAST(counts ->> 'cut_pre_cut_keys' AS bigint) AS pre_cut_keys, (gym_manifest IS NOT NULL OR EXISTS (SELECT 1 FROM snapshot_gym_entries ge "
+            "WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NULL)) AS unfound_keys",
             " FOR UPDATE OF snapshots",
             with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
         )
@@ -662,6 +686,9 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
+        if changed is not None and (changed or base["unfound_keys"]) and not await _pre_cut_key_rows_in(conn, run_id, snapshot_id, base["pre_cut_keys"]):
+            # Their keys are counted against the pre-cut's key rows, which never came in.
+            changed = None
         if changed is not None:
             old_keys: list[str] = []
             new_keys: list[str] = []
@@ -694,8 +721,8 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             if base["pre_cut_groups"]:
                 extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
             await _cut_settings(conn)
+            # No key rows: its keys are read from its cut rows (``_KEYS``).
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
-            await conn.execute(text(_INSERT_KEYS_SQL), p)
             r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
         row = _notified_row(r)
         if full_keys:
@@ -721,8 +748,7 @@ async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cu
             await conn.execute(
                 text(
                     "SELECT x.cut, x.pre_cut, CASE WHEN x.cut THEN CAST(array_to_json(x.keys) AS text) WHEN x.pre_cut AND NOT :known THEN "
-                    "(SELECT CAST(COALESCE(json_agg(ck.key ORDER BY ck.key), '[]') AS text) FROM snapshot_cut_keys ck "
-                    "WHERE ck.run_id = :r AND ck.snapshot_id = :s) END AS keys FROM ("
+                    f"({_PRE_CUT_KEYS_JSON}) END AS keys FROM ("
                     "SELECT cut_at IS NOT NULL AS cut, counts ->> 'cut_pre_cut_keys' IS NOT NULL AND cut_base_xid IS NOT NULL AS pre_cut, "
                     f"{_KEYS} AS keys FROM snapshots WHERE run_id = :r AND snapshot_id = :s) x"
                 ),
@@ -853,21 +879,25 @@ _MANIFEST_NEW_KEYS = (
     "SELECT u.k FROM snapshot_gym_entries ge, unnest(ge.new_keys) AS u(k) WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NOT NULL "
     f"UNION ALL {_not_pre_cut_keys(_snapshot_manifest_keys(entries_where=' AND ge.new_keys IS NULL'))}"
 )
-# The key rows of a whole cut: every key of its groups, with how many of them name it.
-# Counted by hashing, inserted in the key index's order (byte order), so that the insert appends to
-# the index's rightmost pages instead of touching random ones (bench/README.md has the figures).
+# The pre-cut's key rows: every key of its groups, with how many of them name it. Counted by
+# hashing, inserted in the key index's order (byte order), so that the insert appends to the
+# index's rightmost pages instead of touching random ones (bench/README.md has the figures).
+# Written only while the snapshot is pending and its cut, if taken, was taken on the pre-cut
+# (a whole-run cut reads its keys from its rows, ``_KEYS``).
 _INSERT_KEYS_SQL = (
     "INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, y.k, y.n FROM ("
     "SELECT x.k COLLATE \"C\" AS k, count(*) AS n FROM ("
     "SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s"
-    ") x GROUP BY x.k) y ORDER BY y.k"
+    ") x GROUP BY x.k) y WHERE EXISTS (SELECT 1 FROM snapshots sn WHERE sn.run_id = :r AND sn.snapshot_id = :s AND sn.outcome IS NULL "
+    "AND (sn.cut_at IS NULL OR sn.counts ? 'cut_recopied_groups')) ORDER BY y.k"
 )
 # The barrier after a pre-cut, one statement: the keys of the groups copied again (``:new``)
 # counted in, those of their pre-cut copies (``:old``) counted out (a key whose count reaches
 # zero goes); what that and the Gym manifest's keys added to and removed from the pre-cut's keys,
 # sorted by code point, is recorded with the cut. Only the changed keys are touched and the
 # manifest's looked up (index lookups), never the whole cut. New key rows are plain inserts, not
-# an upsert: the run's lock keeps every other writer of these rows out.
+# an upsert: the run's lock, and the wait for the pre-cut's own writer of them
+# (``_pre_cut_key_rows_in``), keep every other writer out.
 _DELTA_CUT_SQL = (
     "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
     " SELECT k, 1 AS n FROM unnest(CAST(:new AS text[])) AS k"
@@ -911,21 +941,99 @@ _FINISH_CUT_SQL = (
 
 @dataclass(frozen=True)
 class PreCut:
-    """What a pre-cut copied: its groups, and its keys (what its key rows hold), with which the
-    owner finds each Gym entry's ``new_keys`` (:func:`new_keys`) without a lookup in the database;
-    ``keys_json``, the same keys as :func:`cut_keys` answers them (a JSON array sorted by code
-    point), which the owner hands to the trainer's fetch."""
+    """What a pre-cut copied: its groups, and its keys, with which the owner finds each Gym
+    entry's ``new_keys`` (:func:`new_keys`) without a lookup in the database; ``keys_json``, the
+    same keys as :func:`cut_keys` answers them (a JSON array sorted by code point), which the
+    owner hands to the trainer's fetch. ``key_rows``: the writing of its key rows, when the
+    caller asked not to wait for it (how many were written)."""
 
     groups: int
     keys: frozenset[str]
     keys_json: str
+    key_rows: asyncio.Future[int] | None = field(default=None, compare=False)
 
 
-# The pre-cut's key rows, inserted as ``_INSERT_KEYS_SQL`` does, answered as one JSON array sorted
-# as ``cut_keys`` sorts them (the column's collation is "C").
-_PRE_CUT_KEYS_SQL = (
-    f"WITH ins AS ({_INSERT_KEYS_SQL} RETURNING key) SELECT count(*) AS n, CAST(COALESCE(json_agg(key ORDER BY key), '[]') AS text) AS keys FROM ins"
-)
+# The pre-cut's keys, one JSON array sorted as ``cut_keys`` sorts them, read from its cut rows
+# (the key rows come after it, ``_INSERT_KEYS_SQL``).
+_PRE_CUT_KEYS_JSON = f"SELECT CAST(COALESCE(json_agg(y.k ORDER BY y.k), '[]') AS text) FROM ({_cut_row_keys(':r', ':s')}) y"
+_PRE_CUT_KEYS_SQL = f"SELECT count(*) AS n, CAST(COALESCE(json_agg(y.k ORDER BY y.k), '[]') AS text) AS keys FROM ({_cut_row_keys(':r', ':s')}) y"
+
+# The lock the writer of a pre-cut's key rows holds from before the pre-cut commits until its
+# own transaction ends; a barrier that counts keys against those rows waits for it (shared).
+_KEY_ROWS_LOCK = "hashtextextended('ckptc pre-cut key rows ' || :r || '/' || :s, 0)"
+# How long a barrier waits for them (they normally come within a second of the pre-cut); past it
+# the barrier copies the whole run, which needs none. No writer ever waits on their row locks:
+# a barrier changes them only once their writer has ended, and deletes leave unseen rows alone.
+KEY_ROWS_WAIT_S = 10.0
+# How long a snapshot's end waits for them, to delete them; past it, a writer that stopped
+# answering may leave them behind, unread (nothing reads the key rows of an ended snapshot).
+END_KEY_ROWS_WAIT_S = 2.0
+
+
+async def _pre_cut_key_rows_in(conn: AsyncConnection, run_id: str, snapshot_id: str, keys: int | None, *, wait_s: float = KEY_ROWS_WAIT_S) -> bool:
+    """Wait (within ``wait_s``) until the writer of the pre-cut's key rows has ended; whether
+    they are in (all of them: one transaction writes them)."""
+    p = {"r": run_id, "s": snapshot_id}
+    deadline = time.monotonic() + wait_s
+    # Tried rather than waited for: a wait would hold this transaction's locks (the run, the
+    # snapshot row) for as long as a writer that stopped answering keeps its own.
+    while not (await conn.execute(text(f"SELECT pg_try_advisory_xact_lock_shared({_KEY_ROWS_LOCK})"), p)).scalar():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return not keys or bool((await conn.execute(text(f"SELECT EXISTS ({_key_rows(':r', ':s')})"), p)).scalar())
+
+
+class _KeyRowsWriter:
+    """The transaction that writes a pre-cut's key rows, after the pre-cut committed: opened (and
+    the lock ``_KEY_ROWS_LOCK`` taken) before the pre-cut, so that no barrier finds the pre-cut
+    without it."""
+
+    def __init__(self, conn: AsyncConnection, params: dict[str, Any]) -> None:
+        self.conn = conn
+        self.params = params
+        self._closing: asyncio.Future[None] | None = None
+
+    @classmethod
+    async def open(cls, engine: AsyncEngine, run_id: str, snapshot_id: str) -> _KeyRowsWriter:
+        # A READ COMMITTED transaction, as ``LedgerEngine.begin`` opens, left open past this call.
+        conn = await engine.connect().start()
+        p = {"r": run_id, "s": snapshot_id}
+        try:
+            await conn.execution_options(isolation_level="READ COMMITTED")
+            await conn.begin()
+            await conn.execute(
+                text(f"SELECT pg_advisory_xact_lock({_KEY_ROWS_LOCK}), set_config('synchronous_commit', 'off', true)"),
+                p,
+            )
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, p)
+
+    def start(self) -> asyncio.Future[int]:
+        """Write them and commit, in a task: how many there are (0: the snapshot ended, or its
+        cut was taken without them, meanwhile). Cancelled, even before it ran, it rolls back."""
+        task = asyncio.ensure_future(self._write())
+        task.add_done_callback(self._close_if_never_ran)
+        return task
+
+    async def _write(self) -> int:
+        try:
+            n = (await self.conn.execute(text(_INSERT_KEYS_SQL), self.params)).rowcount
+            await self.conn.commit()
+            return int(n)
+        finally:
+            await self.discard()
+
+    def _close_if_never_ran(self, task: asyncio.Future[int]) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.conn.close())
+
+    async def discard(self) -> None:
+        if self._closing is None:
+            self._closing = asyncio.ensure_future(self.conn.close())
+        await asyncio.shield(self._closing)
 
 
 class _PreCutVoid(Exception):
@@ -933,7 +1041,9 @@ class _PreCutVoid(Exception):
     pre-cut's transaction wrote, its copy and its emptying of the changed-groups record."""
 
 
-async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None) -> PreCut | None:
+async def pre_cut(
+    engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, tracked_from: int | None = None, defer_key_rows: bool = False
+) -> PreCut | None:
     """Copy the run's live groups into the snapshot's cut ahead of the barrier (the runner starts
     this once the gate is closed, beside Gym's prepare and commit), so that the barrier copies only
     the groups written since. Records the copy's base (``cut_base_xid``) in the same transaction.
@@ -946,17 +1056,34 @@ async def pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fen
     publish, after waiting for this update's row lock). That update is fenced like a phase move:
     a copy by an owner that lost the run's lease rolls back.
 
+    Its key rows (``snapshot_cut_keys``, against which the barrier counts the keys of the groups
+    it copies again) are written by a transaction of their own once it committed, opened before
+    it: about a third of the pre-cut's time, which would otherwise keep Gym parked when the
+    pre-cut outlasts Gym's commit. A barrier that needs them waits for that transaction, and
+    copies the whole run when they never came; nothing else reads them before the snapshot
+    ends. ``defer_key_rows``: return once the pre-cut committed, with their writing still going
+    on (``PreCut.key_rows``, which the caller must await or cancel); otherwise they are in on return.
+
     ``tracked_from`` is ``tracking_horizon`` read once the snapshot's tracking phase was
     committed (the runner starts the pre-cut right then; by default it is read now)."""
-    try:
-        return await _pre_cut(engine, run_id, snapshot_id, fence, tracked_from)
-    except _PreCutVoid:
-        return None
-
-
-async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, tracked_from: int | None) -> PreCut | None:
     if not await _writers_see_the_tracking(engine, tracked_from):
         return None
+    key_rows = await _KeyRowsWriter.open(engine, run_id, snapshot_id)
+    try:
+        taken = await _pre_cut(engine, run_id, snapshot_id, fence)
+    except BaseException as e:
+        await key_rows.discard()
+        if isinstance(e, _PreCutVoid):
+            return None
+        raise
+    writing = key_rows.start()
+    if not defer_key_rows:
+        await writing
+        return taken
+    return PreCut(taken.groups, taken.keys, taken.keys_json, key_rows=writing)
+
+
+async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> PreCut:
     p = {"r": run_id, "s": snapshot_id}
     # Few round trips: this copy runs beside Gym's commit, and when it outlasts the commit the
     # move to data_plane (Gym parked) waits for it.
@@ -994,7 +1121,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
             )
         ).one()
         n, sibs = int(copied.groups), int(copied.siblings)
-        # Its keys as rows: the barrier then counts only what changed.
+        # Its keys, for the owner (``PreCut``); their rows come after the commit.
         inserted = (await conn.execute(text(_PRE_CUT_KEYS_SQL), p)).one()
         keys = int(inserted.n)
         done = (
@@ -1193,6 +1320,9 @@ async def end(
         losses = (
             await conn.execute(text(f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql} WHERE run_id = :r RETURNING consecutive_snapshot_losses"), {"r": run_id})
         ).scalar()
+        # The pre-cut's key rows may still be being written: their writer ends first, or rows it
+        # wrote after this delete would stay behind (bounded: it normally ends within a second).
+        await _pre_cut_key_rows_in(conn, run_id, snapshot_id, None, wait_s=END_KEY_ROWS_WAIT_S)
         if outcome is SnapshotOutcome.published:
             gone = (
                 await conn.execute(

@@ -160,6 +160,8 @@ class PendingSnapshot:
         self._wake = asyncio.Event()
         self._progressed = asyncio.Event()
         self._pre_cut: asyncio.Task[None] | None = None
+        # The writing of the pre-cut's key rows, which goes on after the pre-cut (``repo.pre_cut``).
+        self._key_rows: asyncio.Future[int] | None = None
         self._candidates: asyncio.Task[dict[str, Any]] | None = None
         # The pre-cut's keys, once it is in: each Gym entry's new keys are found against them;
         # as JSON, what a trainer's fetch of them is answered on this replica.
@@ -241,6 +243,7 @@ class PendingSnapshot:
         finally:
             if self._deadline_timer is not None:
                 self._deadline_timer.cancel()
+            await self._drop_key_rows()
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
@@ -679,7 +682,9 @@ class PendingSnapshot:
     async def _take_pre_cut(self) -> None:
         t = time.monotonic()
         try:
-            taken = await repo.pre_cut(self.engine, self.run_id, self.snapshot_id, self.fence)
+            # Its key rows are written after it, beside Gym's commit and whatever follows: only a
+            # barrier that copies groups again waits for them.
+            taken = await repo.pre_cut(self.engine, self.run_id, self.snapshot_id, self.fence, defer_key_rows=True)
         except Exception as e:  # the barrier then copies the whole run: slower, not wrong
             log.warning("snapshot %s of run %s: pre-cut failed (%s: %s); the barrier will copy the whole ledger",
                         self.snapshot_id, self.run_id, type(e).__name__, str(e)[:500])
@@ -687,6 +692,23 @@ class PendingSnapshot:
         if taken is not None:
             self._pre_cut_keys, self.pre_cut_keys_json = taken.keys, taken.keys_json
             self.timings["pre_cut"] = time.monotonic() - t
+            self._key_rows = taken.key_rows
+            if self._key_rows is not None:
+                self._key_rows.add_done_callback(self._key_rows_written)
+
+    def _key_rows_written(self, task: asyncio.Future[int]) -> None:
+        if task.cancelled():
+            return
+        if task.exception() is not None:  # a barrier that needs them copies the whole run instead
+            log.warning("snapshot %s of run %s: writing the pre-cut's key rows failed: %s", self.snapshot_id, self.run_id, task.exception())
+
+    async def _drop_key_rows(self) -> None:
+        """Stop the writing of the pre-cut's key rows if it is still going on (the snapshot is over
+        for this replica: a reader after its end needs none)."""
+        if self._key_rows is not None and not self._key_rows.done():
+            self._key_rows.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._key_rows
 
     async def _settle_pre_cut(self) -> None:
         # An unfinished pre-cut would otherwise write its copy after ``end`` deleted the cut rows
