@@ -96,3 +96,16 @@ def test_what_is_written_while_gym_is_parked_is_stored_uncompressed(database_url
         "snapshot_gym_entries.entry": "e", "snapshot_gym_entries.new_keys": "e", "snapshots.cut_keys_added": "e",
         "snapshots.cut_keys_removed": "e",
     }
+
+
+def test_the_pre_cut_s_key_rows_are_unlogged(database_url: str) -> None:
+    """They are written while Gym may be parked, and the next flushed commit flushed their log
+    (migration 0011); a crash that empties them loses nothing: a barrier that finds none copies
+    the whole run, and the cut's keys are read from its rows (tests/integration/test_snapshot_precut.py)."""
+    eng = create_engine(db.sqlalchemy_url(database_url))
+    try:
+        with eng.connect() as conn:
+            persistence = conn.execute(text("SELECT relpersistence FROM pg_class WHERE relname = 'snapshot_cut_keys'")).scalar()
+    finally:
+        eng.dispose()
+    assert persistence == "u"

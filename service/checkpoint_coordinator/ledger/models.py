@@ -362,15 +362,19 @@ class SnapshotChangedGroup(Base):
 class SnapshotCutKey(Base):
     """The staging keys of a pending snapshot's cut groups while it is pending, one row per key
     with the number of cut groups that name it (the Gym manifest's keys stay in the manifest and
-    are unioned in where the keys are read). Written by the pre-cut for the groups it copied; the
-    barrier then changes only the keys of the groups it copies again and looks the manifest's up,
+    are unioned in where the keys are read). Written after the pre-cut, for the groups it copied,
+    by a transaction of its own (``ledger.snapshots.pre_cut``); the barrier then changes only the keys of the groups it copies again and looks the manifest's up,
     so its cost (and its answer, ``added``/``removed`` against the pre-cut's keys) grows with what
     changed, not with the run. At the snapshot's end the keys move into
-    ``snapshots.cut_staging_keys`` (published) and these rows go."""
+    ``snapshots.cut_staging_keys`` (published) and these rows go.
+
+    Unlogged (migration 0011): the rows are written after the pre-cut commits, while Gym may be
+    parked, and nothing depends on them surviving a crash. A barrier that finds none copies the
+    whole run, and the cut's keys are then read from its rows (``ledger.snapshots._KEYS``)."""
 
     __tablename__ = "snapshot_cut_keys"
     # No foreign key, as for the cut's groups: written and deleted with them.
-    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "key"),)
+    __table_args__ = (PrimaryKeyConstraint("run_id", "snapshot_id", "key"), {"prefixes": ["UNLOGGED"]})
     run_id: Mapped[str] = mapped_column(Text)
     snapshot_id: Mapped[str] = mapped_column(Text)
     # Byte order: the keys are answered sorted by code point, and the key's index gives that order.
