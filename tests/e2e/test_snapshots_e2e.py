@@ -242,26 +242,57 @@ async def test_a_phase_with_nothing_to_do_is_not_entered(client, admin, app, gym
     assert (await api.get("/counts"))["outbox_pending"] == {}
 
 
-async def test_the_gates_close_is_sent_before_the_owners_first_reads(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """The close (a transaction of its own, the longest of the first steps) goes out first; the
-    four reads beside it follow on their own connections."""
+async def test_the_request_closes_the_gate_in_its_own_transaction_on_the_owner_s_replica(client, admin, app, gyms, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Created by its owner's replica, a snapshot's gate is closed, and what its owner starts
+    from is read, in the creating request's transaction: one commit before Gym's prepare. One
+    that replica starts later (created elsewhere, found at a start) closes it in a transaction
+    of its own, sent before the four reads beside it on their own connections."""
     from sqlalchemy import event
 
+    from checkpoint_coordinator.ledger import leases
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+
     api = await _setup(client, admin, app, gyms)
-    sent: list[str] = []
+    engine = app.state.engine
+    sent: list[tuple[int, str]] = []
 
     def record(conn, cursor, statement, *args):  # type: ignore[no-untyped-def]
-        sent.append(" ".join(statement.split()))
+        sent.append((id(conn.connection.dbapi_connection), " ".join(statement.split())))
 
-    event.listen(app.state.engine.sync_engine, "before_cursor_execute", record)
+    def committed(conn):  # type: ignore[no-untyped-def]
+        sent.append((id(conn.connection.dbapi_connection), "COMMIT"))
+
+    def first(marker: str, since: int = 0) -> int:
+        return next(i for i, (_, st) in enumerate(sent) if i >= since and marker in st)
+
+    event.listen(engine.sync_engine, "before_cursor_execute", record)
+    event.listen(engine.sync_engine, "commit", committed)
     try:
         s1 = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+        created = first("INSERT INTO snapshots")
+        conn = sent[created][0]
+        mine = [(i, st) for i, (c, st) in enumerate(sent) if c == conn and i >= created]
+        commit = next(i for i, st in mine if st == "COMMIT")
+        close = first("WITH g AS (UPDATE runs SET gate_snapshot_id", created)
+        reads = [first(marker, created) for marker in ("EXTRACT(EPOCH FROM deadline_at - clock_timestamp())", "FROM gym_participants")]
+        assert created < close < min(reads) and max(reads) < commit, (created, close, reads, commit)
+        assert all(sent[i][0] == conn for i in (close, *reads))  # the request's own transaction
+        assert "UPDATE snapshots SET phase = %(to)s, gym_checkpoint_id" in " ".join(st for i, st in mine if i < commit)  # on to prepare
+
+        # A snapshot found in phase requested (created on another replica): its owner closes the gate.
+        del sent[:]
+        async with engine.begin() as c:
+            await ledger_snapshots.create_in(c, "run-1", "s2", 0, app.state.snapshots.owner, str(tmp_path / "s2"))
+        epoch = await leases.acquire(engine, "run-1", app.state.snapshots.owner, 600)
+        app.state.snapshots.start("run-1", "s2", epoch)
+        s2 = await drive_snapshot(api, "s2", 0, tmp_path / "dp")
     finally:
-        event.remove(app.state.engine.sync_engine, "before_cursor_execute", record)
-    assert s1["outcome"] == "published", s1
-    close = next(i for i, st in enumerate(sent) if st.startswith("WITH g AS (UPDATE runs SET gate_snapshot_id"))
-    reads = [next(i for i, st in enumerate(sent) if marker in st) for marker in ("EXTRACT(EPOCH FROM deadline_at - now())", "FROM gym_participants")]
-    assert all(close < i for i in reads), (close, reads)
+        event.remove(engine.sync_engine, "before_cursor_execute", record)
+        event.remove(engine.sync_engine, "commit", committed)
+    assert s1["outcome"] == "published" and s2["outcome"] == "published", (s1, s2)
+    close = first("WITH g AS (UPDATE runs SET gate_snapshot_id")
+    reads = [first(marker) for marker in ("EXTRACT(EPOCH FROM deadline_at - clock_timestamp())", "FROM gym_participants")]
+    assert all(close < i and sent[i][0] != sent[close][0] for i in reads), (close, reads)
 
 
 async def test_a_snapshot_past_its_deadline_before_the_gate_opened_touches_no_gym(client, admin, app, gyms) -> None:  # type: ignore[no-untyped-def]

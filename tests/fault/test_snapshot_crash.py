@@ -4,7 +4,10 @@ stuck or lost: the snapshot ends, the gate is open, Gym is resumed, no ledger ro
 
 Phases with a Gym call are held there by a gymsim fault. The others (``requested``, ``gate``,
 ``retire``'s write, ``publish``) pass in a moment, so a PostgreSQL trigger holds the runner's
-next phase write: the phase before it is the one persisted when the process dies."""
+next phase write: the phase before it is the one persisted when the process dies. A snapshot
+requested on its owner's replica closes its gate in the request's own transaction: ``request``
+kills the process inside it (nothing persisted; the trainer's retried request runs it), and
+``requested`` is a snapshot created on another replica, whose owner's close is held."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 # phase to kill in -> the gymsim fault that holds the snapshot there, or the phase whose write a
 # trigger holds ("db:<next phase>")
 PHASES: dict[str, dict[str, Any] | str | None] = {
+    "request": "db:gate",  # the creating request's own transaction
     "requested": "db:gate",
     "gate": "db:prepare",  # owed only to an unregistered instance: gate, then prepare in a write of its own
     "retire": {"server_name": "workplace_agent", "op": "retire", "type": "delay", "seconds": 4, "times": 1},
@@ -74,6 +78,47 @@ async def _release_holds(database_url: str) -> None:
     async with engine.begin() as conn:
         await conn.execute(text("DROP TRIGGER IF EXISTS ckptc_test_hold ON snapshots"))
     await engine.dispose()
+
+
+async def _held(database_url: str, timeout: float = 20) -> None:
+    """Until a statement waits in the hold's trigger."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from checkpoint_coordinator.ledger.db import sqlalchemy_url
+
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                async with engine.connect() as conn:
+                    if (await conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'"))).scalar():
+                        return
+                await asyncio.sleep(0.02)
+    finally:
+        await engine.dispose()
+
+
+async def _request_on_another_replica(database_url: str, sid: str, *, owner: str) -> None:
+    """What a replica that does not hold the run's lease does with a request: create the row
+    for the lease holder (``owner``) and notify it."""
+    from pathlib import PurePath
+
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.ledger.db import sqlalchemy_url
+    from checkpoint_coordinator.ledger.runs import get_run
+
+    engine = create_async_engine(sqlalchemy_url(database_url))
+    try:
+        async with engine.begin() as conn:
+            run = await get_run(conn, "run-1")
+            _, created = await ledger_snapshots.create_in(conn, "run-1", sid, 0, owner, str(PurePath(run.checkpoint_root) / "snapshots" / sid))
+            assert created
+            await ledger_snapshots.notify_created(conn, "run-1", sid)
+    finally:
+        await engine.dispose()
 
 
 async def _wait_phase(api: Any, sid: str, phase: str, timeout: float = 20) -> dict[str, Any]:
@@ -150,18 +195,29 @@ async def test_kill_coordinator_inside_phase(phase: str, successor: str, databas
             else:
                 await trainer.wait_idle()
             counts_before = (await api.get("/counts"))
-            r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
-            assert r.status_code == 202
+            request = None
+            if phase == "request":
+                request = asyncio.ensure_future(client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h))
+                await _held(database_url)
+            elif phase == "requested":
+                await _request_on_another_replica(database_url, "s1", owner="crash-a")
+            else:
+                r = await client.post("/v1/runs/run-1/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+                assert r.status_code == 202
             if phase in ("resume", "publish"):
                 s = await _wait_phase(api, "s1", "data_plane")
                 while s["awaiting"] != "barrier":
                     s = await api.get("/snapshots/s1")
                 await api.post("/snapshots/s1/barrier", {})
                 await api.post("/snapshots/s1/captured", {"reference": {"path": "/x", "digest": "d"}})
-            s = await _wait_phase(api, "s1", phase)
-            assert s["phase"] == phase and s["outcome"] is None, s
+            if request is None:
+                s = await _wait_phase(api, "s1", phase)
+                assert s["phase"] == phase and s["outcome"] is None, s
             await asyncio.sleep(0.3)
             coord.kill()
+            if request is not None:
+                with pytest.raises(httpx.HTTPError):
+                    await request
             await _release_holds(database_url)
 
             if successor == "other-id":
@@ -169,7 +225,10 @@ async def test_kill_coordinator_inside_phase(phase: str, successor: str, databas
                 coord = CoordinatorProcess(database_url, tmp_path, coordinator_id="crash-b", port=coord.port)
             coord.start()
             await _wait_ready(client)
-            if phase == "requested":
+            if phase == "request":
+                # The request's transaction never committed: no snapshot, until the trainer asks again.
+                assert (await client.get("/v1/runs/run-1/snapshots/s1", headers=api.h)).status_code == 404
+            if phase in ("request", "requested"):
                 # Nothing had happened yet: the successor runs it rather than abort it.
                 s1 = await drive_snapshot(api, "s1", 0, tmp_path / "dp", timeout=40)
                 assert (s1["outcome"], s1["reason"]) == ("published", "ok"), s1
@@ -194,7 +253,7 @@ async def test_kill_coordinator_inside_phase(phase: str, successor: str, databas
                     await asyncio.sleep(0.05)
             # the previous published snapshot is still the authoritative one
             hist = (await api.get("/snapshots"))["snapshots"]
-            if phase == "requested":
+            if phase in ("request", "requested"):
                 assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "published"), ("s0", "published")]
             else:
                 assert [(h["snapshot_id"], h["outcome"]) for h in hist] == [("s1", "aborted"), ("s0", "published")]
@@ -206,7 +265,7 @@ async def test_kill_coordinator_inside_phase(phase: str, successor: str, databas
             async with engine.connect() as conn:
                 cut_rows = dict((await conn.execute(text("SELECT snapshot_id, count(*) FROM snapshot_cut_groups WHERE run_id = 'run-1' GROUP BY 1"))).all())
             await engine.dispose()
-            assert cut_rows == ({"s0": 1, "s1": 2} if phase == "requested" else {"s0": 1})
+            assert cut_rows == ({"s0": 1, "s1": 2} if phase in ("request", "requested") else {"s0": 1})
             # no ledger row lost: the rows of g1 are all there, and the held reply still seals
             await trainer.wait_idle()
             g1 = await api.group("g1")

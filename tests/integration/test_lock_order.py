@@ -93,14 +93,15 @@ async def test_a_snapshot_request_waits_for_an_outbox_acknowledgement_before_the
     run row, holding nothing, and the forget's foreign key finds the run row already locked."""
     fence = await _fence(engine)
     items = await _claimed_retire(engine, fence)
-    runner = SimpleNamespace(owner=OWNER, start=lambda *args: None)
+    runner = SimpleNamespace(owner=OWNER, start=lambda *args, **kwargs: None)
     async with outbox.acknowledging(engine, RUN) as ack:
         await outbox.mark_delivered(ack, RUN, items, fence)
         request = asyncio.ensure_future(snapshot_service.request_snapshot(engine, runner, RUN, "s1", 0, lease_ttl_s=600))
         assert await _row_waited_for(engine) == "runs"
         await outbox.enqueue_forgets(ack, RUN, "i/0", [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in items])
     row, created = await asyncio.wait_for(request, 10)
-    assert created and row.phase == SnapshotPhase.requested
+    # Created by its owner's replica: the request closed the gate too; the queued forget is owed to Gym.
+    assert created and row.phase == SnapshotPhase.gate
     async with engine.connect() as conn:
         states = dict((await conn.execute(text("SELECT op, state FROM outbox_items WHERE run_id = :r"), {"r": RUN})).all())
     assert states == {"retire": "delivered", "forget": "pending"}

@@ -488,33 +488,39 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
     none, the snapshot has nothing to deliver before its prepare, and with ``prepare_as`` (its
     Gym checkpoint id) it moves on to ``prepare`` in the same transaction, one flush fewer
     before Gym is prepared (not for a row without a ``snapshot_dir``: the caller moves it)."""
+    async with engine.begin() as conn:
+        return await close_gate_in(conn, run_id, snapshot_id, fence, prepare_as=prepare_as)
+
+
+async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosed:
+    """:func:`close_gate` in the caller's transaction (the request that creates the snapshot on
+    its owner's replica closes the gate in the same one)."""
     params = {"r": run_id, "s": snapshot_id, "to": P.gate.value, "expected": P.requested.value, **fence.params(),
               **_notice(run_id, snapshot_id, progress=True)}
-    async with engine.begin() as conn:
-        closed, moved, _ = (await conn.execute(text(_CLOSE_GATE_SQL), params)).one()
-        if not closed:
-            await lock_run(conn, run_id)  # not found, or closed: raised here
-            raise Fenced(run_id, f"snapshot {snapshot_id}: the gate of a run that changed meanwhile", fence)
-        if not moved:
-            raise Fenced(run_id, f"snapshot {snapshot_id}: {P.requested} -> {P.gate}", fence)  # the gate's close rolls back
-        owed = await pending_of_run(conn, run_id)
-        prepared = False
-        if prepare_as is not None and not owed:
-            # The close holds the snapshot row and the lease row: the fence cannot move in
-            # between. Not taken for a snapshot that cannot reach Gym (past its deadline, no
-            # instance registered: it ends from gate) nor for a row without a snapshot_dir (the
-            # owner writes it with its own move). Its notification is the close's.
-            prepared = (
-                await conn.execute(
-                    text(
-                        f"UPDATE snapshots SET phase = :to, gym_checkpoint_id = :cid WHERE {_FENCED_MOVE} AND snapshot_dir IS NOT NULL "
-                        "AND (deadline_at IS NULL OR deadline_at > clock_timestamp()) AND EXISTS (SELECT 1 FROM gym_instances WHERE run_id = :r) "
-                        "RETURNING 1"
-                    ),
-                    {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
-                )
-            ).first() is not None
-        return GateClosed(owed, prepared)
+    closed, moved, _ = (await conn.execute(text(_CLOSE_GATE_SQL), params)).one()
+    if not closed:
+        await lock_run(conn, run_id)  # not found, or closed: raised here
+        raise Fenced(run_id, f"snapshot {snapshot_id}: the gate of a run that changed meanwhile", fence)
+    if not moved:
+        raise Fenced(run_id, f"snapshot {snapshot_id}: {P.requested} -> {P.gate}", fence)  # the gate's close rolls back
+    owed = await pending_of_run(conn, run_id)
+    prepared = False
+    if prepare_as is not None and not owed:
+        # The close holds the snapshot row and the lease row: the fence cannot move in
+        # between. Not taken for a snapshot that cannot reach Gym (past its deadline, no
+        # instance registered: it ends from gate) nor for a row without a snapshot_dir (the
+        # owner writes it with its own move). Its notification is the close's.
+        prepared = (
+            await conn.execute(
+                text(
+                    f"UPDATE snapshots SET phase = :to, gym_checkpoint_id = :cid WHERE {_FENCED_MOVE} AND snapshot_dir IS NOT NULL "
+                    "AND (deadline_at IS NULL OR deadline_at > clock_timestamp()) AND EXISTS (SELECT 1 FROM gym_instances WHERE run_id = :r) "
+                    "RETURNING 1"
+                ),
+                {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
+            )
+        ).first() is not None
+    return GateClosed(owed, prepared)
 
 
 _CLOSE_GATE_SQL = (
@@ -550,10 +556,11 @@ async def reopen(engine: AsyncEngine, run_id: str) -> SnapshotRow | None:
 
 
 async def deadline_left_s(conn: AsyncConnection, run_id: str, snapshot_id: str) -> float | None:
-    """Seconds until the snapshot's deadline (negative once past), by the database's clock."""
+    """Seconds until the snapshot's deadline (negative once past), by the database's clock (its
+    current time: ``now()`` would be the time the caller's transaction began)."""
     v = (
         await conn.execute(
-            text("SELECT EXTRACT(EPOCH FROM deadline_at - now()) FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
+            text("SELECT EXTRACT(EPOCH FROM deadline_at - clock_timestamp()) FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id}
         )
     ).scalar()
     return None if v is None else float(v)

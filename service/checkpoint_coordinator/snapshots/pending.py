@@ -51,7 +51,7 @@ from ..gym_runtime import GymClients, load_topology
 from ..ledger import snapshots as repo
 from ..ledger.db import JsonText, classify_database_error
 from ..ledger.leases import Fence, Fenced
-from ..ledger.runs import get_run
+from ..ledger.runs import RunRow, get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
 
@@ -139,9 +139,25 @@ class SnapshotContext:
     poll_s: float
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A snapshot whose creating request closed its gate (on its owner's replica): what that
+    transaction wrote and read, from which the owner goes straight on to Gym's prepare.
+    ``requested_at``: when the request began (the snapshot's time counts from there)."""
+
+    run: RunRow
+    row: repo.SnapshotRow
+    topology: Topology
+    deadline_left_s: float | None
+    gate: repo.GateClosed
+    checkpoint_id: str
+    requested_at: float
+
+
 class PendingSnapshot:
-    def __init__(self, ctx: SnapshotContext, run_id: str, snapshot_id: str, epoch: int) -> None:
+    def __init__(self, ctx: SnapshotContext, run_id: str, snapshot_id: str, epoch: int, *, opened: Opened | None = None) -> None:
         self.ctx = ctx
+        self._opened = opened
         self.engine = ctx.engine
         self.run_id = run_id
         self.snapshot_id = snapshot_id
@@ -177,7 +193,7 @@ class PendingSnapshot:
         self._data_plane_reached = False
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
-        self._started = time.monotonic()
+        self._started = opened.requested_at if opened is not None else time.monotonic()
         self._config: dict[str, Any] = {}
         self.stop = False
         self._deadline: float | None = None
@@ -269,18 +285,29 @@ class PendingSnapshot:
         # each read, yielding once, lets run before it takes its connection).
         # The Gym checkpoint id is drawn now: with nothing owed to Gym, the close's transaction
         # moves on to prepare with it (one flushed write, not two, before Gym is prepared).
-        checkpoint_id = checkpoint_id_for(self.snapshot_id)
-        gate, run, snap, topology, left = await all_ended(
-            self._write(
-                P.gate,
-                lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence, prepare_as=checkpoint_id),
-                reached=lambda closed: P.prepare if closed.prepared else P.gate,
-            ),
-            self._read(lambda c: get_run(c, self.run_id)),
-            self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
-            self._read(lambda c: load_topology(c, self.run_id)),
-            self._read(lambda c: repo.deadline_left_s(c, self.run_id, self.snapshot_id)),
-        )
+        opened = self._opened
+        if opened is not None:
+            # Its request closed the gate and read all this in its transaction.
+            checkpoint_id, gate, run, snap, topology, left = (
+                opened.checkpoint_id, opened.gate, opened.run, opened.row, opened.topology, opened.deadline_left_s,
+            )
+            self._opened = None
+            self._entered(P.gate)
+            if gate.prepared:
+                self._entered(P.prepare)
+        else:
+            checkpoint_id = checkpoint_id_for(self.snapshot_id)
+            gate, run, snap, topology, left = await all_ended(
+                self._write(
+                    P.gate,
+                    lambda: repo.close_gate(self.engine, self.run_id, self.snapshot_id, self.fence, prepare_as=checkpoint_id),
+                    reached=lambda closed: P.prepare if closed.prepared else P.gate,
+                ),
+                self._read(lambda c: get_run(c, self.run_id)),
+                self._read(lambda c: repo.get(c, self.run_id, self.snapshot_id)),
+                self._read(lambda c: load_topology(c, self.run_id)),
+                self._read(lambda c: repo.deadline_left_s(c, self.run_id, self.snapshot_id)),
+            )
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
         if left is not None:
@@ -428,6 +455,11 @@ class PendingSnapshot:
         if progress.outcome is None and progress.phase == self._unflushed_from.value:
             return self._unflushed_from
         return None
+
+    def _entered(self, to: SnapshotPhase) -> None:
+        """A transition another transaction wrote for this owner (its creating request's)."""
+        check_snapshot_transition(self.phase, to, cut_taken=self.cut_taken)
+        self.phase = to
 
     async def _write(self, to: SnapshotPhase, write: Callable[[], Awaitable[T]], *, reached: Callable[[T], SnapshotPhase] | None = None) -> T:
         """Apply one transition; returns what the write answered. ``reached``: the phase the

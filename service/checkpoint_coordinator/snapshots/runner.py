@@ -17,7 +17,7 @@ from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
-from .pending import PendingSnapshot, SnapshotContext, outcome_of
+from .pending import Opened, PendingSnapshot, SnapshotContext, outcome_of
 from .watch import SnapshotWatch
 
 log = logging.getLogger(__name__)
@@ -37,11 +37,12 @@ class SnapshotRunner:
         # Trainers waiting on a snapshot's progress: woken by the same notifications.
         self.watch = SnapshotWatch()
 
-    def start(self, run_id: str, snapshot_id: str, epoch: int) -> PendingSnapshot:
+    def start(self, run_id: str, snapshot_id: str, epoch: int, *, opened: Opened | None = None) -> PendingSnapshot:
+        """Drive the snapshot here (once). ``opened``: the request that created it closed its gate."""
         key = (run_id, snapshot_id)
         job = self.jobs.get(key)
         if job is None:
-            job = PendingSnapshot(self.ctx, run_id, snapshot_id, epoch)
+            job = PendingSnapshot(self.ctx, run_id, snapshot_id, epoch, opened=opened)
             self.jobs[key] = job
             task = asyncio.create_task(self._run(job), name=f"snapshot-{run_id}-{snapshot_id}")
             task.add_done_callback(_log_crash)
