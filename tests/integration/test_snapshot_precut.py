@@ -487,6 +487,20 @@ async def test_a_snapshot_ended_while_its_key_rows_are_written_leaves_none_behin
     assert await _key_row_count(engine) == 0
 
 
+async def test_key_rows_left_behind_by_a_writer_the_end_stopped_waiting_for_go_at_the_next_end(engine: Any) -> None:
+    """A writer that stopped answering past the end's wait commits its rows after that end: the
+    run's next snapshot's end deletes them (nothing reads the key rows of an ended snapshot)."""
+    await _committing(engine, "old")
+    fence = await owner_fence(engine)
+    await repo.end(engine, RUN, "old", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
+    async with engine.begin() as conn:  # what such a writer commits late
+        await conn.execute(text("INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) VALUES (:r, 'old', 'tq/late', 1)"), {"r": RUN})
+    await _committing(engine, "p")
+    assert (await repo.pre_cut(engine, RUN, "p", fence)).groups == 2
+    await repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit)
+    assert await _rows(engine, "SELECT count(*) FROM snapshot_cut_keys WHERE run_id = :r") == [(0,)]
+
+
 async def test_a_key_that_leaves_every_group_but_the_manifest_still_names_is_not_removed(engine: Any) -> None:
     await _quiet_groups(engine)
     async with engine.begin() as conn:

@@ -644,10 +644,12 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
 
     When the runner took a pre-cut (``pre_cut``, beside Gym's prepare and commit), only the
     groups written since are copied again: those ``snapshot_changed_groups`` recorded as they
-    were written; their keys are counted into the pre-cut's key rows, and what they and the Gym
-    manifest's keys added and removed is recorded (``cut_keys_added``, ``cut_keys_removed``): the
-    barrier's work and its delta answer grow with what changed, not with the run. Otherwise the
-    whole run is copied (one row per group, its siblings in an array) and its keys written.
+    were written; their keys are counted into the pre-cut's key rows (waiting for them, which
+    are written after the pre-cut; without them the whole run is copied), and what they and the
+    Gym manifest's keys added and removed is recorded (``cut_keys_added``, ``cut_keys_removed``):
+    the barrier's work and its delta answer grow with what changed, not with the run. Otherwise
+    the whole run is copied (one row per group, its siblings in an array; its keys are read from
+    those rows).
     ``counts`` says which way it went (``cut_recopied_groups``). The run is locked FOR UPDATE: no
     report lands between the reading of the changed groups and their copy. The row answered
     carries the whole key list (``cut_staging_keys``) unless ``full_keys`` is False (a trainer
@@ -747,9 +749,9 @@ async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cu
 
     ``pre_cut_keys``: the snapshot's pre-cut keys as :func:`pre_cut` answered them (its owner
     holds them, ``PreCut.keys_json``); answered in the pre-cut state instead of aggregating the
-    key rows again (a snapshot takes one pre-cut, and nothing else writes its key rows before
-    the barrier). The trainer's fetch may still be running when Gym's commit ends, and the
-    barrier waits for it."""
+    cut rows' keys again (a snapshot takes one pre-cut, and nothing else writes its cut rows
+    before the barrier). The trainer's fetch may still be running when Gym's commit ends, and
+    the barrier waits for it."""
     async with engine.connect() as conn:
         st = (
             await conn.execute(
@@ -862,8 +864,8 @@ def _not_pre_cut_keys(keys: str) -> str:
     """A SELECT yielding ``k``, the distinct keys of the SELECT ``keys`` (a column ``k``) that
     none of the snapshot's key rows hold, in byte order's collation. One index probe per key,
     written as a scalar subquery so that the planner cannot make it a merge or hash join over
-    every key row: those rows were inserted moments ago (the pre-cut), their statistics do not
-    show them, and such a plan read all of them (80 ms against ~12 for 2 000 probes in the
+    every key row: those rows were inserted moments ago (after the pre-cut), their statistics do
+    not show them, and such a plan read all of them (80 ms against ~12 for 2 000 probes in the
     benchmark)."""
     return (
         f"SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ({keys}) x) m WHERE "
@@ -973,7 +975,7 @@ _KEY_ROWS_LOCK = "hashtextextended('ckptc pre-cut key rows ' || :r || '/' || :s,
 # a barrier changes them only once their writer has ended, and deletes leave unseen rows alone.
 KEY_ROWS_WAIT_S = 10.0
 # How long a snapshot's end waits for them, to delete them; past it, a writer that stopped
-# answering may leave them behind, unread (nothing reads the key rows of an ended snapshot).
+# answering may leave them behind, unread, until the run's next snapshot ends.
 END_KEY_ROWS_WAIT_S = 2.0
 
 
@@ -1066,9 +1068,10 @@ async def pre_cut(
     Its key rows (``snapshot_cut_keys``, against which the barrier counts the keys of the groups
     it copies again) are written by a transaction of their own once it committed, opened before
     it: about a third of the pre-cut's time, which would otherwise keep Gym parked when the
-    pre-cut outlasts Gym's commit. A barrier that needs them waits for that transaction, and
-    copies the whole run when they never came; nothing else reads them before the snapshot
-    ends. ``defer_key_rows``: return once the pre-cut committed, with their writing still going
+    pre-cut outlasts Gym's commit. A barrier that needs them (groups to copy again, or a Gym
+    entry stored without its ``new_keys``) waits for that transaction, and copies the whole run
+    when they never came; the cut's keys are read from its rows until they are in (``_KEYS``).
+    ``defer_key_rows``: return once the pre-cut committed, with their writing still going
     on (``PreCut.key_rows``, which the caller must await or cancel); otherwise they are in on return.
 
     ``tracked_from`` is ``tracking_horizon`` read once the snapshot's tracking phase was
@@ -1351,6 +1354,9 @@ async def end(
             await delete_cut_rows(conn, run_id, [snapshot_id])
         await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         await conn.execute(text("DELETE FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
+        # Key rows are read only for the run's one pending snapshot, this one: those a writer
+        # committed after an earlier end stopped waiting for it go too.
+        await conn.execute(text("DELETE FROM snapshot_cut_keys WHERE run_id = :r"), {"r": run_id})
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 

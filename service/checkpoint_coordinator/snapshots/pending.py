@@ -8,9 +8,10 @@ before Gym's prepare was sent it ends from the phase it reached.
 The object owns its phases, its Gym calls (the steps of :class:`~..gym.save.GymSave`), its timers
 and its abort. Every transition is one write, fenced by the phase it leaves and the owner's lease
 epoch (``ledger.snapshots.move_in``); the gate's close is the one write that may take two
-(``gate``, and ``prepare`` when nothing is owed to Gym). A write that matches nothing raises
-``Fenced`` and the object stops at once, with no further Gym call: whoever holds the run's lease
-now ends it.
+(``gate``, and ``prepare`` when nothing is owed to Gym), and on the owner's own replica the
+request that creates the snapshot writes it (:class:`Opened`). A write that matches nothing
+raises ``Fenced`` and the object stops at once, with no further Gym call: whoever holds the
+run's lease now ends it.
 
 Trainer handshakes (barrier, capture, abort, a train step announced) reach it as events: the
 transaction that records one notifies, the replica's listener calls :meth:`wake`, and the object
@@ -149,6 +150,7 @@ class Opened:
     row: repo.SnapshotRow
     topology: Topology
     deadline_left_s: float | None
+    deadline_read_at: float  # when ``deadline_left_s`` was read (monotonic clock)
     gate: repo.GateClosed
     checkpoint_id: str
     requested_at: float
@@ -291,6 +293,8 @@ class PendingSnapshot:
             checkpoint_id, gate, run, snap, topology, left = (
                 opened.checkpoint_id, opened.gate, opened.run, opened.row, opened.topology, opened.deadline_left_s,
             )
+            if left is not None:  # less what passed since it was read (the request's commit, this task's start)
+                left -= time.monotonic() - opened.deadline_read_at
             self._opened = None
             self._entered(P.gate)
             if gate.prepared:

@@ -55,7 +55,9 @@ async def request_snapshot(
             checkpoint_id = checkpoint_id_for(snapshot_id)
             gate = await repo.close_gate_in(conn, run_id, snapshot_id, Fence(runner.owner, epoch), prepare_as=checkpoint_id)
             row = await repo.get(conn, run_id, snapshot_id)
-            opened = Opened(run, row, await load_topology(conn, run_id), await repo.deadline_left_s(conn, run_id, snapshot_id), gate, checkpoint_id, requested_at)
+            topology = await load_topology(conn, run_id)
+            left = await repo.deadline_left_s(conn, run_id, snapshot_id)
+            opened = Opened(run, row, topology, left, time.monotonic(), gate, checkpoint_id, requested_at)
         elif created:
             await repo.notify_created(conn, run_id, snapshot_id)
     if opened is not None and epoch is not None:
