@@ -371,7 +371,7 @@ class SnapshotCutKey(Base):
     Unlogged (migration 0011): the rows are written after the pre-cut commits, while Gym may be
     parked, and nothing depends on them surviving a crash. A barrier that needs them (groups to
     copy again, a Gym entry stored without its ``new_keys``) and finds none copies the whole run,
-    and the cut's keys are then read from its rows (``ledger.snapshots._KEYS``)."""
+    and the cut's keys are then read from its rows (``ledger.staging_keys.KEYS``)."""
 
     __tablename__ = "snapshot_cut_keys"
     # No foreign key, as for the cut's groups: written and deleted with them.

@@ -29,6 +29,7 @@ from .models import SNAPSHOT_GROUP_COLUMNS, SNAPSHOT_SIBLING_FIELDS
 from .outbox import pending_of_run
 from .gate import CLOSE_GATE_SQL
 from .gate import open_gate as _open_gate_of_run
+from . import staging_keys as sk
 from .runs import lock_run, stopped_by
 
 P = SnapshotPhase
@@ -104,34 +105,6 @@ _BASE_COLS = (
     "data_plane_ref, counts, gym_parked_seconds, gym_restarted_episodes, resume_failure, "
     "abort_requested, cut_at, created_at, published_at, ended_at"
 )
-# The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
-# are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
-# manifest on request; decoding them on every status read was most of its cost.
-def _manifest_key_rows(manifest: str) -> str:
-    """FROM items yielding ``k``, one row per (instance, staging key) of the Gym manifest ``manifest``."""
-    return (
-        f"jsonb_each(CASE WHEN jsonb_typeof({manifest} -> 'instances') = 'object' THEN {manifest} -> 'instances' ELSE '{{}}'::jsonb END) "
-        "AS i(iid, inst), "
-        "jsonb_array_elements_text(CASE WHEN jsonb_typeof(i.inst -> 'staging_keys') = 'array' THEN i.inst -> 'staging_keys' ELSE '[]'::jsonb END) AS k(k)"
-    )
-
-
-def _entry_key_rows(run: str, snap: str, *, where: str = "") -> str:
-    """A SELECT yielding ``k``, every staging key of the snapshot's Gym entries (its manifest
-    while it is pending, ``snapshot_gym_entries``)."""
-    return (
-        "SELECT k FROM snapshot_gym_entries ge, jsonb_array_elements_text(ge.entry -> 'staging_keys') AS k(k) "
-        f"WHERE ge.run_id = {run} AND ge.snapshot_id = {snap}{where}"
-    )
-
-
-def _manifest_keys(run: str, snap: str, manifest: str, *, entries_where: str = "") -> str:
-    """A SELECT yielding ``k``, every staging key of a snapshot's Gym manifest: the one stored
-    whole (``manifest``, its column) and the per-instance entries of a pending one (those
-    ``entries_where`` keeps)."""
-    return f"SELECT k FROM {_manifest_key_rows(manifest)} UNION ALL {_entry_key_rows(run, snap, where=entries_where)}"
-
-
 # A pending snapshot's Gym manifest is its entries, joined here (at its end, or for a reader that
 # asks for it); NULL when it has none. Complete only from the move to data_plane on (which
 # waits for every instance's entry): ``_COMPLETE_ENTRIES`` says so.
@@ -142,44 +115,18 @@ _ENTRIES_MANIFEST = (
     "WHERE ge.run_id = snapshots.run_id AND ge.snapshot_id = snapshots.snapshot_id HAVING count(*) > 0)"
 )
 
-
-
-def _cut_row_keys(run: str, snap: str) -> str:
-    """A SELECT yielding ``k``, the distinct staging keys of a snapshot's cut rows, in the "C"
-    collation (the key rows' own)."""
-    return (
-        "SELECT DISTINCT x.k COLLATE \"C\" AS k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS x(k) "
-        f"WHERE c.run_id = {run} AND c.snapshot_id = {snap}"
-    )
-
-
-def _key_rows(run: str, snap: str) -> str:
-    return f"SELECT ck.key AS k FROM snapshot_cut_keys ck WHERE ck.run_id = {run} AND ck.snapshot_id = {snap}"
-
-
-# A pending snapshot's cut keys are its groups' keys and its Gym manifest's; a published one's
-# are in ``cut_staging_keys``; one that ended otherwise has none. Sorted by code point. The
-# groups' keys are read from the key rows (``snapshot_cut_keys``, an index) of a cut taken on a
-# pre-cut (``cut_recopied_groups``) once they are in, else from the cut rows themselves: a
-# pre-cut's key rows are written after it commits, by a transaction of their own (``pre_cut``),
-# and may come after the barrier, or not at all; a whole-run cut writes none.
-_KEY_ROWS_KEPT = f"(snapshots.counts ? 'cut_recopied_groups' AND EXISTS ({_key_rows('snapshots.run_id', 'snapshots.snapshot_id')}))"
-_KEYS = (
-    "COALESCE(cut_staging_keys, CASE WHEN cut_at IS NOT NULL AND outcome IS NULL THEN (SELECT COALESCE(array_agg(u.k ORDER BY u.k), '{}') FROM ("
-    f"{_key_rows('snapshots.run_id', 'snapshots.snapshot_id')} AND {_KEY_ROWS_KEPT} "
-    f"UNION SELECT cr.k FROM ({_cut_row_keys('snapshots.run_id', 'snapshots.snapshot_id')}) cr WHERE NOT {_KEY_ROWS_KEPT} "
-    f"UNION SELECT mk.k COLLATE \"C\" FROM ({_manifest_keys('snapshots.run_id', 'snapshots.snapshot_id', 'snapshots.gym_manifest')}) mk"
-    ") u) END)"
-)
+# The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
+# are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
+# manifest on request; decoding them on every status read was most of its cost.
 _KEYS_WHEN_AWAITING_CAPTURE = (
     f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
-    f"THEN {_KEYS} END AS cut_staging_keys"
+    f"THEN {sk.KEYS} END AS cut_staging_keys"
 )
 _COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
-_COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
+_COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {sk.KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
 _COLS_FULL = (
     f"{_BASE_COLS}, COALESCE(gym_manifest, CASE WHEN {_COMPLETE_ENTRIES} THEN {_ENTRIES_MANIFEST} END) AS gym_manifest, "
-    f"{_KEYS} AS cut_staging_keys"
+    f"{sk.KEYS} AS cut_staging_keys"
 )
 # Only what ``SnapshotRow`` does not need at all.
 _COLS_NONE = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, CAST(NULL AS text[]) AS cut_staging_keys"
@@ -695,7 +642,7 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             changed = recorded
             if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
                 changed = None  # deleting and re-copying most groups costs more than one whole copy
-        if changed is not None and (changed or base["unfound_keys"]) and not await _pre_cut_key_rows_in(conn, run_id, snapshot_id, base["pre_cut_keys"]):
+        if changed is not None and (changed or base["unfound_keys"]) and not await sk.key_rows_in(conn, run_id, snapshot_id, base["pre_cut_keys"]):
             # Their keys are counted against the pre-cut's key rows, which never came in.
             changed = None
         if changed is not None:
@@ -730,12 +677,12 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
             if base["pre_cut_groups"]:
                 extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
             await _cut_settings(conn)
-            # No key rows: its keys are read from its cut rows (``_KEYS``).
+            # No key rows: its keys are read from its cut rows (``staging_keys.KEYS``).
             await conn.execute(text(_cut_insert(only_named_groups=False)), p)
             r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
         row = _notified_row(r)
         if full_keys:
-            row.cut_staging_keys = list((await conn.execute(text(f"SELECT {_KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
+            row.cut_staging_keys = list((await conn.execute(text(f"SELECT {sk.KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
         return row
 
 
@@ -757,9 +704,9 @@ async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cu
             await conn.execute(
                 text(
                     "SELECT x.cut, x.pre_cut, CASE WHEN x.cut THEN CAST(array_to_json(x.keys) AS text) WHEN x.pre_cut AND NOT :known THEN "
-                    f"({_PRE_CUT_KEYS_JSON}) END AS keys FROM ("
+                    f"({sk.PRE_CUT_KEYS_JSON}) END AS keys FROM ("
                     "SELECT cut_at IS NOT NULL AS cut, counts ->> 'cut_pre_cut_keys' IS NOT NULL AND cut_base_xid IS NOT NULL AS pre_cut, "
-                    f"{_KEYS} AS keys FROM snapshots WHERE run_id = :r AND snapshot_id = :s) x"
+                    f"{sk.KEYS} AS keys FROM snapshots WHERE run_id = :r AND snapshot_id = :s) x"
                 ),
                 {"r": run_id, "s": snapshot_id, "known": pre_cut_keys is not None},
             )
@@ -860,53 +807,13 @@ def xid_base_usable(base_xid: int | None, next_xid: int) -> bool:
     return base_xid is not None and base_xid % 2**32 >= 3 and 0 <= next_xid - base_xid < _DELTA_MAX_XIDS
 
 
-def _not_pre_cut_keys(keys: str) -> str:
-    """A SELECT yielding ``k``, the distinct keys of the SELECT ``keys`` (a column ``k``) that
-    none of the snapshot's key rows hold, in byte order's collation. One index probe per key,
-    written as a scalar subquery so that the planner cannot make it a merge or hash join over
-    every key row: those rows were inserted moments ago (after the pre-cut), their statistics do
-    not show them, and such a plan read all of them (80 ms against ~12 for 2 000 probes in the
-    benchmark)."""
-    return (
-        f"SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ({keys}) x) m WHERE "
-        "(SELECT true FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k LIMIT 1) IS NULL"
-    )
-
-
-def _snapshot_manifest_keys(*, entries_where: str = "") -> str:
-    """The staging keys of snapshot ``:s``'s Gym manifest, one row per (instance, key)."""
-    return (
-        f"SELECT mk.k FROM snapshots sn, LATERAL ({_manifest_keys(':r', ':s', 'sn.gym_manifest', entries_where=entries_where)}) mk "
-        "WHERE sn.run_id = :r AND sn.snapshot_id = :s"
-    )
-
-
-_MANIFEST_KEYS = _snapshot_manifest_keys()
-# The Gym manifest's keys the pre-cut's key rows lack: looked up when each entry was stored
-# (``new_keys``), else (no pre-cut was in then, or a manifest stored whole) here.
-_MANIFEST_NEW_KEYS = (
-    "SELECT u.k FROM snapshot_gym_entries ge, unnest(ge.new_keys) AS u(k) WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NOT NULL "
-    f"UNION ALL {_not_pre_cut_keys(_snapshot_manifest_keys(entries_where=' AND ge.new_keys IS NULL'))}"
-)
-# The pre-cut's key rows: every key of its groups, with how many of them name it. Counted by
-# hashing, inserted in the key index's order (byte order), so that the insert appends to the
-# index's rightmost pages instead of touching random ones (bench/README.md has the figures).
-# Written only while the snapshot is pending and its cut, if taken, was taken on the pre-cut
-# (a whole-run cut reads its keys from its rows, ``_KEYS``).
-_INSERT_KEYS_SQL = (
-    "INSERT INTO snapshot_cut_keys (run_id, snapshot_id, key, refs) SELECT :r, :s, y.k, y.n FROM ("
-    "SELECT x.k COLLATE \"C\" AS k, count(*) AS n FROM ("
-    "SELECT k FROM snapshot_cut_groups c, unnest(c.staging_keys) AS k WHERE c.run_id = :r AND c.snapshot_id = :s"
-    ") x GROUP BY x.k) y WHERE EXISTS (SELECT 1 FROM snapshots sn WHERE sn.run_id = :r AND sn.snapshot_id = :s AND sn.outcome IS NULL "
-    "AND (sn.cut_at IS NULL OR sn.counts ? 'cut_recopied_groups')) ORDER BY y.k"
-)
 # The barrier after a pre-cut, one statement: the keys of the groups copied again (``:new``)
 # counted in, those of their pre-cut copies (``:old``) counted out (a key whose count reaches
 # zero goes); what that and the Gym manifest's keys added to and removed from the pre-cut's keys,
 # sorted by code point, is recorded with the cut. Only the changed keys are touched and the
 # manifest's looked up (index lookups), never the whole cut. New key rows are plain inserts, not
 # an upsert: the run's lock, and the wait for the pre-cut's own writer of them
-# (``_pre_cut_key_rows_in``), keep every other writer out.
+# (``staging_keys.key_rows_in``), keep every other writer out.
 _DELTA_CUT_SQL = (
     "WITH chg AS (SELECT x.k, sum(x.n) AS n FROM ("
     " SELECT k, 1 AS n FROM unnest(CAST(:new AS text[])) AS k"
@@ -923,9 +830,9 @@ _DELTA_CUT_SQL = (
     " AND ck.key = ANY(ARRAY(SELECT k FROM prev WHERE before > 0 AND before + n <= 0))), "
     # Every statement part reads the key rows as they were before it: the pre-cut's.
     "added AS (SELECT COALESCE(array_agg(a.k ORDER BY a.k), '{}') AS ks FROM (SELECT k FROM prev WHERE before <= 0 AND before + n > 0 "
-    f" UNION SELECT k FROM ({_MANIFEST_NEW_KEYS}) mn) a), "
+    f" UNION SELECT k FROM ({sk.MANIFEST_NEW_KEYS}) mn) a), "
     "removed AS (SELECT COALESCE(array_agg(d.k ORDER BY d.k), '{}') AS ks FROM prev d "
-    f" WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM ({_MANIFEST_KEYS}) man WHERE man.k COLLATE \"C\" = d.k)), "
+    f" WHERE d.before > 0 AND d.before + d.n <= 0 AND NOT EXISTS (SELECT 1 FROM ({sk.MANIFEST_KEYS}) man WHERE man.k COLLATE \"C\" = d.k)), "
     "tot AS (SELECT CAST(:g AS bigint) AS g, CAST(:n AS bigint) AS n), "
     "done AS (UPDATE snapshots SET cut_at = now(), cut_xmin = :cx, cut_system_id = :cs, "
     " cut_keys_added = (SELECT ks FROM added), cut_keys_removed = (SELECT ks FROM removed), "
@@ -962,89 +869,6 @@ class PreCut:
     key_rows: asyncio.Future[int] | None = field(default=None, compare=False)
 
 
-# The pre-cut's keys, one JSON array sorted as ``cut_keys`` sorts them, read from its cut rows
-# (the key rows come after it, ``_INSERT_KEYS_SQL``).
-_PRE_CUT_KEYS_JSON = f"SELECT CAST(COALESCE(json_agg(y.k ORDER BY y.k), '[]') AS text) FROM ({_cut_row_keys(':r', ':s')}) y"
-_PRE_CUT_KEYS_SQL = f"SELECT count(*) AS n, CAST(COALESCE(json_agg(y.k ORDER BY y.k), '[]') AS text) AS keys FROM ({_cut_row_keys(':r', ':s')}) y"
-
-# The lock the writer of a pre-cut's key rows holds from before the pre-cut commits until its
-# own transaction ends; a barrier that counts keys against those rows waits for it (shared).
-_KEY_ROWS_LOCK = "hashtextextended('ckptc pre-cut key rows ' || :r || '/' || :s, 0)"
-# How long a barrier waits for them (they normally come within a second of the pre-cut); past it
-# the barrier copies the whole run, which needs none. No writer ever waits on their row locks:
-# a barrier changes them only once their writer has ended, and deletes leave unseen rows alone.
-KEY_ROWS_WAIT_S = 10.0
-# How long a snapshot's end waits for them, to delete them; past it, a writer that stopped
-# answering may leave them behind, unread, until the run's next snapshot ends.
-END_KEY_ROWS_WAIT_S = 2.0
-
-
-async def _pre_cut_key_rows_in(conn: AsyncConnection, run_id: str, snapshot_id: str, keys: int | None, *, wait_s: float = KEY_ROWS_WAIT_S) -> bool:
-    """Wait (within ``wait_s``) until the writer of the pre-cut's key rows has ended; whether
-    they are in (all of them: one transaction writes them)."""
-    p = {"r": run_id, "s": snapshot_id}
-    deadline = time.monotonic() + wait_s
-    # Tried rather than waited for: a wait would hold this transaction's locks (the run, the
-    # snapshot row) for as long as a writer that stopped answering keeps its own.
-    while not (await conn.execute(text(f"SELECT pg_try_advisory_xact_lock_shared({_KEY_ROWS_LOCK})"), p)).scalar():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.005)
-    return not keys or bool((await conn.execute(text(f"SELECT EXISTS ({_key_rows(':r', ':s')})"), p)).scalar())
-
-
-class _KeyRowsWriter:
-    """The transaction that writes a pre-cut's key rows, after the pre-cut committed: opened (and
-    the lock ``_KEY_ROWS_LOCK`` taken) before the pre-cut, so that no barrier finds the pre-cut
-    without it."""
-
-    def __init__(self, conn: AsyncConnection, params: dict[str, Any]) -> None:
-        self.conn = conn
-        self.params = params
-        self._closing: asyncio.Future[None] | None = None
-
-    @classmethod
-    async def open(cls, engine: AsyncEngine, run_id: str, snapshot_id: str) -> _KeyRowsWriter:
-        # A READ COMMITTED transaction, as ``LedgerEngine.begin`` opens, left open past this call.
-        conn = await engine.connect().start()
-        p = {"r": run_id, "s": snapshot_id}
-        try:
-            await conn.execution_options(isolation_level="READ COMMITTED")
-            await conn.begin()
-            await conn.execute(
-                text(f"SELECT pg_advisory_xact_lock({_KEY_ROWS_LOCK}), set_config('synchronous_commit', 'off', true)"),
-                p,
-            )
-        except BaseException:
-            await conn.close()
-            raise
-        return cls(conn, p)
-
-    def start(self) -> asyncio.Future[int]:
-        """Write them and commit, in a task: how many there are (0: the snapshot ended, or its
-        cut was taken without them, meanwhile). Cancelled, even before it ran, it rolls back."""
-        task = asyncio.ensure_future(self._write())
-        task.add_done_callback(self._close_if_never_ran)
-        return task
-
-    async def _write(self) -> int:
-        try:
-            n = (await self.conn.execute(text(_INSERT_KEYS_SQL), self.params)).rowcount
-            await self.conn.commit()
-            return int(n)
-        finally:
-            await self.discard()
-
-    def _close_if_never_ran(self, task: asyncio.Future[int]) -> None:
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self.conn.close())
-
-    async def discard(self) -> None:
-        if self._closing is None:
-            self._closing = asyncio.ensure_future(self.conn.close())
-        await asyncio.shield(self._closing)
-
-
 class _PreCutVoid(Exception):
     """No pre-cut for this snapshot (it moved on, or already has one): roll back what the
     pre-cut's transaction wrote, its copy and its emptying of the changed-groups record."""
@@ -1070,7 +894,7 @@ async def pre_cut(
     it: about a third of the pre-cut's time, which would otherwise keep Gym parked when the
     pre-cut outlasts Gym's commit. A barrier that needs them (groups to copy again, or a Gym
     entry stored without its ``new_keys``) waits for that transaction, and copies the whole run
-    when they never came; the cut's keys are read from its rows until they are in (``_KEYS``).
+    when they never came; the cut's keys are read from its rows until they are in (``staging_keys.KEYS``).
     ``defer_key_rows``: return once the pre-cut committed, with their writing still going
     on (``PreCut.key_rows``, which the caller must await or cancel); otherwise they are in on return.
 
@@ -1078,7 +902,7 @@ async def pre_cut(
     committed (the runner starts the pre-cut right then; by default it is read now)."""
     if not await _writers_see_the_tracking(engine, tracked_from):
         return None
-    key_rows = await _KeyRowsWriter.open(engine, run_id, snapshot_id)
+    key_rows = await sk.KeyRowsWriter.open(engine, run_id, snapshot_id)
     try:
         taken = await _pre_cut(engine, run_id, snapshot_id, fence)
     except BaseException as e:
@@ -1132,7 +956,7 @@ async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fe
         ).one()
         n, sibs = int(copied.groups), int(copied.siblings)
         # Its keys, for the owner (``PreCut``); their rows come after the commit.
-        inserted = (await conn.execute(text(_PRE_CUT_KEYS_SQL), p)).one()
+        inserted = (await conn.execute(text(sk.PRE_CUT_KEYS_SQL), p)).one()
         keys = int(inserted.n)
         done = (
             await conn.execute(
@@ -1302,7 +1126,7 @@ async def end(
                     "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
                     "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END, "
                     # The cut's keys, rows while it was pending (after Gym was resumed: off the park).
-                    f"cut_staging_keys = CASE WHEN :published THEN {_KEYS} ELSE cut_staging_keys END, "
+                    f"cut_staging_keys = CASE WHEN :published THEN {sk.KEYS} ELSE cut_staging_keys END, "
                     # Its Gym manifest, entries while it was pending (joined after Gym was resumed),
                     # kept when complete (``keep_gym_manifest``).
                     f"gym_manifest = CASE WHEN :keep_manifest THEN COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) ELSE gym_manifest END "
@@ -1332,7 +1156,7 @@ async def end(
         ).scalar()
         # The pre-cut's key rows may still be being written: their writer ends first, or rows it
         # wrote after this delete would stay behind (bounded: it normally ends within a second).
-        await _pre_cut_key_rows_in(conn, run_id, snapshot_id, None, wait_s=END_KEY_ROWS_WAIT_S)
+        await sk.key_rows_in(conn, run_id, snapshot_id, None, wait_s=sk.END_KEY_ROWS_WAIT_S)
         if outcome is SnapshotOutcome.published:
             gone = (
                 await conn.execute(
