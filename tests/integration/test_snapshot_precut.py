@@ -10,7 +10,9 @@ counts; and a pre-cut of a snapshot that does not publish leaves nothing behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -396,14 +398,30 @@ async def _seal_g1(engine: Any) -> None:
         )
 
 
-async def test_a_barrier_that_copies_groups_again_waits_for_the_pre_cut_s_key_rows(engine: Any) -> None:
-    await _quiet_groups(engine)
-    await _committing(engine, "p")
+@contextlib.asynccontextmanager
+async def _key_rows_held(engine: Any, key: str, *, quiet: bool = True, entries: bool = False) -> AsyncIterator[tuple[Any, Any]]:
+    """A pre-cut of snapshot p (in phase commit; its Gym manifest as entries with ``entries``)
+    taken while a transaction holds an uncommitted key row ``key``: the pre-cut returns with its
+    key rows' writer waiting for that transaction, which rolls back when the block ends.
+    Yields (the pre-cut, the owner's fence)."""
+    if quiet:
+        await _quiet_groups(engine)
+    await (_committing_with_entries if entries else _committing)(engine, "p")
+    fence = await owner_fence(engine)
     tracked_from = await repo.tracking_horizon(engine)
-    blocker = await _holding_key_row(engine, "tq/q00")
+    blocker = await _holding_key_row(engine, key)
     try:
-        taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from, defer_key_rows=True)
-        assert taken is not None and taken.groups == 12 and taken.key_rows is not None
+        taken = await repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from, defer_key_rows=True)
+        assert taken is not None and taken.key_rows is not None
+        yield taken, fence
+    finally:
+        await blocker.rollback()
+        await blocker.close()
+
+
+async def test_a_barrier_that_copies_groups_again_waits_for_the_pre_cut_s_key_rows(engine: Any) -> None:
+    async with _key_rows_held(engine, "tq/q00") as (taken, _):
+        assert taken.groups == 12
         await asyncio.sleep(0.2)
         assert not taken.key_rows.done()  # returned with its key rows still being written
         await _seal_g1(engine)
@@ -411,9 +429,6 @@ async def test_a_barrier_that_copies_groups_again_waits_for_the_pre_cut_s_key_ro
         barrier = asyncio.create_task(repo.take_cut(engine, RUN, "p"))
         await asyncio.sleep(0.3)
         assert not barrier.done()  # g1 changed: its keys are counted against the key rows, not in yet
-    finally:
-        await blocker.rollback()
-        await blocker.close()
     assert await taken.key_rows == len(taken.keys)
     row = await barrier
     assert row.counts["cut_recopied_groups"] == 1 and "tq/new" in row.cut_staging_keys
@@ -421,19 +436,10 @@ async def test_a_barrier_that_copies_groups_again_waits_for_the_pre_cut_s_key_ro
 
 
 async def test_a_barrier_copies_the_whole_run_when_the_pre_cut_s_key_rows_never_came(engine: Any) -> None:
-    await _quiet_groups(engine)
-    await _committing(engine, "p")
-    tracked_from = await repo.tracking_horizon(engine)
-    blocker = await _holding_key_row(engine, "tq/q00")
-    try:
-        taken = await repo.pre_cut(engine, RUN, "p", await owner_fence(engine), tracked_from=tracked_from, defer_key_rows=True)
-        assert taken is not None and taken.key_rows is not None
+    async with _key_rows_held(engine, "tq/q00") as (taken, _):
         taken.key_rows.cancel()  # their writer is gone before it wrote them (its transaction rolls back)
         with pytest.raises(asyncio.CancelledError):
             await taken.key_rows
-    finally:
-        await blocker.rollback()
-        await blocker.close()
     assert await _key_row_count(engine) == 0
     await _seal_g1(engine)
     await _to_data_plane(engine, "p")
@@ -445,14 +451,7 @@ async def test_a_barrier_copies_the_whole_run_when_the_pre_cut_s_key_rows_never_
 
 
 async def test_a_barrier_that_copies_nothing_again_does_not_wait_for_the_key_rows(engine: Any) -> None:
-    await _quiet_groups(engine)
-    await _committing_with_entries(engine, "p")
-    fence = await owner_fence(engine)
-    tracked_from = await repo.tracking_horizon(engine)
-    blocker = await _holding_key_row(engine, "tq/q00")
-    try:
-        taken = await repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from, defer_key_rows=True)
-        assert taken is not None and taken.key_rows is not None
+    async with _key_rows_held(engine, "tq/q00", entries=True) as (taken, fence):
         # Gym's entry, its keys found against the pre-cut's (as the owner stores it).
         await repo.store_gym_entry(engine, RUN, "p", fence, _gym_entry("i1", ["model/x", "tq/q01"], taken.keys))
         await _to_data_plane(engine, "p")
@@ -460,28 +459,16 @@ async def test_a_barrier_that_copies_nothing_again_does_not_wait_for_the_key_row
         assert row.counts["cut_recopied_groups"] == 0 and not taken.key_rows.done()
         keys = json.loads((await repo.cut_keys(engine, RUN, "p"))[1])  # read from the cut rows meanwhile
         assert keys == row.cut_staging_keys and set(taken.keys) <= set(keys)
-    finally:
-        await blocker.rollback()
-        await blocker.close()
     assert await taken.key_rows == len(taken.keys)
     assert json.loads((await repo.cut_keys(engine, RUN, "p"))[1]) == row.cut_staging_keys  # and from the key rows now
     await _same_as_a_whole_run_cut(engine, "p", row)
 
 
 async def test_a_snapshot_ended_while_its_key_rows_are_written_leaves_none_behind(engine: Any) -> None:
-    await _committing(engine, "p")
-    fence = await owner_fence(engine)
-    tracked_from = await repo.tracking_horizon(engine)
-    blocker = await _holding_key_row(engine, "tq/a")
-    try:
-        taken = await repo.pre_cut(engine, RUN, "p", fence, tracked_from=tracked_from, defer_key_rows=True)
-        assert taken is not None and taken.key_rows is not None
+    async with _key_rows_held(engine, "tq/a", quiet=False) as (taken, fence):
         ending = asyncio.create_task(repo.end(engine, RUN, "p", "aborted", "train_step_committed", fence=fence, expected=SnapshotPhase.commit))
         await asyncio.sleep(0.3)
         assert not ending.done()  # the end waits for their writer, which has begun writing them
-    finally:
-        await blocker.rollback()
-        await blocker.close()
     await ending
     assert await taken.key_rows > 0
     assert await _key_row_count(engine) == 0
