@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -672,7 +672,8 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
                 )
             ).one()
         else:
-            # No pre-cut, or one that most groups changed since: copy everything.
+            # No pre-cut, or one that most groups changed since: copy everything. A pre-cut's key
+            # rows stay until the end: a whole-run cut's keys are read from its rows.
             await delete_cut_rows(conn, run_id, [snapshot_id])
             if base["pre_cut_groups"]:
                 extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
@@ -914,7 +915,7 @@ async def pre_cut(
     if not defer_key_rows:
         await writing
         return taken
-    return PreCut(taken.groups, taken.keys, taken.keys_json, key_rows=writing)
+    return replace(taken, key_rows=writing)
 
 
 async def _pre_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence) -> PreCut:
@@ -1169,7 +1170,7 @@ async def end(
                 )
             ).scalars().all()
             # The cut tables have no foreign key to snapshots (it slowed the cut): their rows go here.
-            await delete_cut_rows(conn, run_id, list(gone), keys_of=[snapshot_id])
+            await delete_cut_rows(conn, run_id, list(gone))
         else:
             # Only a published snapshot is ever restored from or exported: the cut (or pre-cut) of a
             # failed or aborted one (a data-plane failure after the barrier, a lost resume, a train
@@ -1178,20 +1179,17 @@ async def end(
             await delete_cut_rows(conn, run_id, [snapshot_id])
         await conn.execute(text("DELETE FROM snapshot_changed_groups WHERE run_id = :r"), {"r": run_id})
         await conn.execute(text("DELETE FROM snapshot_gym_entries WHERE run_id = :r AND snapshot_id = :s"), {"r": run_id, "s": snapshot_id})
-        # Key rows are read only for the run's one pending snapshot, this one: those a writer
-        # committed after an earlier end stopped waiting for it go too.
+        # The one place key rows go. They are read only for the run's one pending snapshot, this
+        # one: those a writer committed after an earlier end stopped waiting for it go too.
         await conn.execute(text("DELETE FROM snapshot_cut_keys WHERE run_id = :r"), {"r": run_id})
         return SnapshotRow(**dict(r._mapping)), int(losses or 0)
 
 
-async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str], *, keys_of: list[str] = ()) -> None:  # type: ignore[assignment]
-    """Delete the cut of these snapshots (and the key rows of ``keys_of`` too, whose keys are
-    kept in their row), in the caller's transaction (the one deleting the rows)."""
+async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:
+    """Delete the cut of these snapshots, in the caller's transaction (the one deleting the rows).
+    Their key rows go at the snapshot's end (:func:`end`, for the whole run)."""
     if snapshot_ids:
         await conn.execute(text("DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": snapshot_ids})
-    ids = [*snapshot_ids, *keys_of]
-    if ids:
-        await conn.execute(text("DELETE FROM snapshot_cut_keys WHERE run_id = :r AND snapshot_id = ANY(:ids)"), {"r": run_id, "ids": ids})
 
 
 async def announce_train_step(engine: AsyncEngine, run_id: str, step: int, checkpoint_ref: str | None) -> tuple[dict[str, Any], list[str]]:

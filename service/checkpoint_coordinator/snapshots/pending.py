@@ -280,13 +280,6 @@ class PendingSnapshot:
             return await read(conn)
 
     async def _drive(self) -> None:
-        # Side by side on their own connections: they are on the snapshot's path to Gym's prepare.
-        # The gate's close needs none of the reads; every step waits for the others to end, so
-        # that a failure of one leaves no write in flight behind the error handling. The close,
-        # the longest, sends its statement first (``_write`` starts it in a task of its own, which
-        # each read, yielding once, lets run before it takes its connection).
-        # The Gym checkpoint id is drawn now: with nothing owed to Gym, the close's transaction
-        # moves on to prepare with it (one flushed write, not two, before Gym is prepared).
         opened = self._opened
         if opened is not None:
             # Its request closed the gate and read all this in its transaction.
@@ -300,6 +293,14 @@ class PendingSnapshot:
             if gate.prepared:
                 self._entered(P.prepare)
         else:
+            # The close and the reads side by side on their own connections: they are on the
+            # snapshot's path to Gym's prepare. The gate's close needs none of the reads; every step
+            # waits for the others to end, so that a failure of one leaves no write in flight behind
+            # the error handling. The close, the longest, sends its statement first (``_write``
+            # starts it in a task of its own, which each read, yielding once, lets run before it
+            # takes its connection).
+            # The Gym checkpoint id is drawn now: with nothing owed to Gym, the close's transaction
+            # moves on to prepare with it (one flushed write, not two, before Gym is prepared).
             checkpoint_id = checkpoint_id_for(self.snapshot_id)
             gate, run, snap, topology, left = await all_ended(
                 self._write(

@@ -58,7 +58,7 @@ async def request_snapshot(
             topology = await load_topology(conn, run_id)
             left = await repo.deadline_left_s(conn, run_id, snapshot_id)
             opened = Opened(run, row, topology, left, time.monotonic(), gate, checkpoint_id, requested_at)
-        elif created:
+        elif created and owner != runner.owner:
             await repo.notify_created(conn, run_id, snapshot_id)
     if opened is not None and epoch is not None:
         runner.start(run_id, snapshot_id, epoch, opened=opened)
