@@ -103,9 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS", help="give up after this long (default 900)")
     p.add_argument(
         "--gym-profile",
-        choices=("published", "strict"),
+        choices=("published", "pinned", "strict"),
         default="published",
         help="how the gymsim deployment behaves: 'published' (default) as NeMo Gym's published control code does, "
+        "'pinned' as that code with agents that name their /run sessions among every export (the Gym NeMo RL pins), "
         "'strict' as the protocol specification's sections 1-11 describe",
     )
     p.add_argument(

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from .config import FaultSpec, ServerName
+from .config import PUBLISHED_PROFILES, FaultSpec, ServerName
 from .faults import Connection, FaultMiddleware
 from .instance import Instance
 from .kinds import AgentParticipant, ModelParticipant, MutateBody, ResourcesParticipant, completion
@@ -165,7 +165,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         server = server_of(request)
-        if instance.config.profile_of(server) == "published":
+        if instance.config.profile_of(server) in PUBLISHED_PROFILES:
             # Published Gym has no handler for these: the framework's own plain 500, no envelope.
             return PlainTextResponse("Internal Server Error", status_code=500)
         error = ProtocolError("checkpoint_error", f"unexpected participant fault: {exc!r}", status=500)

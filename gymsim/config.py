@@ -17,12 +17,16 @@ BrokenBehaviour = Literal[
     "lease_never_expires",
     "ignore_stale_attempt",
 ]
-FaultType = Literal["delay", "error", "reset", "lost_reply", "refuse"]
+FaultType = Literal["delay", "slow_reply", "error", "reset", "lost_reply", "refuse"]
 # `published`: how the NeMo Gym control code that is actually public behaves (spec section 13);
-# `strict`: sections 1-11 of the spec. README.md lists every difference.
-GymProfile = Literal["published", "strict"]
+# `pinned`: published, with agents that report `run_episode_ids` for every /run session they
+# export, in the scope or not (the Gym NeMo RL pins, P8); `strict`: sections 1-11 of the spec.
+# README.md lists every difference.
+GymProfile = Literal["published", "pinned", "strict"]
+# Profiles that behave as published Gym in everything but what they name as their own.
+PUBLISHED_PROFILES = frozenset({"published", "pinned"})
 # The error-code spelling each profile emits unless `wire_spelling` says otherwise (spec 10, P6).
-PROFILE_SPELLING: dict[str, Spelling] = {"published": "legacy", "strict": "current"}
+PROFILE_SPELLING: dict[str, Spelling] = {"published": "legacy", "pinned": "legacy", "strict": "current"}
 ServerName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=128)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
@@ -50,8 +54,8 @@ class FaultSpec(_Strict):
 
     @model_validator(mode="after")
     def _needs(self) -> "FaultSpec":
-        if self.type == "delay" and self.seconds is None:
-            raise ValueError("a delay fault needs seconds")
+        if self.type in ("delay", "slow_reply") and self.seconds is None:
+            raise ValueError(f"a {self.type} fault needs seconds")
         if self.type == "refuse" and not self.code:
             raise ValueError("a refuse fault needs the protocol code to refuse with")
         return self

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from .config import InstanceConfig
+from .config import PUBLISHED_PROFILES, InstanceConfig
 from .testing import GymsimInstance, default_instance_config
 
 MODEL = "policy_model"
@@ -234,7 +234,7 @@ class Harness:
 
     @property
     def published(self) -> bool:
-        return self.profile == "published"
+        return self.profile in PUBLISHED_PROFILES
 
     async def unclaimed(self, server: str) -> list[str]:
         """The restored episodes a participant's status lists as not yet claimed."""

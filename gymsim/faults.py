@@ -143,6 +143,17 @@ class FaultMiddleware:
             spelling = self.instance.config.spelling_for(fault.server_name)
             for message in _json_message(status, error.envelope(spelling)):
                 await connection.send(message)
+        elif fault.type == "slow_reply":
+            # The operation runs at once; its reply reaches the caller `seconds` later.
+            held: list[dict[str, Any]] = []
+
+            async def hold(message: dict[str, Any]) -> None:
+                held.append(message)
+
+            await self.app(scope, receive, hold)
+            await self.instance.clock.sleep(fault.seconds or 0.0)
+            for message in held:
+                await connection.send(message)
         elif fault.type == "reset":
             await connection.drop()
         elif fault.type == "lost_reply":

@@ -630,8 +630,10 @@ class AgentParticipant(Participant):
         return state
 
     def commit_extras(self, exported: dict[Pair, dict[str, Any]]) -> dict[str, Any]:
-        if self.published:
+        if self.profile == "published":
             return {}  # published Gym's agent adds nothing to the commit reply (P1)
+        # Strict agents export the scope only; pinned ones (P8) export every live session, so
+        # their /run sessions are named whether the scope holds them or not.
         return {"run_episode_ids": sorted(capture_key(*p) for p in exported if p not in self.native)}
 
     def validate_record(self, record: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import storage
-from .config import ServerConfig
+from .config import PUBLISHED_PROFILES, ServerConfig
 from .wire import (
     BODY_MODELS,
     MAX_BLOCKERS,
@@ -150,7 +150,7 @@ class Participant:
 
     @property
     def published(self) -> bool:
-        return self.profile == "published"
+        return self.profile in PUBLISHED_PROFILES
 
     @property
     def spelling(self) -> str:
