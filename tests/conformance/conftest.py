@@ -3,7 +3,8 @@
 
 The profile reaches the checks through `gymsim.testing.DEFAULT_GYM_PROFILE`, which
 `default_instance_config` reads on every call, so each check's instances follow the test's id
-(`...[published]` or `...[strict]`) unless the check pins a profile itself. A check whose rule reads
+(`...[published]` or `...[strict]`, and `...[pinned]` for the checks marked `pinned_too`) unless
+the check pins a profile itself. A check whose rule reads
 differently under the published profile asks for the `gym_profile` fixture and branches on it.
 
 A test module that uses `client` declares the client's timeouts as `CLIENT_TIMEOUTS`; `rows` sends
@@ -25,9 +26,22 @@ from .helpers import Rows, StartGym
 from .recording import RecordingTransport
 
 GYM_PROFILES = ["published", "strict"]
+# Checks marked ``pinned_too`` (items 18, 45 and 46, which read differently for agents that name
+# their /run sessions among every export: protocol section 13 P8) run under `pinned` as well.
+PINNED = "pinned"
 
 
-@pytest.fixture(autouse=True, params=GYM_PROFILES)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "pinned_too: also run the check against gymsim's `pinned` profile")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "gym_profile" in metafunc.fixturenames:
+        profiles = GYM_PROFILES + ([PINNED] if metafunc.definition.get_closest_marker("pinned_too") else [])
+        metafunc.parametrize("gym_profile", profiles, indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def gym_profile(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setattr(gymsim.testing, "DEFAULT_GYM_PROFILE", request.param)
     return request.param

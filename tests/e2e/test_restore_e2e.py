@@ -35,7 +35,7 @@ async def _state(g: GymsimInstance, path: str = "/state") -> dict[str, Any]:
     return await asyncio.to_thread(g.admin, "GET", path)
 
 
-@pytest.mark.parametrize("profile", ["published", "strict"])
+@pytest.mark.parametrize("profile", ["published", "pinned", "strict"])
 async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path: Path, profile: str) -> None:  # type: ignore[no-untyped-def]
     gyms = {iid: _start(iid, profile) for iid in IDS}
     fresh: dict[str, GymsimInstance] = {}
@@ -48,7 +48,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
         reg = await api.post("/gym-instances", _registration(*gyms.values()))
         # Published Gym: the model and the agent report no mode (protocol section 13 P3).
         assert all("reports no checkpoint mode" in w for w in reg["warnings"])
-        assert len(reg["warnings"]) == (4 if profile == "published" else 0)
+        assert len(reg["warnings"]) == (0 if profile == "strict" else 4)
         assert all(len(i["participants"]) == 3 for i in reg["instances"])
 
         # Live traffic: per instance, one short turn-level group that finishes before the snapshot

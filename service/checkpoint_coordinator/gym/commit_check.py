@@ -1,4 +1,4 @@
-"""The coordinator's validation of one instance's commit replies (spec 5.4, section 13 P1/P2).
+"""The coordinator's validation of one instance's commit replies (spec 5.4, section 13 P1/P2/P8).
 
 Pure: it turns the replies into the instance's saved episodes ``E``, their staging keys and the
 drain set, or into the ``protocol_error`` parts that name each offending server.
@@ -61,7 +61,7 @@ class _Check:
         self.candidate_keys = self.scope_keys | {ep.capture_key for ep in restarts}
         self.problems: dict[str, list[str]] = {}
         self.samples: dict[str, list[str]] = {}
-        # capture key of a saved /run episode -> the agent that claimed it first.
+        # capture key of a /run episode (in the scope or not) -> the agent that claimed it first.
         self.claims: dict[str, str] = {}
         self.double: dict[str, set[str]] = {}
         # Exports outside the scope, per kind of the exporter: accepted, not saved.
@@ -110,16 +110,18 @@ class _Check:
             not_exported = run - exported
             if not_exported:
                 self.refuse(name, f"{len(not_exported)} run_episode_ids not among its episode_ids", sample(not_exported))
-            claimed_beyond = run - self.scope_keys
-            if claimed_beyond:
-                self.refuse(name, f"{len(claimed_beyond)} run_episode_ids outside the scope", sample(claimed_beyond))
+            # Those outside the scope (section 13 P8: an agent that exports every live session
+            # names its /run sessions among all of them) are exports outside the scope: already
+            # counted in ``outside`` above, never saved.
             native = (exported & self.scope_keys) - run
             if native:
                 # Native sessions: nothing here can drive them after a restore.
                 self.refuse(
                     name, f"stranded sessions: {len(native)} exported episode(s) outside run_episode_ids", sample(native)
                 )
-        for key in run & self.scope_keys:
+        # A /run session has one driver, in the scope or not: two agents claiming it is a broken
+        # deployment. E is the claims in the scope.
+        for key in run:
             owner = self.claims.setdefault(key, name)
             if owner != name:
                 self.double.setdefault(key, {owner}).add(name)
@@ -168,7 +170,7 @@ class _Check:
         }
 
     def result(self, inst: InstanceTopology, directory: str, ok: Mapping[str, CommitReply]) -> InstanceCommit:
-        saved_keys = set(self.claims)
+        saved_keys = self.claims.keys() & self.scope_keys
         staging: set[str] = set()
         for p in inst.participants:
             if p.kind != MODEL:
@@ -179,7 +181,7 @@ class _Check:
                 continue
             for key in saved_keys:
                 staging.update(reply.staging_keys_by_episode.get(key, ()))
-        # Claims are scope keys only: their episodes come from the scope, not parsed again.
+        # Saved keys are scope keys: their episodes come from the scope, not parsed again.
         episodes = [ep for k, ep in self.scope_by_key.items() if k in saved_keys]
         episodes.sort()  # the scope comes sorted: one pass
         saved = set(episodes)
