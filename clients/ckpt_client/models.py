@@ -662,10 +662,15 @@ class Snapshot:
 
     @property
     def stop_honoured(self) -> bool | None:
-        """For a stopping snapshot, whether every Gym instance took ``stop`` (a Gym that refuses
-        it gets the commit without it); None when not a stop or not known."""
+        """For a stopping snapshot, whether every Gym instance stayed parked (a Gym that refuses
+        ``stop`` gets the commit without it and is resumed; one whose lease lapsed resumed on its
+        own); None when not a stop or not known."""
         if isinstance(self.raw.get("stop_honoured"), bool):
             return bool(self.raw["stop_honoured"])
+        detail = self.raw.get("detail")
+        per_instance = detail.get("stop_honoured") if isinstance(detail, Mapping) else None
+        if isinstance(per_instance, Mapping) and per_instance and all(isinstance(v, bool) for v in per_instance.values()):
+            return all(per_instance.values())
         flags = [f.get("stop_supported") for f in self.gym_figures.values()]
         if not flags or not all(isinstance(f, bool) for f in flags):
             return None

@@ -468,11 +468,12 @@ LEVELS = {
 }
 
 
-@pytest.mark.parametrize("profile", ["published", "strict"])
+@pytest.mark.parametrize("profile", ["published", "pinned", "strict"])
 @pytest.mark.parametrize("level", list(LEVELS))
 async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(client, admin, app, tmp_path: Path, level: str, profile: str) -> None:  # type: ignore[no-untyped-def]
     """Protocol section 13: against Gym as published (agents and resources export every live
-    session whatever the scope, no run_episode_ids) as against strict Gym."""
+    session whatever the scope, no run_episode_ids), as NeMo RL pins it (the same, with
+    run_episode_ids naming the /run sessions among every export, P8) and as strict Gym."""
     gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05, gym_profile=profile))
     try:
         iid = gym.instance_id
@@ -510,7 +511,10 @@ async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(clien
         assert all(v["participant"] in participants and v["seconds"] > 0 for v in figures["slowest"].values()), figures
         outside = figures["exported_outside_scope"]
         coarse_in_flight = level in ("sibling", "prompt_group", "mixed")
-        assert (outside > 0) == (profile == "published" and coarse_in_flight), figures
+        assert (outside > 0) == (profile != "strict" and coarse_in_flight), figures
+        # No staging key of an episode left out of the snapshot is kept.
+        keys = full["gym_manifest"]["instances"][iid]["staging_keys"]
+        assert all(k.split("/")[1] in saved for k in keys), (keys, saved)
         counts = await api.get("/counts")
         assert counts["live_attempts"] == {"sealed": 2 * len(groups)}
         assert all(s["phase"] == "idle" for s in gym.state()["servers"].values() if s.get("participant"))
@@ -635,3 +639,46 @@ async def test_a_bad_wait_is_a_clear_422(client, admin, query: str, field: str) 
     assert r.json()["code"] == "invalid_request" and field in {e["field"].split(".")[-1] for e in r.json()["errors"]}, r.text
     missing = await client.get("/v1/runs/run-1/snapshots/nope?wait_s=1&watch_token=x", headers=api.h)
     assert missing.status_code == 404 and missing.json()["code"] == "snapshot_not_found"
+
+
+@pytest.mark.parametrize("finished", [False, True], ids=["still-running", "finished-before-the-barrier"])
+async def test_a_lease_that_lapses_before_the_barrier(client, admin, app, tmp_path: Path, finished: bool) -> None:  # type: ignore[no-untyped-def]
+    """Gym committed, then its lease ran out before the trainer's barrier, so Gym resumed on its
+    own. With the saved episodes still running at the barrier the snapshot publishes and its
+    detail names the participants that lapsed; with saved episodes finished (sealed) before the
+    barrier, the ledger cut and the Gym manifest disagree, and the snapshot fails ``lease_lost``
+    instead of publishing a Gym state no restore could continue."""
+    gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05, lease_grace_seconds=10))
+    try:
+        iid = gym.instance_id
+        api = await new_run(client, admin, target_level="turn", control_timeout_s=10, drain_timeout_s=20, data_plane_timeout_s=20)
+        await register_by_discovery(app.state.engine, "run-1", [gym])
+        trainer = Trainer(api, {iid: gym}, turns=8 if finished else 400)
+        rows = await trainer.admit_and_dispatch([group_body("g1", 2)], iid)
+        await asyncio.sleep(0.2)  # a few turns in
+        r = await api.c.post(f"/v1/runs/{api.run_id}/snapshots", json={"snapshot_id": "s1", "anchor_step": 0}, headers=api.h)
+        assert r.status_code in (200, 202), r.text
+        async with asyncio.timeout(30):
+            while (await api.get("/snapshots/s1"))["awaiting"] != "barrier":
+                await asyncio.sleep(0.02)
+        saved = {e["rollout_id"] for e in (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]["instances"][iid]["episodes"]}
+        assert saved == {x["rollout_id"] for x in rows}
+        # Gym's clock runs past its leases: it resumes on its own.
+        await asyncio.to_thread(gym.admin, "POST", "/admin/clock", {"advance": 3600})
+        if finished:
+            await trainer.wait_idle()  # the saved episodes finish and are sealed before the barrier
+        snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
+        for t in list(trainer.tasks):
+            t.cancel()
+        await trainer.aclose()
+        lapsed = snap["detail"]["lease_lapsed"]
+        assert set(lapsed) == {iid} and set(lapsed[iid]) == {"policy_model", "workplace_agent", "calendar_resources"}, snap["detail"]
+        if finished:
+            assert (snap["outcome"], snap["reason"]) == ("failed", "lease_lost"), snap
+            assert snap["detail"]["ended_count"] == 2 and set(snap["detail"]["ended_samples"]) == saved
+        else:
+            assert (snap["outcome"], snap["reason"]) == ("published", "ok"), snap
+            for server in lapsed[iid]:
+                assert any(f"{iid}/{server}: lease lapsed" in w for w in snap["detail"]["warnings"]), snap["detail"]["warnings"]
+    finally:
+        gym.stop()

@@ -96,6 +96,9 @@ class GymControlClient:
             trust_env=False,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        # The participants whose lease grace a renew has shown, as (instance, server): the
+        # grace is checked, and a bad one warned of, once per run (``LeaseRenewer``).
+        self.grace_checked: set[tuple[str, str]] = set()
         self._ctl = Control(
             channel=ControlChannel(
                 self._http, self.clock, control_timeout_s=self.control_timeout_s, max_reply_bytes=max_control_reply_bytes

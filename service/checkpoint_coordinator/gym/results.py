@@ -108,21 +108,14 @@ class CommitResult:
     def pending(self) -> dict[str, set[Episode]]:
         return {iid: set(ic.pending) for iid, ic in self.instances.items()}
 
-    @property
-    def stop_honoured(self) -> bool | None:
-        """None without a stop; else whether every instance took it (section 13 P4)."""
-        flags = [ic.stop_supported for ic in self.instances.values()]
-        if not flags or any(f is None for f in flags):
-            return None
-        return all(flags)
-
 
 @dataclass(frozen=True, slots=True)
 class ResumeReport:
     checkpoint_id: str
     failure: GymControlError | None
     answered_at: float
-    # Per instance and server, the reply's idempotent flag (servers that answered).
+    # Per instance and server, the idempotent flag of its first answer (servers that answered):
+    # true when the checkpoint had already ended there (a lapsed lease, or a resume before).
     idempotent: Mapping[str, Mapping[str, bool]] = field(default_factory=dict)
     rounds: int = 1
 
@@ -190,6 +183,19 @@ class SaveResult:
     timings: Mapping[str, float]
     gym_parked_seconds: float | None
     warnings: tuple[str, ...] = ()
+    # Per instance, the participants whose lease lapsed after the instance committed: Gym
+    # resumed them on its own (a stop was not honoured there).
+    lapsed: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def stop_honoured(self) -> dict[str, bool]:
+        """Per instance, whether it was left parked as a stopping save asked (an instance that
+        refused ``stop``, or whose lease lapsed, was not); empty without a stop."""
+        return {
+            iid: bool(ic.stop_supported) and iid not in self.lapsed
+            for iid, ic in sorted(self.commit.instances.items())
+            if ic.stop_supported is not None
+        }
 
     @property
     def gym_restarted_episodes(self) -> int:

@@ -32,7 +32,10 @@ async def resume_all(ctl: Control, cid: str, topology: Topology) -> ResumeReport
             outcomes = await asyncio.gather(*(_resume_instance(ctl, cid, inst) for inst in pending.values()))
             retry: dict[str, InstanceTopology] = {}
             for (iid, inst), (flags, parts) in zip(pending.items(), outcomes):
-                idempotent[iid].update(flags)
+                for server, flag in flags.items():
+                    # The first answer counts: a retry after a lost reply finds the checkpoint
+                    # already ended by the try whose reply was lost.
+                    idempotent[iid].setdefault(server, flag)
                 if parts:
                     failures[iid] = parts
                     if all(part["transient"] for part in parts.values()):

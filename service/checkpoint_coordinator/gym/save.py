@@ -175,6 +175,8 @@ class GymSave:
             # and commit: its calls would hold the event loop while the commit is being sent,
             # and the commit itself renews every lease (spec 6). The round still comes early
             # enough to check the lease grace Gym was configured with.
+            assert self._renewer is not None
+            self._renewer.committed(iid)
             self._start_renewing()
             if on_instance is not None:
                 on_instance(iid, ic)
@@ -191,6 +193,8 @@ class GymSave:
                 make_directories=self._dirs_made is None,
             )
         )
+        for iid in self.commit_result.instances:  # those validated only at a second try
+            self._renewer.committed(iid)
         self._start_renewing()  # when no instance validated at its first try
         self._lap("commit")
         return self.commit_result
@@ -298,24 +302,28 @@ class GymSave:
 
     async def finish(self) -> SaveResult:
         """After the cut: resume Gym, or, when stopping, leave parked every instance that honoured
-        ``stop`` (section 13 P4; one that refused it is resumed as usual). A resume failure is
-        reported, not raised: the snapshot is kept and the leases reopen Gym."""
-        assert self._cut_done and self.commit_result is not None
-        await self._stop_renewer()
+        ``stop`` (section 13 P4; one that refused it, or whose lease lapsed, is resumed as usual).
+        A resume failure is reported, not raised: the snapshot is kept and the leases reopen Gym.
+        Every answer of the renew round in flight is in before this returns."""
+        assert self._cut_done and self.commit_result is not None and self._renewer is not None
         commit = self.commit_result
         resume: ResumeReport | None = None
-        to_resume = self.topology
         if self.stop:
-            parked = [iid for iid, ic in commit.instances.items() if ic.stop_supported]
-            self.client.release(self.checkpoint_id, parked)
-            to_resume = {iid: inst for iid, inst in self.topology.items() if iid not in parked}
+            # Which instance stays parked depends on its lease: the round in flight and one more
+            # are answered first (a stopping save's park ends with the process anyway).
+            await self._stop_renewer(last_round=True)
+            to_resume = self._release_stopped(commit)
+            self._ended = True
             if to_resume:
-                self.warnings.append("stop not honoured by " + ", ".join(sorted(to_resume)) + ": those instances were resumed")
-        self._ended = True
-        if to_resume:
-            resume = await self.client.resume(self.checkpoint_id, to_resume, raise_on_failure=False)
-            self._note_parked(resume.answered_at)
-            self._lap("resume")
+                resume = await self._resume_after_cut(to_resume)
+        else:
+            # Resume at once; the renew round still in flight is waited for beside it, and the
+            # lapses it reports judged by the resume's answers (``LeaseRenewer.confirm_late``).
+            self._renewer.halt()
+            self._ended = True
+            resume, _ = await asyncio.gather(self._resume_after_cut(self.topology), self._renewer.settle())
+            self._renewer.confirm_late(resume.idempotent)
+            await self._stop_renewer()  # collects its warnings
         self.timings["total"] = self.client.clock.time() - self._run_started
         return SaveResult(
             checkpoint_id=self.checkpoint_id,
@@ -325,11 +333,37 @@ class GymSave:
             timings=dict(self.timings),
             gym_parked_seconds=self.gym_parked_seconds,
             warnings=tuple(self.warnings),
+            lapsed={iid: tuple(sorted(servers)) for iid, servers in sorted(self.lapsed.items())},
         )
+
+    def _release_stopped(self, commit: CommitResult) -> Topology:
+        """A stopping save: release the instances that stay parked; the others, to resume."""
+        lapsed = self.lapsed
+        parked = [iid for iid, ic in commit.instances.items() if ic.stop_supported and iid not in lapsed]
+        self.client.release(self.checkpoint_id, parked)
+        to_resume = {iid: inst for iid, inst in self.topology.items() if iid not in parked}
+        refused = sorted(iid for iid in to_resume if iid not in lapsed)
+        if refused:
+            self.warnings.append("stop not honoured by " + ", ".join(refused) + ": those instances were resumed")
+        if lapsed:
+            self.warnings.append("stop not honoured by " + ", ".join(sorted(lapsed)) + ": their lease lapsed and Gym resumed them on its own")
+        return to_resume
+
+    async def _resume_after_cut(self, topology: Topology) -> ResumeReport:
+        report = await self.client.resume(self.checkpoint_id, topology, raise_on_failure=False)
+        self._note_parked(report.answered_at)
+        self._lap("resume")
+        return report
+
+    @property
+    def lapsed(self) -> dict[str, dict[str, str]]:
+        """The participants whose lease lapsed after their instance committed (Gym resumed them
+        on its own), per instance: what showed it."""
+        return self._renewer.lapsed if self._renewer is not None else {}
 
     async def resume_before_cut(self) -> ResumeReport | None:
         """The abort: resume every instance (None when Gym was never parked, or is no longer)."""
-        await self._stop_renewer()
+        await self._stop_renewer(settle=False)
         if not self.parked:
             return None
         self._ended = True
@@ -339,12 +373,12 @@ class GymSave:
 
     async def abandon(self) -> None:
         """Stop driving the checkpoint without any Gym call (another coordinator now does)."""
-        await self._stop_renewer()
+        await self._stop_renewer(settle=False)
         self._ended = True
 
-    async def _stop_renewer(self) -> None:
+    async def _stop_renewer(self, *, settle: bool = True, last_round: bool = False) -> None:
         if self._renewer is not None:
-            await self._renewer.stop()
+            await self._renewer.stop(settle=settle, last_round=last_round)
             self.warnings.extend(w for w in self._renewer.warnings if w not in self.warnings)
 
     # --- the whole sequence, for callers without a ledger --------------------------------------
@@ -401,7 +435,7 @@ class GymSave:
                 await self.within_lease(self.capture_hook(manifest))
             self.cut()
         except asyncio.CancelledError:
-            await self._stop_renewer()  # run() resumes everyone
+            await self._stop_renewer(settle=False)  # run() resumes everyone
             raise
         except BaseException as exc:
             report = await self.resume_before_cut()

@@ -69,15 +69,35 @@ _PLAN_DUPLICATES = (
 # Every manifest entry must be the current attempt of a live turn-level sibling on that instance
 # at that Gym attempt, and a saved one still running in Gym: the matches, per kind, must number
 # the entries (the manifest's rollout ids are unique, the cut's too).
+_CUT_TURN_ROWS = (
+    "(SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
+    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
+    f"AND c.restore_level = '{L.turn}' AND c.status IN ('{G.generating}', '{G.ready}')) sa "
+    "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n"
+)
+# A saved entry's row may still run in Gym (``may_run_in_gym``).
+_RUNS_IN_GYM = f"(sa.status = '{A.dispatched}' OR (sa.status = '{A.reserved}' AND sa.gym_attempt > 0))"
 _PLAN_MANIFEST = (
     "SELECT count(*) FILTER (WHERE m.saved), count(*) FILTER (WHERE NOT m.saved) "
     "FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[], %(mk)s::boolean[]) AS m(inst, rid, n, saved) "
-    "JOIN (SELECT s.rollout_id, s.gym_instance_id, s.gym_attempt, s.status FROM snapshot_cut_groups c "
-    "CROSS JOIN LATERAL unnest(c.siblings) AS s WHERE c.run_id = %(r)s AND c.snapshot_id = %(s)s "
-    f"AND c.restore_level = '{L.turn}' AND c.status IN ('{G.generating}', '{G.ready}')) sa "
-    "ON sa.rollout_id = m.rid AND sa.gym_instance_id = m.inst AND sa.gym_attempt = m.n "
-    f"WHERE NOT m.saved OR sa.status = '{A.dispatched}' OR (sa.status = '{A.reserved}' AND sa.gym_attempt > 0)"
+    f"JOIN {_CUT_TURN_ROWS} WHERE NOT m.saved OR {_RUNS_IN_GYM}"
 )
+# The saved entries that are no longer running in Gym in the cut (none, for a cut taken while Gym
+# was parked): what a Gym that resumed before the cut finished meanwhile.
+_ENDED_SAVED = (
+    "SELECT m.rid FROM unnest(%(mi)s::text[], %(mr)s::text[], %(mn)s::int[]) AS m(inst, rid, n) "
+    f"LEFT JOIN {_CUT_TURN_ROWS} AND {_RUNS_IN_GYM} WHERE sa.rollout_id IS NULL ORDER BY m.rid"
+)
+
+
+async def saved_episodes_ended(conn: AsyncConnection, run_id: str, snapshot_id: str, saved: list[tuple[str, str, int]]) -> list[str]:
+    """Of the saved episodes ``(instance, rollout id, Gym attempt)``, the rollout ids whose row in
+    the snapshot's cut is no longer running in Gym (sorted): a restore would refuse the
+    snapshot's Gym manifest for them."""
+    if not saved:
+        return []
+    mi, mr, mn = (list(col) for col in zip(*saved))
+    return [r for (r,) in await fetch(conn, _ENDED_SAVED, {"r": run_id, "s": snapshot_id, "mi": mi, "mr": mr, "mn": mn})]
 # The rows the plan sends (every live row but reused ones; with ``reused`` those too, code 1, with
 # their staging keys), in cut order, each with one number: its disposition code times 16 plus its
 # reason code (split in Python with two byte translations). A turn-level row that is neither

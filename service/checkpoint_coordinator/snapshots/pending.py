@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +52,7 @@ from ..gym_runtime import GymClients, load_topology
 from ..ledger import snapshots as repo
 from ..ledger.db import JsonText, classify_database_error
 from ..ledger.leases import Fence, Fenced
+from ..ledger.restore_plan_sql import saved_episodes_ended
 from ..ledger.runs import RunRow, get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
@@ -396,6 +397,18 @@ class PendingSnapshot:
         _, result = await all_ended(
             until_database_answers(lambda: self._move(P.resume), f"snapshot {self.snapshot_id}: resume phase"), save.finish()
         )
+        if result.lapsed:
+            ended = await self._saved_episodes_ended(commit, result.lapsed)
+            if ended:
+                # Gym resumed on its own before the barrier, and saved episodes finished in the
+                # ledger meanwhile: the cut and the Gym manifest disagree, and no restore could
+                # continue them. The snapshot fails as a lost lease (try a new one).
+                await self._end(SnapshotReason.lease_lost, {
+                    "why": "Gym resumed on its own (its lease lapsed) and saved episodes ended before the ledger cut",
+                    "lease_lapsed": {iid: list(servers) for iid, servers in result.lapsed.items()},
+                    "ended_count": len(ended), "ended_samples": ended[:10], "warnings": list(result.warnings),
+                })
+                return
         # A stopping snapshot keeps the gate closed: the run is stopped until a restore or reopen.
         await until_database_answers(
             lambda: self._write(P.publish, lambda: repo.publish_phase(self.engine, self.run_id, self.snapshot_id, self.fence, keep_gate=self.stop)),
@@ -416,10 +429,24 @@ class PendingSnapshot:
                 metrics.record_exported_outside_scope(kind, n)
         if unknown:
             detail["unregistered_instances"] = unknown
+        if result.lapsed:
+            # Gym resumed these participants on its own after their instance committed.
+            detail["lease_lapsed"] = {iid: list(servers) for iid, servers in result.lapsed.items()}
         if self.stop:
-            # Per instance: left parked (stop honoured) or resumed (a Gym that refused `stop`).
-            detail["stop_honoured"] = {iid: ic.stop_supported for iid, ic in sorted(commit.instances.items())}
+            # Per instance: left parked (stop honoured), or resumed (a Gym that refused `stop`, or
+            # whose lease lapsed).
+            detail["stop_honoured"] = result.stop_honoured
         await self._end(SnapshotReason.ok, detail, restarted=result.gym_restarted_episodes, resume_failure=resume_failure)
+
+    async def _saved_episodes_ended(self, commit: CommitResult, lapsed: Mapping[str, Any]) -> list[str]:
+        """The saved episodes of the lapsed instances that the cut no longer has running in Gym."""
+        saved = [(iid, ep.rollout_id, ep.attempt) for iid in lapsed for ep in commit.instances[iid].episodes]
+
+        async def read() -> list[str]:
+            async with self.engine.connect() as conn:
+                return await saved_episodes_ended(conn, self.run_id, self.snapshot_id, saved)
+
+        return await until_database_answers(read, f"snapshot {self.snapshot_id}: checking the lapsed instances' episodes")
 
     # --- transitions: one fenced write each ----------------------------------------------------
 
