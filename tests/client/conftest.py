@@ -21,6 +21,7 @@ import uvicorn
 
 from ckpt_client import AsyncCoordinatorClient, CoordinatorClient, GroupSpec, SealedRow, SendRow
 from tests.conftest import ADMIN_TOKEN
+from tests.gym_placeholders import register_placeholders_sync
 
 AppWrapper = Callable[[Any], Any]
 
@@ -34,8 +35,9 @@ def free_port() -> int:
 class LiveServer:
     """One ASGI app served by uvicorn in a background thread on 127.0.0.1:``port``."""
 
-    def __init__(self, app_factory: Callable[[], Any], checkpoint_root: Path, port: int | None = None) -> None:
+    def __init__(self, app_factory: Callable[[], Any], checkpoint_root: Path, port: int | None = None, database_url: str = "") -> None:
         self.app_factory = app_factory
+        self.database_url = database_url
         # Per test: Gym writes snapshot manifests under the run's checkpoint root, and a
         # directory left by another test would belong to another checkpoint.
         self.checkpoint_root = checkpoint_root
@@ -93,7 +95,7 @@ def coordinator(settings: Any, database_url: str, tmp_path: Path) -> Iterator[Li
 
     # The gate's retry hint is lowered so gate tests wait fractions of a second, not seconds.
     fast = settings.model_copy(update={"gate_retry_after_s": 0.2})
-    server = LiveServer(lambda: create_app(fast, database_url=database_url), tmp_path / "checkpoints")
+    server = LiveServer(lambda: create_app(fast, database_url=database_url), tmp_path / "checkpoints", database_url=database_url)
     server.start()
     try:
         yield server
@@ -190,11 +192,17 @@ async def make_client(request: pytest.FixtureRequest) -> Any:
         await f.aclose()
 
 
-async def open_run(server: LiveServer, make: MakeClient, run_id: str = "run-1", **recovery: Any) -> Facade:
-    """Create a run with the admin token and answer a client bound to it with its run token."""
+async def open_run(
+    server: LiveServer, make: MakeClient, run_id: str = "run-1", *, placeholders: tuple[str, ...] = ("math/replica-0",), **recovery: Any
+) -> Facade:
+    """Create a run with the admin token and answer a client bound to it with its run token.
+    ``placeholders``: Gym instances registered as placeholders, so that rows can be dispatched
+    to them without a Gym deployment (a registration of a real one replaces its placeholder)."""
     admin = make(server.url, ADMIN_TOKEN)
     run = await admin.create_run(run_id, str(server.checkpoint_root), {"target_level": "sibling", **recovery})
     assert run.run_token and run.state == "open"
+    if placeholders:
+        await asyncio.to_thread(register_placeholders_sync, server.database_url, run_id, *placeholders)
     return make(server.url, run.run_token, run_id=run_id)
 
 

@@ -227,7 +227,7 @@ async def test_too_large_body_and_batching_avoids_it(settings: Any, database_url
     from checkpoint_coordinator.app import create_app
 
     small = settings.model_copy(update={"max_body_bytes": 2048})
-    server = LiveServer(lambda: create_app(small, database_url=database_url), tmp_path / "checkpoints")
+    server = LiveServer(lambda: create_app(small, database_url=database_url), tmp_path / "checkpoints", database_url=database_url)
     await asyncio.to_thread(server.start)
     try:
         run = await open_run(server, make_client)

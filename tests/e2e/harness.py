@@ -25,6 +25,8 @@ async def register_by_discovery(engine: Any, run_id: str, instances: list[Any]) 
         topo = await gc.discover_all([InstanceSpec(i.instance_id, i.token, i.servers) for i in instances])
     async with engine.begin() as conn:
         for inst in instances:
+            # Replaces a placeholder of the same id (tests/gym_placeholders.py), as a registration does.
+            await conn.execute(text("DELETE FROM gym_instances WHERE run_id = :r AND instance_id = :i"), {"r": run_id, "i": inst.instance_id})
             await conn.execute(
                 text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token, discovered_at) VALUES (:r, :i, CAST(:s AS jsonb), :t, now())"),
                 {"r": run_id, "i": inst.instance_id, "s": json.dumps(inst.servers), "t": inst.token},

@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from typing import Any
 
+from ..gym_placeholders import register_placeholders
+
 _dispatch_ids = itertools.count(1)
 _checkpoint_roots: list[str] = []
 
@@ -28,6 +30,7 @@ class RunApi:
         self.c = client
         self.run_id = run_id
         self.h = {"Authorization": f"Bearer {token}"}
+        self._placed: set[str] = set()
 
     async def post(self, path: str, body: dict[str, Any], expect: int = 200) -> dict[str, Any]:
         r = await self.c.post(f"/v1/runs/{self.run_id}{path}", json=body, headers=self.h)
@@ -42,10 +45,27 @@ class RunApi:
     async def admit(self, *groups: dict[str, Any], expect: int = 200) -> dict[str, Any]:
         return await self.post("/groups/admit", {"groups": list(groups)}, expect)
 
-    async def dispatch(self, rollout_ids: list[str], instance_id: str | None = "math/replica-0", dispatch_id: str | None = None, expect: int = 200) -> dict[str, Any]:
+    async def register_placeholders(self, *instance_ids: str) -> None:
+        """Register Gym instances as placeholders (``tests/gym_placeholders.py``); only for a
+        client of the app in this process (its ASGI transport holds the app)."""
+        await register_placeholders(self.c._transport.app.state.engine, self.run_id, *instance_ids)
+        self._placed.update(instance_ids)
+
+    async def dispatch(
+        self, rollout_ids: list[str], instance_id: str | None = "math/replica-0", dispatch_id: str | None = None, expect: int = 200,
+        *, placeholder: bool = True,
+    ) -> dict[str, Any]:
+        """``placeholder``: register ``instance_id`` as a placeholder first when the run has not
+        (tests of the ledger alone dispatch without a Gym deployment; ``tests/gym_placeholders.py``)."""
         body: dict[str, Any] = {"dispatch_id": dispatch_id or f"d{next(_dispatch_ids)}", "rollout_ids": rollout_ids}
         if instance_id is not None:
             body["instance_id"] = instance_id
+            if placeholder and instance_id not in self._placed:
+                r = await self.c.post(f"/v1/runs/{self.run_id}/attempts/dispatch", json=body, headers=self.h)
+                if r.status_code != 404 or r.json().get("code") != "unknown_instance":
+                    assert r.status_code == expect, ("/attempts/dispatch", r.status_code, r.text)
+                    return r.json()
+                await self.register_placeholders(instance_id)  # then the same dispatch again
         return await self.post("/attempts/dispatch", body, expect)
 
     async def seal(self, rows: list[dict[str, Any]], expect: int = 200, reward: float = 1.0) -> dict[str, Any]:

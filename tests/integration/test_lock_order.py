@@ -26,6 +26,8 @@ from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.ledger.runs import lock_run
 from checkpoint_coordinator.snapshots import service as snapshot_service
 
+from ..gym_placeholders import register_placeholders
+
 RUN = "run-locks"
 OWNER = "test"
 
@@ -35,6 +37,7 @@ async def engine(database_url: str) -> Any:
     eng = make_async_engine(database_url, pool_size=4)
     async with eng.begin() as conn:
         await conn.execute(text("INSERT INTO runs (run_id, config, checkpoint_root, token_hash) VALUES (:r, '{}', '/tmp/ckptc-locks', 'x')"), {"r": RUN})
+    await register_placeholders(eng, RUN, "i/0")  # a snapshot is refused to a run without Gym
     try:
         yield eng
     finally:

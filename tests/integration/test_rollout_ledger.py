@@ -68,6 +68,29 @@ async def test_seal_receipt_must_name_capture_key(client, admin) -> None:  # typ
     assert (await run.group("g1"))["siblings"][0]["attempts"][0]["status"] == "dispatched"
 
 
+async def test_a_seal_of_a_row_never_dispatched_says_to_dispatch_it_first(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]
+    refused = await run.seal(rows, 409)
+    assert refused["code"] == "attempt_not_dispatched" and len(refused["rows"]) == 2
+    assert all(r["code"] == "attempt_not_dispatched" and "dispatch it first" in r["detail"] for r in refused["rows"])
+    g = await run.group("g1")  # nothing written
+    assert [s["attempts"][0]["status"] for s in g["siblings"]] == ["reserved", "reserved"]
+    await run.dispatch([r["rollout_id"] for r in rows])
+    assert [r["result"] for r in (await run.seal(rows))["rows"]] == ["sealed", "sealed"]
+
+
+async def test_dispatch_to_an_instance_the_run_never_registered_is_refused_naming_it(client, admin) -> None:  # type: ignore[no-untyped-def]
+    run = await new_run(client, admin)
+    rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]
+    await run.register_placeholders("math/replica-0")
+    refused = await run.dispatch([rows[0]["rollout_id"]], instance_id="math/replica-9", placeholder=False, expect=404)
+    assert refused["code"] == "unknown_instance" and refused["instance_id"] == "math/replica-9"
+    assert "'math/replica-9' is not registered" in refused["detail"] and "(registered: math/replica-0)" in refused["detail"]
+    assert "register it first" in refused["detail"]
+    assert (await run.group("g1"))["siblings"][0]["attempts"][0]["status"] == "reserved"
+
+
 async def test_refused_keeps_identity_and_spends_nothing(client, admin) -> None:  # type: ignore[no-untyped-def]
     run = await new_run(client, admin)
     rows = (await run.admit(group_body("g1", 2)))["groups"][0]["rows"]

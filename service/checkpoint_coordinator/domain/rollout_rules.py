@@ -577,12 +577,23 @@ def _seal_other(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | str:
     return Refusal("attempt_not_current", f"attempt is {a.status}, group {g.status}")
 
 
+def _seal_reserved(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | str:
+    if not a.is_current or g.status != G.generating:
+        return _seal_other(a, row, g)
+    # Admitted (or restored) and never recorded as sent: the trainer skipped the dispatch.
+    return Refusal(
+        "attempt_not_dispatched",
+        "attempt is reserved and was never dispatched: dispatch it first (POST /attempts/dispatch, client.dispatch), "
+        "then send it to Gym and seal its reply (a restore's rows to send are dispatched like new ones)",
+    )
+
+
 # Seal: the rule for each current status of the named attempt.
 SEAL_RULES: Mapping[str, Callable[[AttemptRow, SealReport, GroupRow], Refusal | str]] = {
     A.sealed.value: _seal_repeat,
     A.returned.value: _seal_repeat,
     A.dispatched.value: _seal_in_flight,
-    A.reserved.value: _seal_other,
+    A.reserved.value: _seal_reserved,
     A.failed.value: _seal_other,
     A.abandoned.value: _seal_other,
 }

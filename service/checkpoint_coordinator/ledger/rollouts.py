@@ -345,8 +345,15 @@ async def dispatch(
         if instance_id is not None:
             gi = GymInstance.__table__
             known = (await conn.execute(select(gi.c.instance_id).where(gi.c.run_id == run_id))).scalars().all()
-            if known and instance_id not in known:
-                raise NotFound(f"instance {instance_id!r} is not registered for this run", code="unknown_instance", instance_id=instance_id)
+            if instance_id not in known:
+                # Accepted, the row would run where no snapshot reaches it, and every snapshot
+                # would fail later for a cause far from here.
+                raise NotFound(
+                    f"instance {instance_id!r} is not registered for run {run_id!r}"
+                    + (f" (registered: {', '.join(sorted(known)[:10])}{', ...' if len(known) > 10 else ''})" if known else " (none is)")
+                    + "; register it first (POST /v1/runs/{run}/gym-instances, client.register_gym_instances), then dispatch",
+                    code="unknown_instance", instance_id=instance_id,
+                )
         groups, atts = await lock_and_read(conn, run_id, rollout_ids)
         d = _accepted(decide_dispatch(rollout_ids, atts, groups, dispatch_id, instance_id))
         if d.extra:

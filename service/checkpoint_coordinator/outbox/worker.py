@@ -73,8 +73,11 @@ class OutboxDeliverer:
         client = self.gym.for_run(run_id, run.config)
         for iid in instance_ids if instance_ids is not None else sorted(topology):
             inst = topology.get(iid)
-            if inst is None or not ({(iid, "retire"), (iid, "forget")} & owed):
-                continue  # items for an unregistered instance wait until it is registered
+            if inst is None or not inst.participants or not ({(iid, "retire"), (iid, "forget")} & owed):
+                # Items for an unregistered instance wait until it is registered, and those of an
+                # instance with no participant known wait for one: acknowledged with nobody told,
+                # a retire would be lost.
+                continue
             delivered["retire"] += await self._drain(run_id, inst, fence, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, fence, items))
             delivered["forget"] += await self._drain(run_id, inst, fence, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, fence, items))
         return delivered
