@@ -191,6 +191,14 @@ class BatchRefused(Conflict):
         """Refused key (rollout or group id) -> row code."""
         return {r.key: r.code for r in self.rows}
 
+    def __str__(self) -> str:
+        # Each refused row's code and what it says, so that a log line says what to do.
+        rows = self.rows
+        shown = "; ".join(f"{r.key}: {r.code}" + (f" ({r.detail})" if r.detail else "") for r in rows[:10])
+        more = self.refused_count - min(len(rows), 10)
+        listed = f" [{self.refused_count} refused: {shown}" + (f"; and {more} more" if more > 0 else "") + "]" if rows else ""
+        return super().__str__() + listed
+
 
 class RunClosed(Conflict):
     """409 ``run_closed``: the run no longer accepts writes."""
@@ -280,11 +288,19 @@ class SnapshotFailed(CoordinatorError):
         self.snapshot = snapshot
         self.outcome: str | None = getattr(snapshot, "outcome", None)
         self.reason: str | None = getattr(snapshot, "reason", None)
+        #: Why it ended and what to do, as the coordinator says it (None from an older one).
+        self.cause: str | None = getattr(snapshot, "cause", None)
         sid = getattr(snapshot, "snapshot_id", "?")
-        super().__init__(f"snapshot {sid} ended {self.outcome} ({self.reason})", code=f"snapshot_{self.outcome}")
+        said = f": {self.cause}" if self.cause else ""
+        super().__init__(f"snapshot {sid} ended {self.outcome} ({self.reason}){said}", code=f"snapshot_{self.outcome}")
 
     @property
     def retryable(self) -> bool:
+        """Whether requesting a new snapshot later is expected to work: the coordinator's own
+        verdict when it gives one, else the reason's."""
+        said = getattr(self.snapshot, "retryable", None)
+        if isinstance(said, bool):
+            return said
         return self.reason in self._TRANSIENT_REASONS
 
 

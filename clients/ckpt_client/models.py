@@ -141,14 +141,53 @@ class GroupSpec:
 
 @dataclass(frozen=True)
 class SealedRow:
-    """A finished row. ``receipt`` is Gym's receipt; its ``rollout_id`` must be the attempt's
-    capture key (``SendRow.capture_key``), not necessarily its rollout id."""
+    """A finished row.
+
+    ``receipt`` proves which Gym episode the result comes from: a JSON object whose
+    ``rollout_id`` is the **capture key** of the attempt that was sent (``row.capture_key``:
+    the rollout id at Gym attempt 0, ``<rollout id>-a<N>`` at attempt N), not the rollout id. A
+    reply of an older attempt that arrives after a restore then names another episode than the
+    current one, and its seal is refused ``receipt_mismatch`` instead of sealing the wrong
+    result. Other keys are stored as they are; a repeated seal must send the same receipt.
+    :meth:`from_gym_reply` builds the whole row from a ``/run`` reply and the row it was sent
+    for, right at every attempt."""
 
     rollout_id: str
     receipt: Mapping[str, Any]
     staging_keys: Sequence[str] = ()
     reward: float | None = None
     mask_sample: bool | None = None
+
+    @classmethod
+    def from_gym_reply(
+        cls,
+        row: Any,
+        reply: Mapping[str, Any],
+        *,
+        reward: float | None = None,
+        staging_keys: Sequence[str] | None = None,
+        mask_sample: bool | None = None,
+    ) -> SealedRow:
+        """The seal of ``row`` (a :class:`SendRow` or :class:`PlanRow`: what was dispatched and
+        sent) from Gym's ``/run`` ``reply``. The receipt is ``{"rollout_id": row.capture_key,
+        "gym_attempt": row.gym_attempt}``. ``reward`` and ``staging_keys`` default to the
+        reply's fields of those names. A reply that names another episode (its ``capture_key``,
+        or its ``rollout_id`` and ``attempt``) raises ValueError: it is not this row's reply."""
+        rid, key, attempt = getattr(row, "rollout_id", None), getattr(row, "capture_key", None), getattr(row, "gym_attempt", 0)
+        if not rid or not key:
+            raise ValueError(f"row {row!r} has no rollout id and capture key: seal the rows that were dispatched")
+        said_key = reply.get("capture_key")
+        said = (reply.get("rollout_id"), reply.get("attempt"))
+        if (said_key is not None and said_key != key) or (said[1] is not None and said != (rid, attempt)):
+            raise ValueError(f"the reply names episode {said_key or said!r}, not {key!r} ({rid!r} at Gym attempt {attempt})")
+        got = reply.get("reward") if reward is None else reward
+        return cls(
+            rollout_id=rid,
+            receipt={"rollout_id": key, "gym_attempt": attempt},
+            staging_keys=list(reply.get("staging_keys") or () if staging_keys is None else staging_keys),
+            reward=None if got is None else float(got),
+            mask_sample=mask_sample,
+        )
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"rollout_id": self.rollout_id, "receipt": dict(self.receipt), "staging_keys": list(self.staging_keys)}
@@ -643,6 +682,13 @@ class Snapshot:
     #: Opaque: a coordinator that sends it answers ``get_snapshot(..., wait_s=, watch_token=)``
     #: as soon as the snapshot moves on from it (a long poll); None from one that does not.
     watch_token: str | None = None
+    #: For a snapshot that did not publish: why it ended and what to do, in one line; and
+    #: whether requesting a new snapshot later is expected to work. None otherwise.
+    cause: str | None = None
+    retryable: bool | None = None
+    #: What the snapshot found worth telling while it ran (a Gym lease grace out of range, a
+    #: participant whose lease lapsed, a stop not honoured...); a published snapshot may have them.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -695,6 +741,9 @@ class Snapshot:
             data_plane_ref=DataPlaneRef.parse(d.get("data_plane_ref") or d.get("reference")),
             raw=d,
             watch_token=_str(d.get("watch_token")),
+            cause=_str(d.get("cause")),
+            retryable=d.get("retryable") if isinstance(d.get("retryable"), bool) else None,
+            warnings=_strs(detail.get("warnings")) if isinstance(detail := d.get("detail"), Mapping) else [],
         )
 
 

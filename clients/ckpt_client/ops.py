@@ -3,7 +3,8 @@ snapshots``.
 
 Both read a running coordinator over HTTP with the client's own calls and print a table (or the
 JSON the coordinator answered). The token comes from ``CKPTC_RUN_TOKEN`` only: a token on the
-command line would end up in shell histories and in every ``ps`` listing.
+command line would end up in shell histories and in every ``ps`` listing. The coordinator's URL
+is ``--url``, or ``CKPTC_URL`` when that option is left out.
 
 Exit status: 0 printed; 1 the coordinator refused (unknown run, bad token, invalid request...);
 2 usage (bad arguments, no token); 3 the coordinator could not be reached or answered something
@@ -24,9 +25,10 @@ from .errors import CoordinatorError, ProtocolError, Unavailable
 from .models import PlanRow, RestorePlan, Snapshot
 from .sync import CoordinatorClient
 
-__all__ = ["TOKEN_ENV", "restore_plan_main", "snapshots_main", "parse_instance_map"]
+__all__ = ["TOKEN_ENV", "URL_ENV", "restore_plan_main", "snapshots_main", "parse_instance_map"]
 
 TOKEN_ENV = "CKPTC_RUN_TOKEN"
+URL_ENV = "CKPTC_URL"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 _DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
@@ -87,7 +89,11 @@ _non_negative, _positive, _seconds = _at_least(0), _at_least(1), _at_least(0, fl
 def _parser(command: str, description: str) -> argparse.ArgumentParser:
     """A command's parser with the options both commands share."""
     p = argparse.ArgumentParser(prog=f"ckpt-coordinator {command}", description=description, epilog=_EPILOG)
-    p.add_argument("--url", required=True, metavar="URL", help="base URL of the coordinator, e.g. http://127.0.0.1:8080")
+    url = os.environ.get(URL_ENV, "").strip()
+    p.add_argument(
+        "--url", required=not url, default=url or None, metavar="URL",
+        help=f"base URL of the coordinator, e.g. http://127.0.0.1:8080 (default: ${URL_ENV})",
+    )
     p.add_argument("--run", required=True, metavar="RUN", help="the run id")
     p.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON instead of tables")
     p.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="HTTP timeout per request (default 60)")
@@ -268,6 +274,8 @@ def render_plan(run_id: str, plan: RestorePlan, *, rows: int = 50, instance_map:
         lines.append("rows per reason")
         body = [[d, r, str(n)] for d in _ordered(reasons, _DISPOSITIONS) for r, n in sorted(reasons[d].items())]
         lines += table([["disposition", "reason", "rows"], *body])
+    elif "reasons" in raw:
+        lines.append("rows per reason: none")
     else:
         lines.append("rows per reason: not reported by this coordinator")
 
@@ -349,16 +357,19 @@ def render_snapshots(run_id: str, snaps: Sequence[Snapshot]) -> str:
     for s in snaps:
         timings = s.phase_timings
         gym = s.gym_figures
-        if not timings and not gym:
+        if not timings and not gym and not s.cause and not s.warnings:
             continue
         lines += ["", f"  {s.snapshot_id}"]
+        if s.cause:
+            again = {True: "a new snapshot later should work", False: "waiting will not help", None: ""}[s.retryable]
+            lines.append(f"    cause: {' '.join(s.cause.split())}" + (f" ({again})" if again else ""))
         phases = [f"{k} {_secs(timings[k])}" for k in _ordered(timings, _PHASES) if k not in ("total", "gym_parked")]
         if phases:
             lines.append("    phases: " + ", ".join(phases))
         for iid, f in sorted(gym.items()):
             lines.append("    " + _instance_line(iid, f))
-        detail = s.raw.get("detail")
-        if isinstance(detail, Mapping) and detail.get("warnings"):
-            first = " ".join(str(detail["warnings"][0]).split())
-            lines.append(f"    warnings: {len(detail['warnings'])} (first: {first[:160]})")
+        for w in s.warnings[:5]:
+            lines.append(f"    warning: {' '.join(w.split())}")
+        if len(s.warnings) > 5:
+            lines.append(f"    … {len(s.warnings) - 5} more warnings (--json shows them all)")
     return "\n".join(lines)

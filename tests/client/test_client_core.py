@@ -102,6 +102,12 @@ def test_typed_error_fields() -> None:
         cc.RefusedRow("g2", "group_not_ready", "b", group_id="g2"),
     ]
     assert refused.codes() == {"r1": "unknown_rollout", "g2": "group_not_ready"} and refused.refused_count == 5
+    # Its message says each refused row's code and detail, then how many more were refused.
+    assert str(refused).endswith("[5 refused: r1: unknown_rollout (a); g2: group_not_ready (b); and 3 more]"), str(refused)
+    many = decode_error(_problem(409, "attempt_not_dispatched", rows=[
+        {"rollout_id": f"r{i}", "code": "attempt_not_dispatched", "detail": "dispatch it first"} for i in range(12)], refused_count=12))
+    text = str(many)
+    assert text.count("attempt_not_dispatched (dispatch it first)") == 10 and text.endswith("and 2 more]"), text
     invalid = decode_error(_problem(422, "invalid_request", errors=[{"field": "rows.0.reward", "message": "m", "type": "t"}]))
     assert isinstance(invalid, cc.InvalidRequest) and invalid.errors == [{"field": "rows.0.reward", "message": "m", "type": "t"}]
 

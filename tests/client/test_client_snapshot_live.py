@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_client import AsyncCoordinatorClient, Conflict, CoordinatorClient, DataPlaneRef, GymInstance, SnapshotFailed, TrainStep
+from ckpt_client import AsyncCoordinatorClient, Conflict, CoordinatorClient, DataPlaneRef, GymInstance, NotFound, SnapshotFailed, TrainStep
 from tests.conftest import ADMIN_TOKEN
 
 from .conftest import Facade, LiveServer, MakeClient, group, open_run, sealed
@@ -93,6 +93,9 @@ async def test_snapshot_publishes_and_restore_reruns_what_was_in_flight(
     rec = Recorder(tmp_path / "s1")
     snap = await run.snapshot(0, rec.capture, snapshot_id="s1", barrier=rec.barrier_for(run), poll_interval=0.05, timeout=60)
     assert snap.snapshot_id == "s1" and snap.published and (snap.outcome, snap.reason) == ("published", "ok")
+    assert snap.cause is None and snap.retryable is None
+    # This Gym keeps Gym's default lease grace of 600 s against a control_timeout_s of 60: said, typed.
+    assert [w for w in snap.warnings if "lease grace" in w and "above 4x" in w], snap.warnings
     assert rec.events == ["barrier:enter", "capture", "barrier:exit"]
     # The coordinator asked for exactly the staging keys of the rows sealed at the cut.
     assert sorted(rec.captured_keys or []) == sorted(f"tq/{r.capture_key}/0" for r in done)
@@ -145,16 +148,21 @@ async def test_the_snapshot_helper_waits_on_the_coordinator_not_on_its_poll_inte
     assert rec.events == ["barrier:enter", "capture", "barrier:exit"]
 
 
-async def test_snapshot_without_gym_fails_typed_and_reopens_the_gate(coordinator: LiveServer, make_client: MakeClient, tmp_path: Path) -> None:
-    run = await open_run(coordinator, make_client)
+async def test_snapshot_without_gym_is_refused_saying_to_register_it(coordinator: LiveServer, make_client: MakeClient, tmp_path: Path) -> None:
+    run = await open_run(coordinator, make_client, placeholders=())
     rows = (await run.admit_groups([group("g0")])).rows
     rec = Recorder(tmp_path)
-    with pytest.raises(SnapshotFailed) as failed:
+    with pytest.raises(Conflict) as refused:
         await run.snapshot(0, rec.capture, snapshot_id="s-nogym", barrier=rec.barrier_for(run), poll_interval=0.05, timeout=30)
-    err = failed.value
-    assert (err.outcome, err.reason) == ("failed", "gym_unavailable") and err.retryable and err.code == "snapshot_failed"
-    assert rec.events == []  # never asked for the barrier
-    await run.dispatch([r.rollout_id for r in rows], instance_id=INSTANCE)  # the gate reopened
+    err = refused.value
+    assert err.status == 409 and err.code == "gym_not_registered"
+    assert "register its Gym instances first" in str(err) and "register_gym_instances" in str(err)
+    assert rec.events == [] and await run.list_snapshots() == []  # nothing was started
+    # Nor is a dispatch to an instance the run never registered.
+    with pytest.raises(NotFound) as unknown:
+        await run.dispatch([r.rollout_id for r in rows], instance_id=INSTANCE)
+    assert unknown.value.code == "unknown_instance" and INSTANCE in str(unknown.value) and "register it first" in str(unknown.value)
+    assert (await run.counts()).live_attempts == {"reserved": len(rows)}
 
 
 async def test_train_step_wins_over_a_snapshot_at_the_barrier(
@@ -187,6 +195,9 @@ async def test_train_step_wins_over_a_snapshot_at_the_barrier(
     with pytest.raises(SnapshotFailed) as lost:
         await run.snapshot(0, rec.capture, snapshot_id="s-lost", barrier=barrier, poll_interval=0.05, timeout=60)
     assert (lost.value.outcome, lost.value.reason) == ("aborted", "train_step_committed") and lost.value.retryable, (lost.value.snapshot.raw["detail"], lost.value.snapshot.raw["reason"])
+    # Its message says why and what to do; the document carries the same.
+    assert "a newer train step was announced before the cut" in str(lost.value) and "snapshot earlier in the step" in str(lost.value)
+    assert lost.value.cause == lost.value.snapshot.cause and lost.value.snapshot.retryable is True
     # The barrier was taken once, refused, released; nothing was captured.
     assert rec.events == ["barrier:enter", "barrier:exit"]
     assert (await run.get_run()).raw["consecutive_snapshot_losses"] == 1

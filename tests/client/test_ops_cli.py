@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from ckpt_client import CoordinatorClient, GymInstance
+from tests.gym_placeholders import register_placeholders_sync
 from ckpt_client.ops import parse_instance_map
 from tests.conftest import ADMIN_TOKEN
 
@@ -25,10 +26,13 @@ INSTANCE = "math/replica-0"
 SCRIPT = str(Path(sys.executable).with_name("ckpt-coordinator"))
 
 
-def cli(*args: str, token: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "CKPTC_RUN_TOKEN"}
+def cli(*args: str, token: str | None = None, timeout: float = 60, url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """The command as an operator runs it; ``url``: in ``CKPTC_URL`` instead of ``--url``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CKPTC_RUN_TOKEN", "CKPTC_URL")}
     if token is not None:
         env["CKPTC_RUN_TOKEN"] = token
+    if url is not None:
+        env["CKPTC_URL"] = url
     return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -232,22 +236,24 @@ def test_snapshot_history_shows_a_stop_and_the_slowest_participants() -> None:
 
 
 def test_history_pages_newest_first(coordinator: LiveServer) -> None:
-    """Snapshots of a run without Gym fail at once, and they are history all the same."""
-    from ckpt_client import SnapshotFailed
-
+    """Snapshots the trainer gave up are history all the same, each with its cause."""
     with CoordinatorClient(coordinator.url, ADMIN_TOKEN, retries=2, backoff=0.05) as admin:
         run = admin.create_run("ops-history", str(coordinator.checkpoint_root), {"target_level": "sibling"})
     assert run.run_token
+    register_placeholders_sync(coordinator.database_url, "ops-history", "math/replica-0")
     with CoordinatorClient(coordinator.url, run.run_token, run_id="ops-history", retries=2, backoff=0.05) as c:
         for k in range(3):
-            with pytest.raises(SnapshotFailed):
-                c.snapshot(0, lambda keys: ("/nowhere", "sha256:0"), snapshot_id=f"h{k}", poll_interval=0.05, timeout=30)
+            c.request_snapshot(0, snapshot_id=f"h{k}")
+            c.abort_snapshot(f"h{k}", "data_plane_failed", detail=f"disk full {k}", timeout=30, poll_interval=0.05)
         assert [s.snapshot_id for s in c.snapshot_history(page_size=2)] == ["h2", "h1", "h0"]
         assert [s.snapshot_id for s in c.snapshot_history(limit=2, page_size=1)] == ["h2", "h1"]
-        reason = c.get_snapshot("h0").reason
-    p = cli("snapshots", "--url", coordinator.url, "--run", "ops-history", "--all", token=run.run_token)
+        h0 = c.get_snapshot("h0")
+    assert h0.reason == "data_plane_failed" and h0.retryable is False
+    assert h0.cause and h0.cause.startswith("disk full 0: the trainer reported that its data-plane capture failed")
+    p = cli("snapshots", "--run", "ops-history", "--all", token=run.run_token, url=coordinator.url)  # the URL from CKPTC_URL
     assert p.returncode == 0, p.stderr
     assert "newest first (3)" in p.stdout and p.stdout.index("h2") < p.stdout.index("h1") < p.stdout.index("h0")
-    assert reason and reason in p.stdout and "failed" in p.stdout
+    assert "data_plane_failed" in p.stdout and "failed" in p.stdout
+    assert f"cause: {h0.cause} (waiting will not help)" in p.stdout
     one = cli("snapshots", "--url", coordinator.url, "--run", "ops-history", "--limit", "1", "--json", token=run.run_token)
     assert [s["snapshot_id"] for s in json.loads(one.stdout)["snapshots"]] == ["h2"]

@@ -633,6 +633,7 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
 )
 async def test_a_bad_wait_is_a_clear_422(client, admin, query: str, field: str) -> None:  # type: ignore[no-untyped-def]
     api = await new_run(client, admin)
+    await api.register_placeholders("math/replica-0")
     await api.post("/snapshots", {"snapshot_id": "s1", "anchor_step": 0}, expect=202)
     r = await client.get(f"/v1/runs/run-1/snapshots/s1?{query}", headers=api.h)
     assert r.status_code == 422, r.text

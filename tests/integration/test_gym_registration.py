@@ -165,6 +165,9 @@ async def test_discovery_failures_name_the_server_and_store_nothing(client, admi
     body = await api.post("/gym-instances", wrong, 422)
     assert body["code"] == "gym_config_error" and f"{INSTANCE}/policy_model" in body["servers"]
     assert "not-the-token" not in str(body) and gym.token not in str(body)
+    # The refusal says Gym answered 401, where, and which token to send.
+    assert f"{INSTANCE}/policy_model at {gym.servers['policy_model']}: HTTP 401" in body["detail"]
+    assert "control_token is not the instance's checkpoint.control_auth_token" in body["detail"]
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -174,6 +177,7 @@ async def test_discovery_failures_name_the_server_and_store_nothing(client, admi
     body = await api.post("/gym-instances", unreachable, 502)
     assert body["code"] == "gym_unavailable" and body["servers"] == [f"{INSTANCE}/calendar_resources"]
     assert body["failure"]["transient"] is True
+    assert f"{INSTANCE}/calendar_resources at {dead}: no answer" in body["detail"]  # the URL it could not reach
 
     no_model = registration(gym)
     no_model["instances"][0]["servers"] = {k: v for k, v in gym.servers.items() if k != "policy_model"}

@@ -69,6 +69,7 @@ __all__ = [
     "TRANSIENT_REASONS",
     "GYM_FAILURE_CLASS_REASON",
     "reason_for_gym_failure",
+    "snapshot_cause",
     "AttemptStatus",
     "RetirementState",
     "GroupStatus",
@@ -243,6 +244,59 @@ GYM_FAILURE_CLASS_REASON: Mapping[FailureClass, SnapshotReason] = MappingProxyTy
         FailureClass.CHECKPOINT_STATE: SnapshotReason.gym_invariant,
     }
 )
+
+
+# What each reason means to the trainer, and what to do about it (``snapshot_cause``).
+_CAUSES: Mapping[SnapshotReason, str] = MappingProxyType(
+    {
+        SnapshotReason.gym_not_ready: "Gym was not ready by its prepare deadline (rollouts kept working between turn "
+        "boundaries); try again later, and raise prepare_timeout_s if it keeps happening",
+        SnapshotReason.gym_unavailable: "a Gym participant could not be reached or failed; try again once Gym answers",
+        SnapshotReason.gym_invariant: "Gym answered against the protocol, or the run's Gym registration is wrong; "
+        "waiting will not help: fix the deployment (or register its instances again)",
+        SnapshotReason.lease_lost: "Gym reopened on its own before its state was saved (a lapsed lease); try again, and "
+        "configure Gym's lease_grace_seconds = control_timeout_s",
+        SnapshotReason.drain_timeout: "/run replies on the wire were not reported by the trainer within drain_timeout_s; "
+        "report every /run outcome (sealed, failed, refused) as it arrives, then try again",
+        SnapshotReason.data_plane_timeout: "the trainer did not take its barrier and report its capture within "
+        "data_plane_timeout_s; the trainer must be driving the snapshot (client.snapshot) while it runs",
+        SnapshotReason.data_plane_failed: "the trainer reported that its data-plane capture failed",
+        SnapshotReason.database_unavailable: "the coordinator's database was away during the snapshot; try again once it answers",
+        SnapshotReason.train_step_committed: "a newer train step was announced before the cut (the train step wins); "
+        "snapshot earlier in the step if this keeps happening",
+        SnapshotReason.coordinator_restart: "the coordinator restarted while the snapshot ran; try again",
+        SnapshotReason.superseded: "a newer trainer incarnation or request took over the run",
+        SnapshotReason.cancelled: "cancelled by the trainer or an operator, or the coordinator shut down",
+        SnapshotReason.restored: "a restore ended the lineage this snapshot belonged to",
+        SnapshotReason.deadline_exceeded: "the stopping snapshot could not take its cut before its deadline; the previous "
+        "published snapshot stays the one a restore uses",
+    }
+)
+# Detail fields that say what happened, in the order they are looked for.
+_DETAIL_TEXT = ("why", "message", "abort_detail", "error")
+
+
+def snapshot_cause(reason: str | None, detail: Mapping[str, object] | None) -> tuple[str | None, bool | None]:
+    """Why a snapshot that did not publish ended, in one line, and whether simply trying a new
+    snapshot later is expected to work: ``(None, None)`` for a published or pending one. The
+    specifics of ``detail`` (what failed, what the trainer did not do) come first."""
+    if reason is None or reason == SnapshotReason.ok:
+        return None, None
+    try:
+        r = SnapshotReason(reason)
+    except ValueError:
+        return f"ended for an unknown reason {reason!r}", False
+    d = detail or {}
+    retryable = r in TRANSIENT_REASONS
+    if isinstance(d.get("retryable"), bool):
+        retryable = bool(d["retryable"])
+    elif isinstance(d.get("transient"), bool):  # a Gym control failure knows whether it is
+        retryable = bool(d["transient"])
+    specific = next((str(d[k]) for k in _DETAIL_TEXT if isinstance(d.get(k), str) and d[k]), "")
+    if r is SnapshotReason.data_plane_timeout and d.get("awaiting"):
+        specific = f"awaiting the trainer's {d['awaiting']} after {d.get('timeout_s', '?')}s"
+    text = _CAUSES[r]
+    return (f"{specific[:1000]}: {text}" if specific else text), retryable
 
 
 def reason_for_gym_failure(failure_class: str) -> SnapshotReason:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.gym_manifest import MANIFEST_SCHEMA_VERSION
-from ..domain.snapshot_state import UNFLUSHED_MOVES, AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason
+from ..domain.snapshot_state import UNFLUSHED_MOVES, AttemptStatus, GroupStatus, SnapshotOutcome, SnapshotPhase, SnapshotReason, snapshot_cause
 from ..errors import Conflict, NotFound, RunStopped
 from .db import JsonText, dump_json, one_statement, read_rows
 from .leases import Fence, Fenced, fence_sql
@@ -178,6 +178,7 @@ class SnapshotRow:
         return f"{self.phase}.{self.outcome or '-'}.{self.awaiting or '-'}.{pre_cut}"
 
     def public(self, *, with_manifest: bool = False) -> dict[str, Any]:
+        cause, retryable = snapshot_cause(self.reason, self.detail)
         d: dict[str, Any] = {
             "snapshot_id": self.snapshot_id,
             "anchor_step": self.anchor_step,
@@ -186,6 +187,8 @@ class SnapshotRow:
             "phase": self.phase,
             "outcome": self.outcome,
             "reason": self.reason,
+            "cause": cause,
+            "retryable": retryable,
             "detail": self.detail,
             "awaiting": self.awaiting,
             "watch_token": self.watch_token,
@@ -270,9 +273,24 @@ async def create_in(
     if restoring is not None:
         # A snapshot taken while the ledger is being rewound would cut a half-restored run.
         raise Conflict(f"restore {restoring!r} of this run is in progress", code="restore_in_progress", restore_id=restoring)
-    other = (await conn.execute(text("SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL"), {"r": run_id})).scalar()
+    other, has_gym = (
+        await conn.execute(
+            text(
+                "SELECT (SELECT snapshot_id FROM snapshots WHERE run_id = :r AND outcome IS NULL), "
+                "EXISTS (SELECT 1 FROM gym_instances WHERE run_id = :r)"
+            ),
+            {"r": run_id},
+        )
+    ).one()
     if other is not None:
         raise Conflict(f"snapshot {other!r} of this run is still in progress", code="snapshot_in_progress", snapshot_id=other)
+    if not has_gym:
+        # It would only fail once it ran: a snapshot saves the rollouts in flight in the run's Gym.
+        raise Conflict(
+            f"run {run_id!r} has no Gym instance registered: register its Gym instances first "
+            "(POST /v1/runs/{run}/gym-instances, client.register_gym_instances), then snapshot",
+            code="gym_not_registered",
+        )
     try:
         async with conn.begin_nested():
             r = (
@@ -1122,7 +1140,9 @@ async def end(
         r = (
             await conn.execute(
                 text(
-                    "UPDATE snapshots SET phase = :ph, outcome = :o, reason = :rs, detail = COALESCE(CAST(:d AS jsonb), detail), "
+                    "UPDATE snapshots SET phase = :ph, outcome = :o, reason = :rs, "
+                    # What was recorded before (the trainer's abort detail) stays beside the end's.
+                    "detail = CASE WHEN CAST(:d AS jsonb) IS NULL THEN detail ELSE COALESCE(detail, '{}'::jsonb) || CAST(:d AS jsonb) END, "
                     "phase_timings = COALESCE(CAST(:t AS jsonb), phase_timings), gym_parked_seconds = COALESCE(:gp, gym_parked_seconds), "
                     "gym_restarted_episodes = COALESCE(:gr, gym_restarted_episodes), resume_failure = COALESCE(CAST(:rf AS jsonb), resume_failure), "
                     "ended_at = now(), published_at = CASE WHEN :published THEN now() ELSE NULL END, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import BadRequest, Conflict, CoordinatorError, NotFound
@@ -32,17 +33,37 @@ class GymFailure(CoordinatorError):
     title = "Gym control failure"
 
     @classmethod
-    def of(cls, exc: GymControlError, what: str) -> GymFailure:
+    def of(cls, exc: GymControlError, what: str, urls: Mapping[str, Mapping[str, str]] | None = None) -> GymFailure:
+        """``urls``: the base URL of each server, per instance, so the message names where each
+        failing call went."""
         status, code = _GYM_STATUS.get(exc.failure_class, (502, "gym_unavailable"))
         servers = named_servers(exc)
-        where = f" ({', '.join(servers[:20])}{', ...' if len(servers) > 20 else ''})" if servers else ""
         return cls(
-            f"{what} failed: {exc.failure_class}{where}: {exc.message}",
+            f"{what} failed: {exc.failure_class}: {_server_lines(exc, urls or {})}",
             code=code,
             status=status,
             servers=servers,
             failure=exc.to_dict(),
         )
+
+
+def _server_lines(exc: GymControlError, urls: Mapping[str, Mapping[str, str]]) -> str:
+    """What each failing server answered (10 at most), with its URL; a 401 says which token to
+    fix."""
+    parts = [(iid, server, part) for iid, servers in sorted(exc.instances.items()) for server, part in sorted(servers.items())]
+    said = []
+    for iid, server, part in parts[:10]:
+        url = urls.get(iid, {}).get(server)
+        where = f"{iid}/{server}" + (f" at {url}" if url else "")
+        answer = f"HTTP {part['http_status']}" if part.get("http_status") else "no answer"
+        code = f" {part['code']}" if part.get("code") else ""
+        text = " ".join(str(part.get("detail") or "").split())[:200]
+        said.append(f"{where}: {answer}{code}" + (f" ({text})" if text else ""))
+    if len(parts) > 10:
+        said.append(f"and {len(parts) - 10} more")
+    if any(part.get("http_status") == 401 for _, _, part in parts):
+        said.append("Gym answered 401: the control_token is not the instance's checkpoint.control_auth_token")
+    return "; ".join(said) or exc.message
 
 
 class RestartOnlyRefused(CoordinatorError):

@@ -92,7 +92,7 @@ async def register_instances(
     try:
         topology = await client.discover_all(specs, log_warnings=False)
     except GymControlError as exc:
-        raise GymFailure.of(exc, "Gym discovery") from None
+        raise GymFailure.of(exc, "Gym discovery", {r.instance_id: r.servers for r in registrations}) from None
     finally:
         await client.aclose()
 

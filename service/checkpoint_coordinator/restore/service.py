@@ -642,7 +642,7 @@ async def _gym_restore(
         try:
             live = await client.discover_all(specs, log_warnings=False)
         except GymControlError as exc:
-            raise _BeforeGym(GymFailure.of(exc, "Gym discovery before restore")) from None
+            raise _BeforeGym(GymFailure.of(exc, "Gym discovery before restore", {sp.instance_id: sp.servers for sp in specs})) from None
         try:
             require_restorable_topology(manifest, {iid: [x.server_name for x in t.participants] for iid, t in live.items()})
         except TopologyMismatch as e:
@@ -679,7 +679,7 @@ async def _gym_restore(
         except GymControlError as exc:
             if "restore_id" not in exc.extra:
                 # Refused before any restore call (re-discovery, topology, a busy participant).
-                raise _BeforeGym(GymFailure.of(exc, "Gym restore")) from None
+                raise _BeforeGym(GymFailure.of(exc, "Gym restore", {sp.instance_id: sp.servers for sp in specs})) from None
             return client, None, *_after_failed_gym_restore(engine, run_id, req, p, gym, exc)
     except BaseException:
         await client.aclose()

@@ -326,8 +326,11 @@ class PendingSnapshot:
         # An abort or a lost lease during the close: no Gym call follows, and the snapshot ends
         # from the phase the close reached.
         self._raise_interrupt()
-        if not topology:
-            raise _Failed(SnapshotReason.gym_unavailable, {"why": "no Gym instance is registered for this run"})
+        if not topology:  # refused at the request; only a registration removed meanwhile gets here
+            raise _Failed(SnapshotReason.gym_invariant, {
+                "why": "no Gym instance is registered for this run; register its Gym instances (client.register_gym_instances)",
+                "retryable": False,
+            })
         client = self.ctx.gym.for_run(self.run_id, cfg)
         snapshot_dir = snap.snapshot_dir or str(Path(run.checkpoint_root) / "snapshots" / self.snapshot_id)
         save = self.save = GymSave(
