@@ -741,12 +741,11 @@ class Trainer:
             int(reply.get("turns_completed", 0)),
             reply.get("resumed_from_turn"),
         )
-        receipt = {k: reply.get(k) for k in ("capture_key", "attempt", "turns_completed", "resumed_from_turn")}
-        receipt["rollout_id"] = result.capture_key  # the receipt names the Gym episode (capture key)
+        row = SealedRow.from_gym_reply(t, reply)  # the receipt names the attempt that was sent
         async with self._dp.shared():
             self.buffer[(t.group_id, t.index)] = result
             try:
-                answer = await self.client.report_sealed([SealedRow(t.rollout_id, receipt, result.staging_keys, result.reward)])
+                answer = await self.client.report_sealed([row])
             except BatchRefused as e:
                 # The attempt was replaced meanwhile (its cohort was retried): its result is void.
                 self.buffer.pop((t.group_id, t.index), None)
