@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     default.add_argument("--token", default="tok-gymsim")
     default.add_argument("--resources-mode", default="exported")
     default.add_argument("--gym-profile", choices=PROFILES, default=None, help="default: published")
+    default.add_argument(
+        "--lease-grace-seconds", type=float, default=60.0,
+        help="Gym's checkpoint.lease_grace_seconds; default 60, what the coordinator asks of Gym with its default "
+        "control_timeout_s of 60 (lease_grace_seconds = control_timeout_s). Gym's own default is 600",
+    )
     return parser
 
 
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         from .testing import default_instance_config
 
         config = default_instance_config(
-            args.instance_id, token=args.token, resources_mode=args.resources_mode, gym_profile=args.gym_profile
+            args.instance_id, token=args.token, resources_mode=args.resources_mode, gym_profile=args.gym_profile,
+            lease_grace_seconds=args.lease_grace_seconds,
         )
         print(json.dumps(config, indent=2))
         return 0
