@@ -20,12 +20,13 @@ p.add_argument("--coordinator", default=os.environ.get("CKPTC_URL", "http://127.
 p.add_argument("--admin-token", default=os.environ.get("CKPTC_ADMIN_TOKEN"), help="to create the run (first start)")
 p.add_argument("--gym", default="http://127.0.0.1:8100", help="the gymsim instance's base URL")
 p.add_argument("--gym-token", default="tok-gymsim", help="its checkpoint control token")
-p.add_argument("--work-dir", type=Path, default=Path("trainer-work"))
+p.add_argument("--work-dir", type=Path, default=Path("trainer-work"), help="the trainer's files; it keeps the run's token")
+p.add_argument("--run", default="example-run", help="the run id (a new run needs a new id and work dir)")
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--groups", type=int, default=4, help="prompt groups per step, 2 rollouts each")
 p.add_argument("--turns", type=int, default=20, help="turns of each rollout")
 a = p.parse_args()
-INSTANCE, RUN, work = "math/replica-0", "example-run", a.work_dir.resolve()
+INSTANCE, RUN, work = "math/replica-0", a.run, a.work_dir.resolve()
 work.mkdir(parents=True, exist_ok=True)
 meta_file = work / "run.json"  # the run's token (shown once) and a restore under way
 meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
