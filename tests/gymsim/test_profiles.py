@@ -69,7 +69,12 @@ def test_cli_gym_profile_for_default_config_and_serve(tmp_path, capsys, monkeypa
     assert main(["default-config", "--gym-profile", "strict"]) == 0
     assert json.loads(capsys.readouterr().out)["gym_profile"] == "strict"
     assert main(["default-config"]) == 0
-    assert json.loads(capsys.readouterr().out)["gym_profile"] == "published"
+    printed = json.loads(capsys.readouterr().out)
+    # The lease grace the coordinator asks for with its default control_timeout_s (60 s), not Gym's 600.
+    assert printed["gym_profile"] == "published" and printed["lease_grace_seconds"] == 60
+    assert main(["default-config", "--gym-profile", "pinned", "--lease-grace-seconds", "30"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["gym_profile"], printed["lease_grace_seconds"]) == ("pinned", 30)
     path = tmp_path / "instance.json"
     path.write_text(json.dumps(default_instance_config(gym_profile="published")))
     assert load_config(str(path)).gym_profile == "published"
