@@ -54,6 +54,13 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         lifespan=lifespan,
     )
     app.state.settings = settings
+    from .gym_runtime import egress_policy, set_egress
+
+    try:
+        app.state.egress = egress_policy(settings.gym_allowed_networks, database_url=url, own_port=settings.port)
+    except ValueError as e:
+        raise ValueError(f"CKPTC_GYM_ALLOWED_NETWORKS: {e}") from None
+    set_egress(app.state.egress)
     problems.install_problem_handlers(app)
     app.include_router(health.router)
     app.include_router(runs.router)

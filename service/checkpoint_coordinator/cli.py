@@ -107,6 +107,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default SIGTERM
     # action that would end the process before the embedded PostgreSQL is stopped below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if args.port is not None:
+        settings = settings.model_copy(update={"port": args.port})  # its own port is no Gym's (gym.egress)
     url, emb = resolve_database(settings, args.data_dir)
     try:
         if not args.no_migrate:
@@ -116,7 +118,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
         uvicorn.run(
             app,
             host=args.host or settings.host,
-            port=args.port if args.port is not None else settings.port,
+            port=settings.port,
             log_config=None,
             timeout_graceful_shutdown=75,
         )

@@ -92,6 +92,12 @@ class Settings(BaseSettings):
         "A rotation through this process takes effect at once; through another replica within this time.",
     )
     background_workers: bool = Field(default=True, description="Run the outbox and lease workers in this process.")
+    gym_allowed_networks: str = Field(
+        default="127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7",
+        description="Where Gym servers may be: networks (CIDR) and host names (name or *.suffix), comma-separated. "
+        "Link-local, unspecified, metadata, multicast and reserved addresses, the database and this coordinator's own "
+        "port are never allowed (gym.egress).",
+    )
 
     @field_validator("database_url", mode="before")
     @classmethod

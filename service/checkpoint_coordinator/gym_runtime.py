@@ -9,6 +9,7 @@ every snapshot.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -18,10 +19,49 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from .domain.config import RecoveryConfig, load_recovery_config
 from .gym.client import GymControlClient, Topology, tls_context
 from .gym.clock import Clock
+from .gym.egress import EgressPolicy
 from .gym.models import InstanceSpec, InstanceTopology, Participant
 from .ledger.gym_registry import instance_specs, participants_by_instance
 
-__all__ = ["GymClients", "instance_client_specs", "load_topology", "make_client"]
+__all__ = ["GymClients", "current_egress", "egress_policy", "instance_client_specs", "load_topology", "make_client", "set_egress"]
+
+
+def egress_policy(allowed: str, *, database_url: str | None, own_port: int | None) -> EgressPolicy:
+    """The Gym egress of this process: ``allowed`` (the setting), never the database's endpoint
+    (its host resolved now) nor this coordinator's own port on this host's addresses."""
+    endpoints: list[tuple[str, int]] = []
+    if database_url:
+        from sqlalchemy.engine import make_url
+
+        u = make_url(database_url)
+        if u.host and not u.host.startswith("/"):
+            port = u.port or 5432
+            try:
+                endpoints = [(info[4][0].split("%", 1)[0], port) for info in socket.getaddrinfo(u.host, port, type=socket.SOCK_STREAM)]
+            except OSError:
+                endpoints = []  # not resolvable now: nothing to forbid that Gym could reach either
+    local: list[str] = []
+    try:
+        import psutil
+
+        local = [a.address.split("%", 1)[0] for addrs in psutil.net_if_addrs().values() for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+    except Exception:  # an unusual host: the loopback rule still holds
+        local = []
+    return EgressPolicy.parse(allowed, endpoints=endpoints, local_ports=[own_port] if own_port else [], local_addresses=local)
+
+
+# The process's Gym egress (``set_egress``, by the app at its creation): every client
+# ``make_client`` builds connects only where it allows. None: anywhere (a library use).
+_egress: EgressPolicy | None = None
+
+
+def set_egress(policy: EgressPolicy | None) -> None:
+    global _egress
+    _egress = policy
+
+
+def current_egress() -> EgressPolicy | None:
+    return _egress
 
 
 def make_client(
@@ -45,6 +85,7 @@ def make_client(
         transport=transport,
         owns_checkpoint_id=owns,
         clock=clock,
+        egress=_egress,
     )
 
 

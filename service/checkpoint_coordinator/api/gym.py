@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import re
 from typing import Any
-from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, Path, Request
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..errors import BadRequest
+from ..gym.egress import parse_gym_url
 from ..ledger import gym_registry
 from ..ledger.runs import get_run
 from ..restore import registration
@@ -21,7 +21,10 @@ router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"], route_class=FastJSO
 
 _NAME = re.compile(NAME_PATTERN)
 _INSTANCE = re.compile(INSTANCE_ID_PATTERN)
-MAX_SERVERS = 256
+# Per registration (README, "Limits"): discovery probes every server it names.
+MAX_SERVERS = 32
+MAX_INSTANCES = 64
+MAX_SERVERS_IN_ALL = 512
 
 
 class InstanceIn(Strict):
@@ -52,18 +55,19 @@ class InstanceIn(Strict):
         if len(v) > MAX_SERVERS:
             raise ValueError(f"at most {MAX_SERVERS} servers per instance")
         for name, url in v.items():
-            if len(name) > 256 or not _NAME.match(name):
+            if len(name) > 256 or not _NAME.fullmatch(name):
                 raise ValueError(f"server name {name!r} does not match {NAME_PATTERN}")
-            parts = urlsplit(url) if isinstance(url, str) else None
-            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or len(url) > 2048:
-                raise ValueError(f"server {name!r}: base URL must be an absolute http(s) URL, got {url!r}")
-            if parts.query or parts.fragment:
-                raise ValueError(f"server {name!r}: base URL must not carry a query or fragment")
+            if len(url) > 2048:
+                raise ValueError(f"server {name!r}: base URL longer than 2048 characters")
+            try:
+                parse_gym_url(url)
+            except ValueError as e:
+                raise ValueError(f"server {name!r}: base URL {e}") from None
         return dict(sorted(v.items()))
 
 
 class RegisterIn(Strict):
-    instances: list[InstanceIn] = Field(min_length=1, max_length=256)
+    instances: list[InstanceIn] = Field(min_length=1, max_length=MAX_INSTANCES)
 
     @model_validator(mode="after")
     def _unique(self) -> RegisterIn:
@@ -71,6 +75,9 @@ class RegisterIn(Strict):
         dups = sorted({i for i in ids if ids.count(i) > 1})
         if dups:
             raise ValueError(f"instance ids named twice: {', '.join(dups)}")
+        total = sum(len(i.servers) for i in self.instances)
+        if total > MAX_SERVERS_IN_ALL:
+            raise ValueError(f"{total} servers in one registration; at most {MAX_SERVERS_IN_ALL} (register the instances in parts)")
         return self
 
 

@@ -28,6 +28,7 @@ from . import retire as _retire
 from .channel import ControlChannel
 from .clock import Clock, SystemClock
 from .context import Budgets, CheckpointBook, Control
+from .egress import EgressPolicy, guarded_transport
 from .models import Episode, InstanceSpec, InstanceTopology, Participant, Topology
 from .results import (
     BatchResult,
@@ -44,7 +45,8 @@ from .retire import callers_first
 
 __all__ = ["GymControlClient", "RestoreCleanup", "Topology", "callers_first", "tls_context"]
 
-DEFAULT_MAX_CONTROL_REPLY_BYTES = 256 * 1024 * 1024
+# The ceiling of any one reply (README, "Limits"); each operation has its own, lower cap.
+DEFAULT_MAX_CONTROL_REPLY_BYTES = 64 * 1024 * 1024
 
 
 @functools.cache
@@ -67,12 +69,14 @@ class GymControlClient:
         transport: httpx.AsyncBaseTransport | None = None,
         owns_checkpoint_id: Callable[[str], bool] | None = None,
         max_connections: int = 256,
+        egress: EgressPolicy | None = None,
     ) -> None:
         """
         ``owns_checkpoint_id`` tells whether an id found on a participant was issued by this
         coordinator (for example, by looking it up in the ledger after a restart); ids this
         client issued itself are always recognised. ``transport`` replaces the network layer in
-        tests.
+        tests. ``egress``: where Gym servers may be (connections elsewhere are refused as they
+        connect); ignored with a ``transport``.
         """
         for name, value in (("control_timeout_s", control_timeout_s), ("discovery_timeout_s", discovery_timeout_s)):
             if not value > 0:
@@ -86,6 +90,9 @@ class GymControlClient:
         self.discovery_timeout_s = float(discovery_timeout_s)
         self.max_control_reply_bytes = max_control_reply_bytes
         self.clock: Clock = clock or SystemClock()
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        if transport is None and egress is not None:
+            transport = guarded_transport(egress, verify=tls_context(), limits=limits)
         self._http = httpx.AsyncClient(
             transport=transport,
             verify=tls_context(),
@@ -94,7 +101,7 @@ class GymControlClient:
             # Control calls go straight to the registered base URLs, never through a proxy
             # picked up from the environment.
             trust_env=False,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=limits,
         )
         # The participants whose lease grace a renew has shown, as (instance, server): the
         # grace is checked, and a bad one warned of, once per run (``LeaseRenewer``).

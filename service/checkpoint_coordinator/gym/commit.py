@@ -7,7 +7,6 @@ The caller resumes on failure; commit itself never does.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import operator
 import os
@@ -161,7 +160,9 @@ class _Fanout:
         async def one(i: int) -> CommitReply | CallFailed:
             # Encoded in the call's own task: the first calls go on the wire while later bodies
             # are still being encoded.
-            return await self.ctl.call(self.pairs[i][1], self.pairs[i][2], "commit", self.body(i), self.deadline, CommitReply)
+            return await self.ctl.call(
+                self.pairs[i][1], self.pairs[i][2], "commit", self.body(i), self.deadline, CommitReply, len(self.sent_scope[i])
+            )
 
         answers = await asyncio.gather(*(one(i) for i in indices))
         for i, answer in zip(indices, answers):
@@ -209,17 +210,11 @@ _STOP_WORD = re.compile(r"\bstop\b")
 
 
 def _refuses_stop(part: ServerFailure) -> bool:
-    """A 422 whose validation detail names the field ``stop``."""
+    """A 422 whose validation refusal names the field ``stop``."""
     if part.get("http_status") != 422:
         return False
-    detail = part.get("detail") or ""
-    try:
-        errors = json.loads(detail)
-    except ValueError:
-        return bool(_STOP_WORD.search(detail))
-    if isinstance(errors, list):
-        return any(isinstance(e, dict) and "stop" in (e.get("loc") or ()) for e in errors)
-    return bool(_STOP_WORD.search(detail))
+    fields = part.get("fields") or ()
+    return any(f == "stop" or f.endswith(".stop") for f in fields) or bool(_STOP_WORD.search(part.get("detail") or ""))
 
 
 async def _recommit_grown_restarts(

@@ -137,11 +137,13 @@ class Control:
         return Target(inst.instance_id, p.server_name, p.base_url, inst.spec.token, p.kind)
 
     async def call(
-        self, inst: InstanceTopology, p: Participant, op: str, body: bytes, deadline_ts: float, reply_model: type[R]
+        self, inst: InstanceTopology, p: Participant, op: str, body: bytes, deadline_ts: float, reply_model: type[R],
+        items: int = 0,
     ) -> R | CallFailed:
-        """One control call whose failure is a value, so that it never cancels its siblings."""
+        """One control call whose failure is a value, so that it never cancels its siblings.
+        ``items``: the episodes the call names (its reply may list as many: ``reply_cap``)."""
         try:
-            return await self.channel.post(self.target(inst, p), op, body, deadline_ts, reply_model)
+            return await self.channel.post(self.target(inst, p), op, body, deadline_ts, reply_model, items)
         except CallFailed as exc:
             return exc
 

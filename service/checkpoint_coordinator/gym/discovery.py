@@ -33,9 +33,16 @@ __all__ = ["build_topology", "discover_all", "discover_instance", "recover_orpha
 log = logging.getLogger("checkpoint_coordinator.gym")
 
 
+# Status probes in flight at once, across every instance of one discovery (README, "Limits"): a
+# registration of many servers neither opens a connection to each at once nor reads each reply
+# at once.
+DISCOVERY_CONCURRENCY = 32
+
+
 async def discover_all(ctl: Control, specs: Iterable[InstanceSpec], *, log_warnings: bool = True) -> dict[str, InstanceTopology]:
     specs = list(specs)
-    outcomes = await asyncio.gather(*(catch(discover_instance(ctl, s, log_warnings=log_warnings)) for s in specs))
+    gate = asyncio.Semaphore(DISCOVERY_CONCURRENCY)
+    outcomes = await asyncio.gather(*(catch(discover_instance(ctl, s, log_warnings=log_warnings, gate=gate)) for s in specs))
     errors = [o for o in outcomes if isinstance(o, GymControlError)]
     if errors:
         # All or nothing across instances too: a restore or setup needs every one of them.
@@ -43,10 +50,18 @@ async def discover_all(ctl: Control, specs: Iterable[InstanceSpec], *, log_warni
     return {s.instance_id: o for s, o in zip(specs, outcomes) if isinstance(o, InstanceTopology)}
 
 
-async def discover_instance(ctl: Control, spec: InstanceSpec, *, log_warnings: bool = True) -> InstanceTopology:
+async def discover_instance(
+    ctl: Control, spec: InstanceSpec, *, log_warnings: bool = True, gate: asyncio.Semaphore | None = None
+) -> InstanceTopology:
     iid = spec.instance_id
     targets = [Target(iid, name, url, spec.token) for name, url in spec.servers.items()]
-    probes = await asyncio.gather(*(catch(ctl.read_status(t)) for t in targets))
+    gate = gate or asyncio.Semaphore(DISCOVERY_CONCURRENCY)
+
+    async def probe(t: Target) -> StatusReply | None:
+        async with gate:
+            return await ctl.read_status(t)
+
+    probes = await asyncio.gather(*(catch(probe(t)) for t in targets))
     failures: dict[str, ServerFailure] = {}
     statuses: dict[str, StatusReply] = {}
     skipped: list[str] = []

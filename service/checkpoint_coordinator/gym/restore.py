@@ -203,7 +203,7 @@ async def _restore_everywhere(
     """One restore call per named participant of every instance, concurrently; the failure parts
     of the instances whose replies do not hold up."""
     deadline = ctl.deadline()
-    calls: list[tuple[str, InstanceTopology, Participant, bytes]] = []
+    calls: list[tuple[str, InstanceTopology, Participant, bytes, int]] = []
     for iid, inst in live.items():
         inst_plan = plan.instances[iid]
         body = encode_body(
@@ -216,10 +216,10 @@ async def _restore_everywhere(
         )
         named = set(inst_plan.participants)
         # Extra live participants have no directory: they get no restore, only the resume.
-        calls.extend((iid, inst, p, body) for p in inst.participants if p.server_name in named)
-    replies = await asyncio.gather(*(ctl.call(inst, p, "restore", body, deadline, RestoreReply) for _, inst, p, body in calls))
+        calls.extend((iid, inst, p, body, len(inst_plan.episodes)) for p in inst.participants if p.server_name in named)
+    replies = await asyncio.gather(*(ctl.call(inst, p, "restore", body, deadline, RestoreReply, n) for _, inst, p, body, n in calls))
     per_instance: dict[str, dict[str, RestoreReply | CallFailed]] = {iid: {} for iid in live}
-    for (iid, _, p, _), reply in zip(calls, replies):
+    for (iid, _, p, _, _), reply in zip(calls, replies):
         per_instance[iid][p.server_name] = reply
     parts: dict[str, dict[str, ServerFailure]] = {}
     for iid in live:

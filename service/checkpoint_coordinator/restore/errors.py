@@ -66,6 +66,10 @@ def _server_lines(exc: GymControlError, urls: Mapping[str, Mapping[str, str]]) -
     return "; ".join(said) or exc.message
 
 
+class EgressRefusedProblem(CoordinatorError):
+    code, status, title = "gym_egress_refused", 422, "A Gym server's address is not one the coordinator may reach"
+
+
 class RestartOnlyRefused(CoordinatorError):
     code, status, title = "restart_only_gym_servers", 422, "Restart-only Gym servers under turn-level recovery"
 

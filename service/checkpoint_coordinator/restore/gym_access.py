@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..gym.channel import CallFailed
 from ..gym.client import GymControlClient
+from ..gym_runtime import current_egress
 from ..gym.models import InstanceSpec, InstanceTopology, Participant
 from ..gym_runtime import instance_client_specs, make_client
 from ..ledger.gym_registry import issued_gym_ids, registered_instance_ids
@@ -51,7 +52,7 @@ async def probe_freshness(
     short-lived client on ``transport`` whose budgets are ``timeout_s``.
     """
     if client is None:
-        async with GymControlClient(control_timeout_s=timeout_s, discovery_timeout_s=timeout_s, transport=transport) as own:
+        async with GymControlClient(control_timeout_s=timeout_s, discovery_timeout_s=timeout_s, transport=transport, egress=current_egress()) as own:
             return await probe_freshness(topology, timeout_s=timeout_s, client=own)
 
     async def one(inst: InstanceTopology, p: Participant) -> tuple[str, str, list[str]]:

@@ -8,6 +8,7 @@ passes is anything stored.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,8 @@ from ..domain.config import RecoveryConfig, check_restart_only_servers, gym_chec
 from ..domain.errors import DomainError
 from ..gym.errors import GymControlError
 from ..gym.models import InstanceSpec, InstanceTopology, Participant
-from ..gym_runtime import make_client
+from ..gym.egress import parse_gym_url
+from ..gym_runtime import current_egress, make_client
 from ..ledger.gym_registry import (
     InstanceRecord,
     ParticipantRecord,
@@ -31,7 +33,7 @@ from ..ledger.gym_registry import (
 )
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
-from .errors import GymFailure, RestartOnlyRefused
+from .errors import EgressRefusedProblem, GymFailure, RestartOnlyRefused
 
 log = logging.getLogger("checkpoint_coordinator.restore")
 
@@ -87,6 +89,7 @@ async def register_instances(
         run = await get_run(conn, run_id)
         stored = await participants_by_instance(conn, run_id)
     cfg = run_config(run.config)
+    await check_egress(registrations)
     specs = [InstanceSpec(r.instance_id, r.control_token, r.servers) for r in registrations]
     client = make_client(cfg, transport=transport)
     try:
@@ -139,6 +142,36 @@ async def register_instances(
         "warnings": warnings,
         "gym_settings": gym_settings(cfg),
     }
+
+
+async def check_egress(registrations: Sequence[Registration]) -> None:
+    """Every server's address allowed (``gym.egress``), before any connection is made: a host
+    name is resolved, and every address it resolves to checked. Refused as a whole, naming each
+    server."""
+    policy = current_egress()
+    if policy is None:
+        return
+    targets = [(k, name, url) for k, r in enumerate(registrations) for name, url in sorted(r.servers.items())]
+
+    async def one(url: str) -> str | None:
+        try:
+            host, port = parse_gym_url(url)
+            await policy.resolve(host, port)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    verdicts = await asyncio.gather(*(one(url) for _, _, url in targets))
+    errors = [
+        {"field": f"instances.{k}.servers.{name}", "message": f"{url}: {why}"}
+        for (k, name, url), why in zip(targets, verdicts)
+        if why is not None
+    ]
+    if errors:
+        raise EgressRefusedProblem(
+            f"{len(errors)} Gym server address(es) not allowed: " + "; ".join(f"{e['field']}: {e['message']}" for e in errors[:5]),
+            errors=errors,
+        )
 
 
 def _answer_instance(reg: Registration, topo: InstanceTopology, record: InstanceRecord) -> dict[str, Any]:
