@@ -19,7 +19,7 @@ from checkpoint_coordinator.ledger.db import ensure_runtime_dir  # noqa: E402
 
 ensure_runtime_dir()
 
-ADMIN = "bench-admin-token"
+ADMIN = "bench-admin-token-0123456789abcdef012345"
 
 
 class Postgres:

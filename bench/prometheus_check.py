@@ -19,7 +19,8 @@ health "ok", and runs `promtool check rules` on the alert file. It exits 1 on an
 error, and 0 with a SKIP message when prometheus is not installed (2 with
 --require). `--stand-in` exposes the coordinator's metrics REGISTRY on loopback and
 keeps recording sample values into it, to check the queries before a real
-coordinator exists; the report says when it was used.
+coordinator exists; the report says when it was used. A coordinator's /metrics is read with
+`CKPTC_METRICS_TOKEN` (or `CKPTC_ADMIN_TOKEN`) from the environment.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import random
 import shutil
 import socket
@@ -66,9 +68,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
+def http_get(url: str, timeout: float = 10.0, token: str | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -145,7 +148,7 @@ class StandIn:
 
 
 class Prometheus:
-    def __init__(self, binary: str, target_url: str, workdir: Path) -> None:
+    def __init__(self, binary: str, target_url: str, workdir: Path, token: str | None = None) -> None:
         parsed = urllib.parse.urlsplit(target_url)
         if parsed.hostname not in ("127.0.0.1", "localhost", "::1"):
             raise SystemExit(f"refusing to scrape {parsed.hostname}: this check runs on loopback only")
@@ -160,6 +163,8 @@ class Prometheus:
                     "metrics_path": f"{base_path}/metrics",
                     "scheme": parsed.scheme or "http",
                     "static_configs": [{"targets": [parsed.netloc]}],
+                    # /metrics is read with the metrics (or admin) token: its labels name the runs.
+                    **({"authorization": {"type": "Bearer", "credentials": token}} if token else {}),
                 }
             ],
         }
@@ -275,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
 
     generate = load_generator()
     stand_in = StandIn() if args.stand_in else None
+    # A coordinator's /metrics wants its metrics token (or the admin token); the stand-in none.
+    token = None if stand_in else (os.environ.get("CKPTC_METRICS_TOKEN") or os.environ.get("CKPTC_ADMIN_TOKEN") or None)
     target = stand_in.url if stand_in else args.url.rstrip("/")
     failures: list[str] = []
     checked = 0
@@ -287,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
             log(f"FAIL: {target} is not a loopback address; this check only scrapes this machine")
             return 1
         try:
-            status, body = http_get(f"{target}/metrics")
+            status, body = http_get(f"{target}/metrics", token=token)
         except OSError as e:
             log(f"FAIL: cannot reach {target}/metrics ({e}); start the coordinator "
                 "(ckpt-coordinator serve) or pass --stand-in")
@@ -307,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
             failures.append(f"/metrics lacks table metrics: {', '.join(missing)}")
             log(f"FAIL: /metrics lacks table metrics: {', '.join(missing)}")
 
-        prom = Prometheus(binary, target, workdir)
+        prom = Prometheus(binary, target, workdir, token)
         prom.wait_ready(args.timeout)
         log(f"prometheus: {prom.base} (pid {prom.process.pid}), waiting for {args.scrapes} scrapes")
         wait_for_scrapes(prom, args.scrapes, args.timeout)

@@ -22,7 +22,7 @@ from .ci_policy import pytest_runtest_makereport  # noqa: F401 - a hook: missing
 
 ensure_runtime_dir()
 
-ADMIN_TOKEN = "test-admin-token-0123456789"
+ADMIN_TOKEN = "test-admin-token-0123456789abcdef0123456789"
 
 
 def _with_db(url: str, name: str) -> str:

@@ -13,7 +13,10 @@ from urllib.parse import quote
 
 from ._core import Enter, Exit, Flow, Invoke, Now, RequestSpec, RetryPolicy, Sleep, call
 from .errors import Conflict, CoordinatorError, GateClosed, SnapshotFailed, SnapshotNotAwaiting, SnapshotTimeout
-from .helpers import batched, new_id
+from .helpers import batched, batched_by_weight, new_id
+
+#: The rows (groups x expected_generations) one admit may carry (the coordinator's limit).
+MAX_ADMIT_ROWS = 20_000
 
 #: Why a trainer gives a snapshot up: its data-plane capture failed (the snapshot ends failed),
 #: it cancels it, or it is a new incarnation taking over from the one that asked for it.
@@ -122,8 +125,17 @@ class Api:
     # ---------------------------------------------------------------------------- section 4
 
     def admit_groups(self, groups: Iterable[Any], batch_size: int | None) -> Flow[AdmitResult]:
-        rows = [row_json(g, "GroupSpec") for g in groups]
-        parts = yield from self._batched(self._run_path("/groups/admit"), "groups", rows, AdmitResult.parse, batch_size=batch_size)
+        docs = [row_json(g, "GroupSpec") for g in groups]
+        # An admit also carries at most MAX_ADMIT_ROWS rows (groups times their generations).
+        chunks = batched_by_weight(docs, batch_size or self.batch_size, lambda g: int(g.get("expected_generations") or 1), MAX_ADMIT_ROWS)
+        parts: list[AdmitResult] = []
+        for i, chunk in enumerate(chunks):
+            try:
+                doc = yield from self._call(RequestSpec("POST", self._run_path("/groups/admit"), {"groups": chunk}))
+            except CoordinatorError as e:
+                e.batch_index = i
+                raise
+            parts.append(AdmitResult.parse(doc))
         return AdmitResult.merge(parts)
 
     def _dispatch_spec(self, dispatch_id: str, instance_id: str | None, ids: Sequence[str]) -> RequestSpec:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["batched", "new_id"]
+__all__ = ["batched", "batched_by_weight", "new_id"]
 
 
 def batched(iterable: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -18,6 +18,24 @@ def batched(iterable: Iterable[T], size: int) -> Iterator[list[T]]:
         raise ValueError("batch size must be >= 1")
     it = iter(iterable)
     while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def batched_by_weight(items: Iterable[T], size: int, weight: Callable[[T], int], max_weight: int) -> Iterator[list[T]]:
+    """Consecutive lists of at most ``size`` items whose weights add up to at most
+    ``max_weight`` (an item heavier than that alone goes in a list of its own)."""
+    if size < 1:
+        raise ValueError("batch size must be >= 1")
+    chunk: list[T] = []
+    total = 0
+    for item in items:
+        w = weight(item)
+        if chunk and (len(chunk) >= size or total + w > max_weight):
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(item)
+        total += w
+    if chunk:
         yield chunk
 
 

@@ -238,6 +238,9 @@ def fleet_overview() -> dict[str, Any]:
         Panel("Fenced writes (24h)", "Background writes refused because their replica had lost the run's lease to another one "
               "(it stopped driving that run's snapshot or outbox there).",
               [Target(f"sum(increase(ckptc_fenced_writes_total{{{SEL}}}[1d]))")], kind="stat", width=4, height=4),
+        Panel("Refused tokens (1h)", "Requests refused for their token (401, 403) and clients throttled for refusing too "
+              "often (429): a trainer with a stale token, or someone probing.",
+              [Target(f"sum(increase(ckptc_auth_failures_total{{{SEL}}}[1h]))")], kind="stat", width=4, height=4),
         Row("Snapshots"),
         Panel("Snapshots per outcome", "Terminal snapshots per interval, by outcome.",
               [Target(f"sum by (outcome) (increase(ckptc_snapshots_total{{{SEL}}}[$__rate_interval]))", "{{outcome}}")]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -33,6 +34,9 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from .server import install_accept_error_limit
+
+        install_accept_error_limit(asyncio.get_running_loop())
         app.state.engine = make_async_engine(url)
         app.state.background = []
         try:
@@ -52,6 +56,8 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         version="0.1.0",
         description=API_DESCRIPTION,
         lifespan=lifespan,
+        # No redirect of a path with a trailing slash: it answered with the request's own Host.
+        redirect_slashes=False,
     )
     app.state.settings = settings
     from .gym_runtime import egress_policy, set_egress
@@ -70,6 +76,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     # Outside the body limit (which answers its own 413) and inside the metrics, which count
     # the statuses it answers.
     app.add_middleware(problems.ErrorBoundary)
+    app.add_middleware(problems.NoStore)
     # Outermost, so the body limit's 413 answers are counted too.
     install_http_metrics(app)
     return app

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Settings
+from pydantic import SecretStr
+
+from .config import ADMIN_TOKEN_FILE, MIN_ADMIN_TOKEN_CHARS, Settings
 
 log = logging.getLogger("checkpoint_coordinator")
 
@@ -60,6 +64,14 @@ def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
     s.add_argument("--data-dir", type=Path, help="embedded PostgreSQL data directory parent (CKPTC_DATA_DIR)")
     s.add_argument("--no-migrate", action="store_true", help="do not upgrade the database to head before serving")
 
+    t = sub.add_parser(
+        "admin-token",
+        help="print the admin token serve made for the embedded database",
+        description="Print the admin token `serve` generated in the data directory (with the embedded database and "
+        "CKPTC_ADMIN_TOKEN unset), e.g. CKPTC_ADMIN_TOKEN=$(ckpt-coordinator admin-token).",
+    )
+    t.add_argument("--data-dir", type=Path, help="the data directory (CKPTC_DATA_DIR)")
+
     m = sub.add_parser(
         "migrate",
         help="upgrade (or downgrade) a database schema",
@@ -96,6 +108,39 @@ def resolve_database(settings: Settings, data_dir: Path | None = None):  # type:
     return emb.url, emb
 
 
+def admin_token_file(settings: Settings, data_dir: Path | None = None) -> Path:
+    return (data_dir or settings.data_dir) / ADMIN_TOKEN_FILE
+
+
+def local_admin_token(settings: Settings, data_dir: Path | None = None) -> str:
+    """The admin token of a coordinator on the embedded database when none is configured: made
+    once (mode 0600) in the data directory and kept there, so a restart keeps it and
+    ``ckpt-coordinator admin-token`` can print it for the tools beside it."""
+    path = admin_token_file(settings, data_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = path.read_text().strip()
+        if len(token) < MIN_ADMIN_TOKEN_CHARS:
+            raise ValueError(f"{path} holds no admin token of {MIN_ADMIN_TOKEN_CHARS} characters or more; delete it to get a new one")
+        return token
+    token = secrets.token_hex(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def cmd_admin_token(args: argparse.Namespace, settings: Settings) -> int:
+    path = admin_token_file(settings, args.data_dir)
+    if not path.exists():
+        print(f"ckpt-coordinator: no admin token in {path}: `ckpt-coordinator serve` makes one on its first start "
+              "(with the embedded database and CKPTC_ADMIN_TOKEN unset)", file=sys.stderr)
+        return 1
+    print(path.read_text().strip())
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import signal
 
@@ -103,25 +148,29 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     from .app import create_app
     from .ledger.db import migrate, redact_url
+    from .server import server_config
 
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default SIGTERM
     # action that would end the process before the embedded PostgreSQL is stopped below.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if args.port is not None:
         settings = settings.model_copy(update={"port": args.port})  # its own port is no Gym's (gym.egress)
+    if settings.admin_token is None and not settings.database_url_value():
+        try:
+            token = local_admin_token(settings, args.data_dir)
+        except ValueError as e:
+            print(f"ckpt-coordinator: {e}", file=sys.stderr)
+            return 2
+        settings = settings.model_copy(update={"admin_token": SecretStr(token)})
+        log.info("admin token in %s (`ckpt-coordinator admin-token` prints it)", admin_token_file(settings, args.data_dir))
     url, emb = resolve_database(settings, args.data_dir)
     try:
         if not args.no_migrate:
             migrate(url)
         log.info("database %s at migration head", redact_url(url))
         app = create_app(settings, database_url=url)
-        uvicorn.run(
-            app,
-            host=args.host or settings.host,
-            port=settings.port,
-            log_config=None,
-            timeout_graceful_shutdown=75,
-        )
+        config = server_config(app, settings, host=args.host or settings.host, port=settings.port, timeout_graceful_shutdown=75)
+        uvicorn.Server(config).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
@@ -170,6 +219,8 @@ def main(argv: list[str] | None = None, *, commands: Mapping[str, Delegated] | N
             return cmd_serve(args, settings)
         if args.command == "migrate":
             return cmd_migrate(args, settings)
+        if args.command == "admin-token":
+            return cmd_admin_token(args, settings)
     except EmbeddedStartError as e:
         print(f"ckpt-coordinator: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -27,6 +27,11 @@ def default_data_dir() -> Path:
     return base / "ckpt-coordinator"
 
 
+# The admin token creates runs and reads every one: long enough that guessing it is hopeless.
+MIN_ADMIN_TOKEN_CHARS = 32
+# Where ``serve`` with the embedded database keeps the admin token it generated (data_dir).
+ADMIN_TOKEN_FILE = "admin-token"
+
 # A ledger must survive a crash at every committed change (spec section 2).
 _DURABILITY_SETTINGS = frozenset(
     {"fsync", "synchronous_commit", "full_page_writes", "wal_level", "wal_sync_method", "data_sync_retry"}
@@ -41,7 +46,7 @@ def parse_pg_settings(text_value: str) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in text_value.split(","))):
         name, sep, value = item.partition("=")
         name, value = name.strip().lower(), value.strip()
-        if not sep or not _SETTING_NAME.match(name) or not _SETTING_VALUE.match(value):
+        if not sep or not _SETTING_NAME.fullmatch(name) or not _SETTING_VALUE.fullmatch(value):
             raise ValueError(f"embedded PostgreSQL setting {item!r} is not of the form name=value (value: letters, digits, . _ : + -)")
         if name in _DURABILITY_SETTINGS:
             raise ValueError(f"embedded PostgreSQL setting {name!r} cannot be changed: the ledger must stay durable")
@@ -66,12 +71,17 @@ class Settings(BaseSettings):
     port: int = Field(default=8080, ge=0, le=65535)
     admin_token: SecretStr | None = Field(
         default=None,
-        description="Bearer token for admin routes (create/list runs). Unset: admin routes answer 401.",
+        description="Bearer token for admin routes (create/list runs), at least 32 characters. Unset: with the embedded "
+        "database, serve generates one in data_dir/admin-token; with CKPTC_DATABASE_URL, admin routes answer 403.",
+    )
+    metrics_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token that reads /metrics (its labels name the runs), at least 32 characters; the admin "
+        "token reads it too.",
     )
     log_format: str = Field(default="text", pattern="^(text|json)$")
     log_level: str = "INFO"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    max_batch_rows: int = Field(default=10_000, ge=1)
     # Stable across restarts of the process (the pod name in Kubernetes): a restarted coordinator
     # recognises the snapshots it owned and ends them (ledger section 5, last paragraph).
     coordinator_id: str = Field(default_factory=lambda: os.uname().nodename, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -92,12 +102,33 @@ class Settings(BaseSettings):
         "A rotation through this process takes effect at once; through another replica within this time.",
     )
     background_workers: bool = Field(default=True, description="Run the outbox and lease workers in this process.")
+    max_connections: int = Field(
+        default=512, ge=8, description="Client connections open at once (capped by the open-file limit); one more is answered 503."
+    )
+    header_timeout_s: float = Field(default=10.0, gt=0, description="A connection must send a whole request head within this.")
+    body_timeout_s: float = Field(default=60.0, gt=0, description="A request's body must arrive within this of its head (408).")
+    keep_alive_s: int = Field(default=5, ge=1, description="An idle keep-alive connection is closed after this.")
+    auth_failures_per_minute: int = Field(
+        default=20, ge=1, description="Refused tokens (401/403) one client may send per minute before it is answered 429."
+    )
+    max_run_rows: int = Field(default=10_000_000, ge=1, description="Sibling rows one run may admit in all (run_row_quota).")
+    max_open_runs: int = Field(default=1_000, ge=1, description="Open runs the coordinator keeps at once (run_quota).")
     gym_allowed_networks: str = Field(
         default="127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7",
         description="Where Gym servers may be: networks (CIDR) and host names (name or *.suffix), comma-separated. "
         "Link-local, unspecified, metadata, multicast and reserved addresses, the database and this coordinator's own "
         "port are never allowed (gym.egress).",
     )
+
+    @field_validator("admin_token", "metrics_token")
+    @classmethod
+    def _token_long(cls, v: SecretStr | None, info: ValidationInfo) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < MIN_ADMIN_TOKEN_CHARS:
+            raise ValueError(
+                f"CKPTC_{(info.field_name or '').upper()} must be at least {MIN_ADMIN_TOKEN_CHARS} characters; "
+                "generate one with: python3 -c 'import secrets; print(secrets.token_hex(32))'"
+            )
+        return v
 
     @field_validator("database_url", mode="before")
     @classmethod

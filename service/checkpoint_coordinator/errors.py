@@ -48,6 +48,14 @@ class Forbidden(CoordinatorError):
     code, status, title = "forbidden", 403, "Token does not grant access to this resource"
 
 
+class RequestTimeout(CoordinatorError):
+    code, status, title = "request_timeout", 408, "Request timeout"
+
+
+class TooManyRequests(CoordinatorError):
+    code, status, title = "too_many_requests", 429, "Too many requests"
+
+
 class NotFound(CoordinatorError):
     code, status, title = "not_found", 404, "Not found"
 

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import uvicorn
 
+from checkpoint_coordinator.server import server_config
+
 from ckpt_client import AsyncCoordinatorClient, CoordinatorClient, GroupSpec, SealedRow, SendRow
 from tests.conftest import ADMIN_TOKEN
 from tests.gym_placeholders import register_placeholders_sync
@@ -35,9 +37,14 @@ def free_port() -> int:
 class LiveServer:
     """One ASGI app served by uvicorn in a background thread on 127.0.0.1:``port``."""
 
-    def __init__(self, app_factory: Callable[[], Any], checkpoint_root: Path, port: int | None = None, database_url: str = "") -> None:
+    def __init__(
+        self, app_factory: Callable[[], Any], checkpoint_root: Path, port: int | None = None, database_url: str = "", settings: Any = None
+    ) -> None:
+        from checkpoint_coordinator.config import Settings
+
         self.app_factory = app_factory
         self.database_url = database_url
+        self.settings = settings if settings is not None else Settings(_env_file=None)
         # Per test: Gym writes snapshot manifests under the run's checkpoint root, and a
         # directory left by another test would belong to another checkpoint.
         self.checkpoint_root = checkpoint_root
@@ -54,14 +61,9 @@ class LiveServer:
         app = self.app_factory()
         if wrap is not None:
             app = wrap(app)
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=self.port,
-            lifespan="on",
-            loop="asyncio",
-            http="h11",
-            log_level="warning",
+        # The server configuration `serve` runs under (its connection and time limits).
+        config = server_config(
+            app, self.settings, host="127.0.0.1", port=self.port, lifespan="on", loop="asyncio", log_level="warning",
             # A request held open on purpose must not block the stop forever.
             timeout_graceful_shutdown=1,
         )
@@ -95,7 +97,7 @@ def coordinator(settings: Any, database_url: str, tmp_path: Path) -> Iterator[Li
 
     # The gate's retry hint is lowered so gate tests wait fractions of a second, not seconds.
     fast = settings.model_copy(update={"gate_retry_after_s": 0.2})
-    server = LiveServer(lambda: create_app(fast, database_url=database_url), tmp_path / "checkpoints", database_url=database_url)
+    server = LiveServer(lambda: create_app(fast, database_url=database_url), tmp_path / "checkpoints", database_url=database_url, settings=fast)
     server.start()
     try:
         yield server

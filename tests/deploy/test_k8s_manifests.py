@@ -108,6 +108,20 @@ SERVICE_MONITOR_SCHEMA = {
                             "metricRelabelings": {"type": "array"},
                             "params": {"type": "object"},
                             "tlsConfig": {"type": "object"},
+                            # The CRD's SafeAuthorization: a type and a key of a Secret in the namespace.
+                            "authorization": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {
+                                    "type": {"type": "string"},
+                                    "credentials": {
+                                        "type": "object",
+                                        "required": ["key"],
+                                        "additionalProperties": False,
+                                        "properties": {"name": {"type": "string"}, "key": {"type": "string"}, "optional": {"type": "boolean"}},
+                                    },
+                                },
+                            },
                         },
                     },
                 },

@@ -23,7 +23,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(sys.executable).with_name("ckpt-coordinator"))
-TOKEN = "readme-admin-token"
+TOKEN = "readme-admin-token-0123456789abcdef0123456"
 # The README's commands, after `ckpt-coordinator` and before `--url`/`--run` (given here).
 COMMANDS = {"restore-plan": ["--rows", "8"], "snapshots": ["--limit", "3"]}
 

@@ -531,7 +531,7 @@ async def test_snapshots_that_keep_losing_to_train_steps_raise_the_warning(clien
     api = await _setup(client, admin, app, gyms, snapshot_loss_warn_after=2)
 
     async def gauge() -> float:
-        text = (await client.get("/metrics")).text
+        text = (await client.get("/metrics", headers=admin)).text
         line = next(x for x in text.splitlines() if x.startswith('ckptc_snapshot_losses_warning{run="run-1"}'))
         return float(line.split()[-1])
 
@@ -621,7 +621,7 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
     assert same["watch_token"] == snap["watch_token"] and time.monotonic() - t >= 0.3
     assert app.state.snapshots.watch.waiting() == 0  # no waiter left registered
     # The waits are timed under a route label of their own, apart from the plain reads.
-    exposed = (await client.get("/metrics")).text
+    exposed = (await client.get("/metrics", headers=admin)).text
     assert 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}?wait_s"' in exposed
     assert 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}"' in exposed
 

@@ -25,6 +25,7 @@ from checkpoint_coordinator.ledger.db import sqlalchemy_url
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..e2e.harness import Trainer, drive_snapshot, register_by_discovery
+from ..conftest import ADMIN_TOKEN
 from ..integration.ledger_helpers import RunApi, group_body, new_run
 from .coordinator_process import CoordinatorProcess
 
@@ -162,7 +163,7 @@ async def test_a_frozen_owner_thawed_past_its_lease_is_fenced_and_stops(database
                 return "fenced" in "".join(p.read_text(errors="replace") for p in (tmp_path / "a").glob("coordinator-*.log"))
 
             await _until("coord-a logs that it was fenced", says_fenced, timeout=15)
-            metrics = (await ca.get("/metrics")).text
+            metrics = (await ca.get("/metrics", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).text
             assert 'ckptc_fenced_writes_total{work="snapshot"} 1.0' in metrics, [m for m in metrics.splitlines() if "fenced" in m]
             await asyncio.sleep(1.0)
             # Nothing coord-a did after the thaw reached the row, the gate or the lease.

@@ -45,6 +45,7 @@ SERVICE_AREAS = {
     "app": "entry",
     "cli": "entry",
     "background": "entry",
+    "server": "entry",
 }
 
 # The other import packages of the distribution (pyproject's package-dir), by area.

@@ -43,6 +43,7 @@ _PROBLEM_DESCRIPTIONS = {
     409: "Refused by the ledger's state (a typed code, e.g. `gate_closed`, `snapshot_in_progress`).",
     413: "Request body above `CKPTC_MAX_BODY_BYTES` (`payload_too_large`).",
     422: "Invalid request (`invalid_request`, each bad field named in `errors`).",
+    429: "This client sent too many refused tokens lately (`too_many_auth_failures`, with `Retry-After`).",
     502: "A Gym instance could not be reached or refused (`gym_unavailable` and related codes).",
     503: "The ledger database is not available (`unavailable`, with `Retry-After`); retry.",
 }
@@ -58,7 +59,7 @@ def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # What every /v1 route can answer besides its success.
-V1_ERRORS = (401, 403, 404, 409, 413, 422, 503)
+V1_ERRORS = (401, 403, 404, 409, 413, 422, 429, 503)
 
 
 class Strict(BaseModel):
@@ -147,10 +148,14 @@ class FastJSONRoute(APIRoute):
     """Route class of every /v1 endpoint: bodies are read through ``FastJSONRequest``."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        from .auth import authenticate  # auth reads this module's id patterns
+
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
             fast = FastJSONRequest(request.scope, request.receive)
+            # The caller first: nothing of the body is read for a request without a valid token.
+            await authenticate(fast)
             # Outside the handler: FastAPI turns an error raised while it parses a body into a 400.
             await fast.refuse_nul()
             return await handler(fast)

@@ -150,7 +150,7 @@ async def delete_gym_instance(
     caller: Caller = Depends(require_run_access),
 ) -> None:
     """Unregister an instance (refused while a snapshot is in progress)."""
-    if not _INSTANCE.match(instance_id):
+    if not _INSTANCE.fullmatch(instance_id):
         raise BadRequest(
             f"instance_id {instance_id!r} does not match {INSTANCE_ID_PATTERN}",
             errors=[{"field": "instance_id", "message": "invalid instance id"}],

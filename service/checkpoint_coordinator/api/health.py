@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from ..ledger.db import head_revision
+from .auth import require_metrics_token
 
 router = APIRouter(tags=["health"])
 
@@ -40,5 +41,6 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     from ..observability.metrics import render_latest
 
+    require_metrics_token(request)
     payload, content_type = render_latest(request.headers.get("accept"))
     return Response(payload, media_type=content_type)

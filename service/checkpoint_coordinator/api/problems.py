@@ -9,10 +9,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import BadRequest, CoordinatorError, TooLarge, Unavailable
 from ..ledger.db import classify_database_error
+from ..observability.http import CLIENT_GONE_SCOPE_KEY as CLIENT_GONE
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ def install_problem_handlers(app: FastAPI) -> None:
             headers["Retry-After"] = str(max(1, int(round(float(retry)))))
         if exc.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if exc.status == 408:
+            headers["Connection"] = "close"  # the rest of a body that came too slowly is not read
         return problem_response(exc, headers)
 
     @app.exception_handler(RequestValidationError)
@@ -119,6 +123,29 @@ def problem_for_exception(exc: BaseException) -> CoordinatorError:
     return CoordinatorError("unexpected server error; see the coordinator log")
 
 
+class NoStore:
+    """``Cache-Control: no-store`` on every answer that does not say otherwise: answers carry run
+    tokens (a run's creation, a rotation) and the ledger's state, neither for a cache to keep."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"cache-control" for name, _ in headers):
+                    headers.append((b"cache-control", b"no-store"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_header)
+
+
 class ErrorBoundary:
     """Answers every exception that escapes the routes with a problem document, here, rather
     than letting it reach the server: Starlette's last-resort handler re-raises after it
@@ -141,6 +168,10 @@ class ErrorBoundary:
 
         try:
             await self.app(scope, receive, tracking)
+        except ClientDisconnect:
+            # The client went away before its body arrived: nobody to answer, nothing wrong here.
+            scope[CLIENT_GONE] = True
+            log.info("%s %s: the client disconnected before its request body arrived", scope.get("method"), scope.get("path"))
         except Exception as exc:
             err = problem_for_exception(exc)
             if err.status >= 500 and err.status != 503:
@@ -152,4 +183,6 @@ class ErrorBoundary:
                 # closes this connection, which tells the client the body is incomplete).
                 raise
             headers = {"Retry-After": str(int(UNAVAILABLE_RETRY_AFTER_S))} if err.status == 503 else None
+            if err.status == 408:
+                headers = {"Connection": "close"}  # the rest of a body that came too slowly is not read
             await problem_response(err, headers)(scope, receive, send)

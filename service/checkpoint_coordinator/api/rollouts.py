@@ -17,7 +17,7 @@ from .common import BIGINT_MAX, GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATT
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
 
 MAX_ROWS = 20_000
-_CAPTURE_SUFFIX = re.compile(r"-a[0-9]+$").search
+_CAPTURE_SUFFIX = re.compile(r"-a[0-9]+\Z").search
 RolloutId = str
 
 
@@ -46,6 +46,14 @@ class AdmitGroupIn(Strict):
 
 class AdmitIn(Strict):
     groups: list[AdmitGroupIn] = Field(min_length=1, max_length=5000)
+
+    @model_validator(mode="after")
+    def _rows(self) -> "AdmitIn":
+        # Rows, not groups, are what an admit writes and answers: bounded like every other batch.
+        n = sum(g.expected_generations for g in self.groups)
+        if n > MAX_ROWS:
+            raise ValueError(f"{n} rows in one admit (groups x expected_generations); at most {MAX_ROWS}: admit fewer groups per call")
+        return self
 
 
 class DispatchIn(Strict):
@@ -97,7 +105,7 @@ class GroupIdsIn(Strict):
     group_ids: list[str] = Field(min_length=1, max_length=MAX_ROWS)
 
 
-_ID_OK = re.compile(ROLLOUT_ID_PATTERN).match
+_ID_OK = re.compile(ROLLOUT_ID_PATTERN).fullmatch
 
 
 def _check_ids(ids: list[str], what: str = "rollout_ids", *, validated: bool = False) -> None:
@@ -127,7 +135,8 @@ async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends
         )
         for g in body.groups
     ]
-    return FastJSON({"groups": await repo.admit(request.app.state.engine, caller.run_id, groups)})
+    max_rows = request.app.state.settings.max_run_rows
+    return FastJSON({"groups": await repo.admit(request.app.state.engine, caller.run_id, groups, max_run_rows=max_rows)})
 
 
 @router.post("/attempts/dispatch", operation_id="dispatch_attempts")

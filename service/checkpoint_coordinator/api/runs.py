@@ -50,7 +50,10 @@ class RunList(Strict):
 @router.post("", status_code=201, operation_id="create_run", response_model=CreatedRun)
 async def create_run(body: CreateRun, request: Request, _: Caller = Depends(require_admin)) -> dict[str, Any]:
     config, warnings = validate_recovery_config(body.recovery)
-    run, token = await runs_repo.create_run(request.app.state.engine, body.run_id, body.checkpoint_root, config)
+    settings = request.app.state.settings
+    run, token = await runs_repo.create_run(
+        request.app.state.engine, body.run_id, body.checkpoint_root, config, max_open_runs=settings.max_open_runs
+    )
     return {**run.public(), "run_token": token, "warnings": warnings}
 
 

@@ -31,7 +31,7 @@ def render_path(loc: Sequence[str | int]) -> str:
     for seg in loc:
         if isinstance(seg, int):
             out.append(f"[{seg}]")
-        elif _IDENT.match(seg):
+        elif _IDENT.fullmatch(seg):
             out.append(f".{seg}" if out else seg)
         else:
             quoted = seg.replace("\\", "\\\\").replace('"', '\\"')

@@ -373,7 +373,7 @@ def error_part(op: str, status: int, content: bytes) -> ServerFailure:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         err = body["error"]
         raw = err.get("code")
-        if isinstance(raw, str) and _TOKEN.match(raw):
+        if isinstance(raw, str) and _TOKEN.fullmatch(raw):
             wire_code, code = raw, normalize_code(raw)
             if code in LEGACY_CODES and isinstance(err.get("detail"), str):
                 detail = _printable(err["detail"])
@@ -384,7 +384,7 @@ def error_part(op: str, status: int, content: bytes) -> ServerFailure:
         fields = []
         for e in body["detail"][:10]:
             loc = e.get("loc") if isinstance(e, dict) else None
-            if isinstance(loc, list) and loc and all(isinstance(x, (str, int)) and _FIELD.match(str(x)) for x in loc):
+            if isinstance(loc, list) and loc and all(isinstance(x, (str, int)) and _FIELD.fullmatch(str(x)) for x in loc):
                 fields.append(".".join(str(x) for x in loc))
         if fields:
             extra["fields"] = fields

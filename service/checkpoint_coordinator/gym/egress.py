@@ -93,7 +93,7 @@ class EgressPolicy:
             except ValueError:
                 pass
             name = item[2:] if item.startswith("*.") else item
-            if not _NAME.match(name) or _looks_numeric(name):
+            if not _NAME.fullmatch(name) or _looks_numeric(name):
                 raise ValueError(f"Gym egress entry {item!r} is neither a network (CIDR) nor a host name (or *.suffix)")
             hosts.append(item.rstrip("."))
         return cls(
@@ -171,7 +171,7 @@ def parse_gym_url(url: str) -> tuple[str, int]:
     port = port if port is not None else (443 if parts.scheme == "https" else 80)
     if port == 0:
         raise ValueError("port must be between 1 and 65535")
-    if _literal(host) is None and (not _NAME.match(host) or _looks_numeric(host)):
+    if _literal(host) is None and (not _NAME.fullmatch(host) or _looks_numeric(host)):
         raise ValueError(f"host {host!r} is not a canonical host name or address (an address is written a.b.c.d or [v6])")
     return host, port
 

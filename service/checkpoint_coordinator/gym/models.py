@@ -114,7 +114,7 @@ def format_capture_key(rollout_id: str, attempt: int) -> str:
 
 
 def parse_capture_key(key: str) -> tuple[str, int]:
-    match = _CAPTURE_KEY_RE.match(key)
+    match = _CAPTURE_KEY_RE.fullmatch(key)
     if match is None:
         return key, 0
     return match.group(1), int(match.group(2))

@@ -85,6 +85,21 @@ class Run(Base):
     closed_at: Mapped[datetime | None] = mapped_column(TS)
 
 
+class RunQuota(Base):
+    """What a run has used of its quotas (README, "Limits"): the sibling rows it admitted. Kept
+    apart from ``runs``: its update serialises a run's admits only from that update to their
+    commit, while the run row stays read-locked by every writer."""
+
+    __tablename__ = "run_quotas"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint("admitted_rows >= 0", name="admitted_rows"),
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    admitted_rows: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
 class GymInstance(Base):
     __tablename__ = "gym_instances"
     __table_args__ = (

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pydantic_core import to_json
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain import levels
@@ -237,10 +237,32 @@ class AdmitGroup:
     weight_version: str | None
 
 
-async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) -> list[dict[str, Any]]:
+async def _take_rows(conn: AsyncConnection, run_id: str, n: int, limit: int) -> None:
+    """Count ``n`` more admitted rows against the run's quota, or refuse them."""
+    used = (
+        await conn.execute(
+            text(
+                "INSERT INTO run_quotas (run_id, admitted_rows) VALUES (:r, :n) ON CONFLICT (run_id) DO UPDATE "
+                "SET admitted_rows = run_quotas.admitted_rows + :n WHERE run_quotas.admitted_rows + :n <= :limit RETURNING admitted_rows"
+            ),
+            {"r": run_id, "n": n, "limit": limit},
+        )
+    ).scalar()
+    if used is None or used > limit:
+        have = (await conn.execute(text("SELECT admitted_rows FROM run_quotas WHERE run_id = :r"), {"r": run_id})).scalar() or 0
+        raise Conflict(
+            f"run {run_id!r} has admitted {have} sibling rows; {n} more would pass its quota of {limit} "
+            "(CKPTC_MAX_RUN_ROWS): finish this run and start another, or raise the quota",
+            code="run_row_quota", admitted_rows=have, quota=limit,
+        )
+
+
+async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], *, max_run_rows: int | None = None) -> list[dict[str, Any]]:
     """Create groups, siblings and one reserved attempt per sibling; answer the rows to send.
 
     An identical repeat answers the group's current rows; a repeat with other fields is refused.
+    ``max_run_rows``: the sibling rows the run may have admitted in all (``run_quotas``); an admit
+    that would pass it is refused ``run_row_quota`` and writes nothing.
     """
     seen: set[str] = set()
     dups = [g.group_id for g in groups if g.group_id in seen or seen.add(g.group_id)]  # type: ignore[func-returns-value]
@@ -253,6 +275,8 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup]) 
         if refused:
             raise BatchRefused(refused)
         new = [g for g in groups if g.group_id not in existing]
+        if new and max_run_rows is not None:
+            await _take_rows(conn, run_id, sum(g.expected_generations for g in new), max_run_rows)
         resolve = _level_resolver(run.config)
         levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
         minted: dict[str, list[tuple[int, str]]] = defaultdict(list)

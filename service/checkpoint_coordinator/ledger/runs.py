@@ -73,10 +73,23 @@ def _row(r: Any) -> RunRow:
     return RunRow(**dict(r._mapping))
 
 
-async def create_run(engine: AsyncEngine, run_id: str, checkpoint_root: str, config: dict[str, Any]) -> tuple[RunRow, str]:
+async def create_run(
+    engine: AsyncEngine, run_id: str, checkpoint_root: str, config: dict[str, Any], *, max_open_runs: int | None = None
+) -> tuple[RunRow, str]:
+    """``max_open_runs``: refused ``run_quota`` when that many runs are open already."""
     token = new_run_token()
     try:
         async with engine.begin() as conn:
+            if max_open_runs is not None:
+                # One creation at a time while counting: two could otherwise both see room for one.
+                await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('ckptc:create_run'))"))
+                open_runs = (await conn.execute(text("SELECT count(*) FROM runs WHERE state = 'open'"))).scalar() or 0
+                if open_runs >= max_open_runs:
+                    raise Conflict(
+                        f"{open_runs} runs are open; the coordinator keeps at most {max_open_runs} (CKPTC_MAX_OPEN_RUNS): "
+                        "close finished runs (POST /v1/runs/{run}/close) first",
+                        code="run_quota", open_runs=open_runs, quota=max_open_runs,
+                    )
             r = (
                 await conn.execute(
                     text(

@@ -80,6 +80,10 @@ def _match_routes(routes: Iterable[Any], scope: Scope, prefix: str) -> str | Non
 # Set in the request's scope by a handler that waited on purpose (a long poll): its time is the
 # wait asked for, so it is recorded under its own route label, apart from the route's answers.
 LONG_POLL_SCOPE_KEY = "ckptc.long_poll"
+# Set in the scope when the client went away mid-request (``api.problems.CLIENT_GONE``): counted
+# as 499, the client closing its request, not as the 500 an unanswered request would be.
+CLIENT_GONE_SCOPE_KEY = "ckptc.client_gone"
+CLIENT_CLOSED_REQUEST = 499
 LONG_POLL_SUFFIX = "?wait_s"
 
 
@@ -112,6 +116,8 @@ class HttpMetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             elapsed = time.perf_counter() - start
+            if scope.get(CLIENT_GONE_SCOPE_KEY):
+                status_code = CLIENT_CLOSED_REQUEST
             try:
                 route = self._route_template(scope, original_scope)
                 if scope.get(LONG_POLL_SCOPE_KEY):

@@ -318,6 +318,16 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         in_spec_table=False,
     ),
     MetricSpec(
+        name="ckptc_auth_failures_total",
+        type=MetricType.COUNTER,
+        help="Requests refused for their token: 401 (none or malformed), 403 (not valid for the route) and 429 "
+        "(a client refused too often lately, throttled before its token is looked at), in requests.",
+        unit="requests",
+        attr="AUTH_FAILURES_TOTAL",
+        labels={"status": frozenset({"401", "403", "429"})},
+        in_spec_table=False,
+    ),
+    MetricSpec(
         name="ckptc_snapshot_resume_failures_total",
         type=MetricType.COUNTER,
         help="Snapshots whose Gym resume still failed after a successful cut (the snapshot "
@@ -415,6 +425,7 @@ HTTP_REQUEST_SECONDS: Final[Histogram] = _OBJECTS["ckptc_http_request_seconds"] 
 RESTORE_DURATION_SECONDS: Final[Histogram] = _OBJECTS["ckptc_restore_duration_seconds"]  # type: ignore[assignment]
 GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_gym_exported_outside_scope_total"]  # type: ignore[assignment]
 FENCED_WRITES_TOTAL: Final[Counter] = _OBJECTS["ckptc_fenced_writes_total"]  # type: ignore[assignment]
+AUTH_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_auth_failures_total"]  # type: ignore[assignment]
 SNAPSHOT_RESUME_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_snapshot_resume_failures_total"]  # type: ignore[assignment]
 SNAPSHOT_LOSSES_WARNING: Final[Gauge] = _OBJECTS["ckptc_snapshot_losses_warning"]  # type: ignore[assignment]
 RUN_LEASES_HELD: Final[Gauge] = _OBJECTS["ckptc_run_leases_held"]  # type: ignore[assignment]
@@ -442,6 +453,8 @@ def _initialize_series() -> None:
         LEDGER_TRANSITIONS_TOTAL.labels(to=state.value)
     for work in FencedWork:
         FENCED_WRITES_TOTAL.labels(work=work.value)
+    for status in ("401", "403", "429"):
+        AUTH_FAILURES_TOTAL.labels(status=status)
 
 
 _initialize_series()
@@ -468,7 +481,7 @@ def _closed(value: str | StrEnum, enum: type[StrEnum], label: str) -> str:
 
 
 def _run_label(run_id: str) -> str:
-    if not isinstance(run_id, str) or not _RUN_ID_RE.match(run_id):
+    if not isinstance(run_id, str) or not _RUN_ID_RE.fullmatch(run_id):
         raise MetricLabelError(f"label run={run_id!r} is not a run id")
     return run_id
 
@@ -628,6 +641,12 @@ def record_fenced_write(work: FencedWork | str) -> None:
     FENCED_WRITES_TOTAL.labels(work=_closed(work, FencedWork, "work")).inc()
 
 
+def record_auth_failure(status: int) -> None:
+    if status not in (401, 403, 429):
+        raise MetricLabelError(f"label status={status!r} is not an authentication refusal")
+    AUTH_FAILURES_TOTAL.labels(status=str(status)).inc()
+
+
 def set_run_leases_held(count: int) -> None:
     RUN_LEASES_HELD.set(_count(count, "count"))
 
@@ -650,7 +669,7 @@ def normalize_method(method: str) -> str:
 
 def observe_http_request(route: str, method: str, status: int, seconds: float) -> None:
     """Record one HTTP request by route *template*; never pass the raw path."""
-    if not isinstance(route, str) or not _ROUTE_RE.match(route):
+    if not isinstance(route, str) or not _ROUTE_RE.fullmatch(route):
         raise MetricLabelError(f"label route={route!r} is not a route template or 'unmatched'")
     if isinstance(status, bool) or not isinstance(status, int) or not 100 <= status <= 599:
         raise MetricLabelError(f"label status={status!r} is not an HTTP status code")
@@ -698,6 +717,7 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "record_ledger_transition": ("ckptc_ledger_transitions_total",),
     "set_run_leases_held": ("ckptc_run_leases_held",),
     "record_fenced_write": ("ckptc_fenced_writes_total",),
+    "record_auth_failure": ("ckptc_auth_failures_total",),
     "set_ready": ("ckptc_ready",),
     "observe_http_request": ("ckptc_http_request_seconds",),
     "set_build_info": ("ckptc_build_info",),
