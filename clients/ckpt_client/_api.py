@@ -8,6 +8,7 @@ async clients drive these flows; they hold no logic of their own.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -54,6 +55,8 @@ DEFAULT_BATCH_SIZE = 1000
 # its HTTP request may take than that.
 LONG_POLL_S = 10.0
 WAIT_MARGIN_S = 10.0
+#: How long one call of a snapshot's handshake may go unanswered before it is sent again.
+HANDSHAKE_TIMEOUT_S = 5.0
 # The phases in which Gym is still at work, so fetching the pre-cut's keys costs the park nothing.
 PRE_CUT_FETCH_PHASES = ("prepare", "commit")
 #: Server caps, checked client-side only where splitting is impossible (stream ended).
@@ -67,12 +70,26 @@ def _seg(value: str) -> str:
 class Api:
     """Requests and flows of one client. ``run_id`` may be None for admin-only use."""
 
-    def __init__(self, run_id: str | None, policy: RetryPolicy, batch_size: int = DEFAULT_BATCH_SIZE) -> None:
+    def __init__(
+        self, run_id: str | None, policy: RetryPolicy, batch_size: int = DEFAULT_BATCH_SIZE, handshake_timeout: float = HANDSHAKE_TIMEOUT_S
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be >= 1")
+        if not handshake_timeout > 0:
+            raise ValueError("handshake_timeout must be > 0")
         self.run_id = run_id
         self.policy = policy
         self.batch_size = batch_size
+        self.handshake_timeout = handshake_timeout
+
+    def _handshake(self, spec: RequestSpec, give_up_at: float | None, *, waits: float = 0.0) -> RequestSpec:
+        """``spec`` as a call of a snapshot's handshake: answered within ``handshake_timeout`` (plus
+        ``waits``, a long poll's own wait), else sent again on a fresh connection until the
+        snapshot's deadline. A replica that stopped answering (a pause, a stalled node) holds the
+        trainer, and its data-plane barrier, seconds rather than a whole client timeout."""
+        if give_up_at is None:
+            return spec
+        return replace(spec, timeout=self.handshake_timeout + waits, give_up_at=give_up_at)
 
     # ---------------------------------------------------------------------------- plumbing
 
@@ -250,39 +267,44 @@ class Api:
             body["checkpoint_ref"] = checkpoint_ref
         return TrainStep.parse((yield from self._call(RequestSpec("POST", self._run_path("/train-steps"), body))), step)
 
-    def request_snapshot(self, anchor_step: int, snapshot_id: str, stop: bool = False, deadline_s: float | None = None) -> Flow[Snapshot]:
+    def request_snapshot(
+        self, anchor_step: int, snapshot_id: str, stop: bool = False, deadline_s: float | None = None, give_up_at: float | None = None
+    ) -> Flow[Snapshot]:
         body: dict[str, Any] = {"snapshot_id": snapshot_id, "anchor_step": anchor_step}
         # Sent only when used, so a coordinator that predates stopping snapshots sees the contract.
         if stop:
             body["stop"] = True
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
-        return Snapshot.parse((yield from self._call(RequestSpec("POST", self._run_path("/snapshots"), body))))
+        spec = self._handshake(RequestSpec("POST", self._run_path("/snapshots"), body), give_up_at)
+        return Snapshot.parse((yield from self._call(spec)))
 
     def reopen(self) -> Flow[Run]:
         return Run.parse((yield from self._call(RequestSpec("POST", self._run_path("/reopen")))))
 
-    def get_snapshot(self, snapshot_id: str, wait_s: float | None = None, watch_token: str | None = None) -> Flow[Snapshot]:
+    def get_snapshot(
+        self, snapshot_id: str, wait_s: float | None = None, watch_token: str | None = None, give_up_at: float | None = None
+    ) -> Flow[Snapshot]:
         """The snapshot document; with ``wait_s`` and ``watch_token`` (the last document's), answered
         as soon as the snapshot moves on from it, at most after ``wait_s``."""
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}")
-        spec = (
-            RequestSpec("GET", path)
-            if wait_s is None or watch_token is None
-            else RequestSpec("GET", path, params={"wait_s": f"{wait_s:.3f}", "watch_token": watch_token}, timeout=wait_s + WAIT_MARGIN_S)
-        )
+        if wait_s is None or watch_token is None:
+            spec = self._handshake(RequestSpec("GET", path), give_up_at)
+        else:
+            params = {"wait_s": f"{wait_s:.3f}", "watch_token": watch_token}
+            spec = self._handshake(RequestSpec("GET", path, params=params, timeout=wait_s + WAIT_MARGIN_S), give_up_at, waits=wait_s)
         return Snapshot.parse((yield from self._call(spec)))
 
-    def _next_snapshot(self, snap: Snapshot, poll_interval: float, remaining: float) -> Flow[Snapshot]:
+    def _next_snapshot(self, snap: Snapshot, poll_interval: float, remaining: float, give_up_at: float | None = None) -> Flow[Snapshot]:
         """The snapshot once it moved on: a long poll when the coordinator offers one (the trainer
         sees the barrier at once, not up to ``poll_interval`` late, and Gym is parked all that
         time), else a sleep of ``poll_interval`` and a read."""
         if snap.watch_token is not None:
             # The server takes 0 < wait_s: a sliver of time left still waits a millisecond.
             wait = max(0.001, min(LONG_POLL_S, remaining))
-            return (yield from self.get_snapshot(snap.snapshot_id, wait_s=wait, watch_token=snap.watch_token))
+            return (yield from self.get_snapshot(snap.snapshot_id, wait_s=wait, watch_token=snap.watch_token, give_up_at=give_up_at))
         yield Sleep(min(poll_interval, remaining))
-        return (yield from self.get_snapshot(snap.snapshot_id))
+        return (yield from self.get_snapshot(snap.snapshot_id, give_up_at=give_up_at))
 
     def list_snapshots(self) -> Flow[list[Snapshot]]:
         doc = yield from self._call(RequestSpec("GET", self._run_path("/snapshots")))
@@ -333,19 +355,19 @@ class Api:
             snap = yield from self.get_snapshot(snapshot_id)
         return snap
 
-    def snapshot_barrier(self, snapshot_id: str, delta: bool = False) -> Flow[BarrierResult]:
+    def snapshot_barrier(self, snapshot_id: str, delta: bool = False, give_up_at: float | None = None) -> Flow[BarrierResult]:
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/barrier")
         params = {"staging_keys": "delta"} if delta else None
-        return BarrierResult.parse((yield from self._call(RequestSpec("POST", path, {}, params=params))))
+        return BarrierResult.parse((yield from self._call(self._handshake(RequestSpec("POST", path, {}, params=params), give_up_at))))
 
-    def snapshot_staging_keys(self, snapshot_id: str) -> Flow[CutKeys]:
+    def snapshot_staging_keys(self, snapshot_id: str, give_up_at: float | None = None) -> Flow[CutKeys]:
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/staging-keys")
-        return CutKeys.parse((yield from self._call(RequestSpec("GET", path))))
+        return CutKeys.parse((yield from self._call(self._handshake(RequestSpec("GET", path), give_up_at))))
 
-    def snapshot_captured(self, snapshot_id: str, reference: Any) -> Flow[Snapshot | None]:
+    def snapshot_captured(self, snapshot_id: str, reference: Any, give_up_at: float | None = None) -> Flow[Snapshot | None]:
         ref = DataPlaneRef.coerce(reference)
         path = self._run_path(f"/snapshots/{_seg(snapshot_id)}/captured")
-        doc = yield from self._call(RequestSpec("POST", path, {"reference": ref.to_json()}))
+        doc = yield from self._call(self._handshake(RequestSpec("POST", path, {"reference": ref.to_json()}), give_up_at))
         # The answer's shape is not pinned down by the contract; a snapshot document if it is one.
         return Snapshot.parse(doc) if isinstance(doc, Mapping) and doc.get("snapshot_id") else None
 
@@ -380,7 +402,7 @@ class Api:
             raise ValueError("poll_interval and timeout must be > 0")
         sid = snapshot_id or new_id("snap")
         deadline = (yield Now()) + timeout
-        snap = yield from self.request_snapshot(step, sid, stop, deadline_s)
+        snap = yield from self.request_snapshot(step, sid, stop, deadline_s, give_up_at=deadline)
         captured = False
         # Set once the coordinator refused the barrier because the snapshot is being aborted:
         # it will never ask again, and taking the trainer's barrier each poll would stall it.
@@ -391,12 +413,12 @@ class Api:
         base: list[str] | None = None
         while not snap.terminal:
             if base is None and snap.phase in PRE_CUT_FETCH_PHASES and snap.counts.get("cut_pre_cut_keys") is not None:
-                keys = yield from self.snapshot_staging_keys(sid)
+                keys = yield from self.snapshot_staging_keys(sid, give_up_at=deadline)
                 if keys.as_of == "pre_cut":
                     base = keys.staging_keys
             if not captured and not barrier_refused and _wants_barrier(snap):
                 try:
-                    after = yield from self._barrier_and_capture(snap, capture, barrier, base)
+                    after = yield from self._barrier_and_capture(snap, capture, barrier, base, deadline)
                 except SnapshotNotAwaiting as e:
                     barrier_refused = e.reason is not None
                     after = None
@@ -408,13 +430,14 @@ class Api:
             if remaining <= 0:
                 state = "after the capture" if captured else f"in phase {snap.phase}, awaiting {snap.awaiting}"
                 raise SnapshotTimeout(f"snapshot {sid} not finished after {timeout:.0f}s ({state})", snap)
-            snap = yield from self._next_snapshot(snap, poll_interval, remaining)
+            snap = yield from self._next_snapshot(snap, poll_interval, remaining, give_up_at=deadline)
         if snap.published:
             return snap
         raise SnapshotFailed(snap)
 
     def _barrier_and_capture(
-        self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None, base: list[str] | None = None
+        self, snap: Snapshot, capture: Callable[[list[str]], Any], barrier: Callable[[], Any] | None, base: list[str] | None = None,
+        give_up_at: float | None = None,
     ) -> Flow[Snapshot]:
         """Barrier, capture, captured; answers the snapshot after the captured report.
 
@@ -428,7 +451,7 @@ class Api:
                 # snapshot id died after the barrier); only the capture is owed.
                 keys = snap.staging_keys
             else:
-                keys = (yield from self.snapshot_barrier(snap.snapshot_id, delta=base is not None)).with_base(base or [])
+                keys = (yield from self.snapshot_barrier(snap.snapshot_id, delta=base is not None, give_up_at=give_up_at)).with_base(base or [])
             ref = DataPlaneRef.coerce((yield Invoke(capture, (keys,))))
         except BaseException as e:
             if barrier is not None:
@@ -438,9 +461,9 @@ class Api:
             # Released before reporting: the capture is saved, the trainer may move on while
             # the coordinator resumes Gym and publishes.
             yield Exit(handle, None)
-        after = yield from self.snapshot_captured(snap.snapshot_id, ref)
+        after = yield from self.snapshot_captured(snap.snapshot_id, ref, give_up_at=give_up_at)
         if after is None:
-            after = yield from self.get_snapshot(snap.snapshot_id)
+            after = yield from self.get_snapshot(snap.snapshot_id, give_up_at=give_up_at)
         return after
 
     # ---------------------------------------------------------------------------- section 6

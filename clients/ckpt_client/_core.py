@@ -16,7 +16,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from .errors import CoordinatorError, ProtocolError, Unreachable, error_from_problem
@@ -51,6 +51,12 @@ class RequestSpec:
     retry: Literal["always", "unsent"] = "always"
     #: Per-request timeout overriding the client's (a restore may legitimately take minutes).
     timeout: float | None = None
+    #: A call of a snapshot's handshake: after no answer it is sent again until this instant (on
+    #: the ``Now`` clock), however many tries that takes, each on a fresh connection.
+    give_up_at: float | None = None
+    #: Send on a new connection (not one from the pool): a retry after no answer, which a load
+    #: balancer may route to another replica than the one that did not answer.
+    fresh_connection: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +230,16 @@ def call(req: RequestSpec, policy: RetryPolicy) -> Flow[Any]:
             resp: RawResponse = yield Send(req)
         except TransportFailure as failure:
             may_retry = req.retry == "always" or failure.unsent
-            if attempt >= policy.retries or not may_retry:
+            if req.give_up_at is not None and may_retry:
+                left = req.give_up_at - (yield Now())
+                if left > 0:
+                    wait = min(policy.delay(attempt), left)
+                    attempt += 1
+                    log.warning("%s %s: %s; again on a fresh connection in %.2fs", req.method, req.path, failure, wait)
+                    yield Sleep(wait)
+                    req = replace(req, fresh_connection=True)
+                    continue
+            if attempt >= policy.retries or not may_retry or req.give_up_at is not None:
                 why = "retries exhausted" if may_retry else "not safe to repeat (the request may have been processed)"
                 raise Unreachable(f"{req.method} {req.path}: no answer ({failure}); {why}") from failure.cause
             reason = str(failure)

@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 import httpx
 
-from ._api import DEFAULT_BATCH_SIZE, Api
+from ._api import HANDSHAKE_TIMEOUT_S, DEFAULT_BATCH_SIZE, Api
 from ._core import Enter, Exit, Flow, Invoke, Now, RawResponse, RetryPolicy, Send, Sleep, TransportFailure
 from .helpers import new_id
 from .models import (
@@ -72,8 +72,10 @@ class AsyncCoordinatorClient:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rng: random.Random | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        self._api = Api(run_id, RetryPolicy(retries, backoff, max_backoff, rng or random.Random()), batch_size)
+        self._api = Api(run_id, RetryPolicy(retries, backoff, max_backoff, rng or random.Random()), batch_size, handshake_timeout)
+        self._transport = transport
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport, headers=client_headers(token, headers))
         self._clock = clock
         self._sleep = sleep
@@ -116,8 +118,12 @@ class AsyncCoordinatorClient:
     async def _perform(self, effect: Any) -> Any:
         if isinstance(effect, Send):
             req = effect.request
+            # A fresh connection for a retry after no answer: a new client with its own pool (a
+            # transport given at construction is the caller's to manage, and is reused).
+            fresh = httpx.AsyncClient(base_url=self._http.base_url, headers=self._http.headers, timeout=self._http.timeout) \
+                if req.fresh_connection and self._transport is None else None
             try:
-                r = await self._http.request(
+                r = await (fresh or self._http).request(
                     req.method,
                     req.path,
                     json=req.json,
@@ -128,6 +134,9 @@ class AsyncCoordinatorClient:
                 raise TransportFailure(e, unsent=True) from e
             except MAYBE_SENT_ERRORS as e:
                 raise TransportFailure(e, unsent=False) from e
+            finally:
+                if fresh is not None:
+                    await fresh.aclose()
             return RawResponse(r.status_code, r.headers, r.content)
         if isinstance(effect, Sleep):
             await self._sleep(max(0.0, effect.seconds))

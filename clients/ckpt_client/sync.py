@@ -11,7 +11,7 @@ from typing import Any, TypeVar, cast
 
 import httpx
 
-from ._api import DEFAULT_BATCH_SIZE, Api
+from ._api import HANDSHAKE_TIMEOUT_S, DEFAULT_BATCH_SIZE, Api
 from ._core import Enter, Exit, Flow, Invoke, Now, RawResponse, RetryPolicy, Send, Sleep, TransportFailure
 from .helpers import new_id
 from .models import (
@@ -72,7 +72,11 @@ class CoordinatorClient:
     ``max_backoff``, with jitter), which is safe because the coordinator answers identical
     repeats identically. Row reports are split into ``batch_size`` rows per request.
     ``transport`` replaces httpx's network transport (tests, proxies); ``clock``/``sleep``
-    make the waiting helpers testable without real time passing.
+    make the waiting helpers testable without real time passing. Each call of a snapshot's
+    handshake (request, polls, barrier, captured) that gets no answer within
+    ``handshake_timeout`` seconds is sent again on a fresh connection, until the snapshot's own
+    deadline: a replica that stopped answering holds the trainer's barrier seconds, not the
+    whole ``timeout``.
 
     Thread-safe: one instance may be shared by the threads of a trainer process.
     """
@@ -93,8 +97,10 @@ class CoordinatorClient:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         rng: random.Random | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        self._api = Api(run_id, RetryPolicy(retries, backoff, max_backoff, rng or random.Random()), batch_size)
+        self._api = Api(run_id, RetryPolicy(retries, backoff, max_backoff, rng or random.Random()), batch_size, handshake_timeout)
+        self._transport = transport
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport, headers=client_headers(token, headers))
         self._clock = clock
         self._sleep = sleep
@@ -137,8 +143,12 @@ class CoordinatorClient:
     def _perform(self, effect: Any) -> Any:
         if isinstance(effect, Send):
             req = effect.request
+            # A fresh connection for a retry after no answer: a new client with its own pool (a
+            # transport given at construction is the caller's to manage, and is reused).
+            fresh = httpx.Client(base_url=self._http.base_url, headers=self._http.headers, timeout=self._http.timeout) \
+                if req.fresh_connection and self._transport is None else None
             try:
-                r = self._http.request(
+                r = (fresh or self._http).request(
                     req.method,
                     req.path,
                     json=req.json,
@@ -149,6 +159,9 @@ class CoordinatorClient:
                 raise TransportFailure(e, unsent=True) from e
             except MAYBE_SENT_ERRORS as e:
                 raise TransportFailure(e, unsent=False) from e
+            finally:
+                if fresh is not None:
+                    fresh.close()
             return RawResponse(r.status_code, r.headers, r.content)
         if isinstance(effect, Sleep):
             self._sleep(max(0.0, effect.seconds))

@@ -238,10 +238,10 @@ def test_the_snapshot_helper_fetches_the_pre_cut_keys_during_commit_and_asks_the
 
     original = run._api.snapshot_barrier
 
-    def barrier_after_a_late_seal(snapshot_id: str, delta: bool = False) -> Any:
+    def barrier_after_a_late_seal(snapshot_id: str, delta: bool = False, **kwargs: Any) -> Any:
         # A row sealed after the pre-cut and before the barrier: its key comes in the delta.
         run.report_sealed([sealed(by_group["g1"][0])])
-        return original(snapshot_id, delta)
+        return original(snapshot_id, delta, **kwargs)
 
     run._api.snapshot_barrier = barrier_after_a_late_seal  # type: ignore[method-assign]
     snap = run.snapshot(0, rec.capture, snapshot_id="s1", barrier=rec.barrier_sync, poll_interval=0.05, timeout=60)

@@ -218,6 +218,9 @@ def test_cnpg_overlay() -> None:
             "name": f"{cluster['metadata']['name']}-app",
             "key": "uri",
         }, kind
+    # The database port reaches this cluster's pods, nothing else.
+    (database,) = [r for r in one(docs, "NetworkPolicy")["spec"]["egress"] if any(p["port"] == 5432 for p in r.get("ports", []))]
+    assert database["to"] == [{"podSelector": {"matchLabels": {"cnpg.io/cluster": cluster["metadata"]["name"]}}}]
 
 
 # --------------------------------------------------------------------------- deployment properties
@@ -367,6 +370,8 @@ def test_network_policy_allows_exactly_what_the_service_needs(base: list[dict[st
     egress_ports = {(p["port"], p.get("protocol", "TCP")) for rule in spec["egress"] for p in rule.get("ports", [])}
     assert {(5432, "TCP"), (53, "UDP"), (53, "TCP")} <= egress_ports
     assert any("gym" in str(peer.get("namespaceSelector")) for rule in spec["egress"] for peer in rule.get("to", []))
+    # The database port only towards the database, never to any host (issue: egress you choose).
+    assert all(rule.get("to") for rule in spec["egress"] if any(p["port"] == 5432 for p in rule.get("ports", [])))
 
 
 def test_rendered_base_is_namespaced_and_labelled() -> None:

@@ -263,3 +263,110 @@ async def test_outbox_items_reach_gym_once_across_both_replicas(database_url: st
         b.stop()
         for g in gyms.values():
             g.stop()
+
+
+class _RoundRobinProxy:
+    """A Service in front of the two replicas: each new connection goes to the next backend in
+    turn (the first to ``first``), and stays with it."""
+
+    def __init__(self, backends: list[int], first: int) -> None:
+        self.backends = backends
+        self.next = backends.index(first)
+        self.routed: list[int] = []
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        port = self.backends[self.next]
+        self.next = (self.next + 1) % len(self.backends)
+        self.routed.append(port)
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer), return_exceptions=True)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+async def test_a_frozen_replica_holding_the_trainer_s_connection_delays_the_handshake_seconds(database_url: str, tmp_path: Path) -> None:
+    """The trainer reaches both replicas through one address. coord-a drives the run; the
+    trainer's kept-alive connection goes to coord-b, which freezes (SIGSTOP) as the trainer takes
+    its barrier. The barrier call gets no answer, is sent again on a fresh connection after the
+    client's handshake timeout, reaches coord-a, and the snapshot publishes: the trainer held its
+    barrier seconds, not the client's 30 s timeout."""
+    import time
+
+    from ckpt_client import CoordinatorClient
+
+    from ..conftest import admin_headers
+
+    a, b, gym, engine = await _setup(database_url, tmp_path)
+    proxy = _RoundRobinProxy([a.port, b.port], first=b.port)
+    frozen = False
+    try:
+        url = f"http://127.0.0.1:{await proxy.start()}"
+        async with httpx.AsyncClient(base_url=a.url, timeout=30) as ca:
+            api_a = await new_run(ca, admin_headers(), target_level="turn", data_plane_timeout_s=120)
+            await register_by_discovery(engine, api_a.run_id, [gym])
+            s0 = await drive_snapshot(api_a, "s0", 0, tmp_path / "dp")  # coord-a takes the run's lease
+            assert s0["outcome"] == "published" and (await _lease(engine, api_a.run_id))[0] == "coord-a"
+            token = api_a.h["Authorization"].removeprefix("Bearer ")
+            held: list[float] = []
+
+            def trainer() -> Any:
+                nonlocal frozen
+                import contextlib
+                import hashlib
+
+                @contextlib.contextmanager
+                def barrier() -> Any:
+                    nonlocal frozen
+                    b.proc.send_signal(signal.SIGSTOP)  # the replica behind the trainer's connection stops answering
+                    frozen = True
+                    start = time.monotonic()
+                    try:
+                        yield
+                    finally:
+                        held.append(time.monotonic() - start)
+
+                def capture(keys: list[str]) -> tuple[str, str]:
+                    f = tmp_path / "s1.json"
+                    f.write_text(repr(sorted(keys)))
+                    return str(f), hashlib.sha256(f.read_bytes()).hexdigest()
+
+                with CoordinatorClient(url, token, run_id=api_a.run_id, timeout=30, handshake_timeout=2.0, retries=2, backoff=0.05) as c:
+                    c.get_run()  # the pooled connection: to coord-b
+                    return c.snapshot(0, capture, snapshot_id="s1", barrier=barrier, timeout=90)
+
+            started = time.monotonic()
+            snap = await asyncio.to_thread(trainer)
+            took = time.monotonic() - started
+        assert snap.published, snap
+        assert proxy.routed[0] == b.port and a.port in proxy.routed
+        # The barrier was held for one unanswered try (2 s) and the calls through coord-a.
+        assert held and held[0] < 10, held
+        assert took < 60, took
+    finally:
+        if frozen:
+            b.proc.send_signal(signal.SIGCONT)
+        proxy.close()
+        await engine.dispose()
+        a.stop()
+        b.stop()
+        gym.stop()

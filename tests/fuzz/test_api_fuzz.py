@@ -27,13 +27,13 @@ from ..fault.coordinator_process import CoordinatorProcess
 
 EXAMPLES = int(os.environ.get("CKPTC_FUZZ_EXAMPLES", "25"))
 RUN_ID = "fuzz-run"
-# Routes that would end the fuzz's own access (close the run, rotate its token) or dial out to
-# hosts the generator invents (Gym registration probes every base URL it is given). Each has
-# its own tests.
+# Routes that would end the fuzz's own access (close the run, rotate its token). Each has its own
+# tests. Gym registration is fuzzed: the coordinator's egress allows 127.0.0.1 only, so an invented
+# host is refused before any connection, and a loopback one finds a closed port (or the
+# coordinator's own, refused too).
 EXCLUDED = {
     ("POST", "/v1/runs/{run_id}/close"),
     ("POST", "/v1/runs/{run_id}/token"),
-    ("POST", "/v1/runs/{run_id}/gym-instances"),
 }
 ADMIN_ROUTES = {("POST", "/v1/runs"), ("GET", "/v1/runs")}
 STATUSES: Counter[int] = Counter()
@@ -42,7 +42,10 @@ STATUSES: Counter[int] = Counter()
 @pytest.fixture(scope="module")
 def coordinator(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     # The fuzz sends malformed tokens on purpose: no throttle, or its later cases would all be 429s.
-    proc = CoordinatorProcess(database_url, tmp_path_factory.mktemp("fuzz"), coordinator_id="fuzz", CKPTC_AUTH_FAILURES_PER_MINUTE="1000000")
+    proc = CoordinatorProcess(
+        database_url, tmp_path_factory.mktemp("fuzz"), coordinator_id="fuzz",
+        CKPTC_AUTH_FAILURES_PER_MINUTE="1000000", CKPTC_GYM_ALLOWED_NETWORKS="127.0.0.1/32",
+    )
     proc.start()
     try:
         body = {"run_id": RUN_ID, "checkpoint_root": "/tmp/ckptc-fuzz", "recovery": {"target_level": "turn"}}
