@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
         from .server import install_accept_error_limit
 
         install_accept_error_limit(asyncio.get_running_loop())
-        app.state.engine = make_async_engine(url)
+        app.state.engine = make_async_engine(url, statement_timeout_s=settings.db_statement_timeout_s)
         app.state.background = []
         try:
             from .background import start_background
@@ -73,6 +73,7 @@ def create_app(settings: Settings | None = None, *, database_url: str | None = N
     for router in _feature_routers():
         app.include_router(router)
     app.add_middleware(problems.BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(problems.SchemaGate, state=app.state)
     # Outside the body limit (which answers its own 413) and inside the metrics, which count
     # the statuses it answers.
     app.add_middleware(problems.ErrorBoundary)

@@ -82,6 +82,12 @@ def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
     m.add_argument("--data-dir", type=Path, help="embedded PostgreSQL data directory parent (CKPTC_DATA_DIR)")
     m.add_argument("--revision", default="head", help="target revision (default: head)")
     m.add_argument("--downgrade", action="store_true", help="downgrade to --revision instead of upgrading")
+    m.add_argument("--lock-timeout", type=float, default=None, metavar="SECONDS",
+                   help="how long one schema change waits for a table lock before the run is rolled back and tried again (default 10)")
+    m.add_argument("--lock-wait", type=float, default=None, metavar="SECONDS",
+                   help="how long to wait for another migration to finish (default 600)")
+    m.add_argument("--attempts", type=int, default=5, metavar="N",
+                   help="runs before giving up when table locks stay taken (default 5)")
 
     for name, cmd in commands.items():
         e = sub.add_parser(name, help=cmd.help, add_help=False, description=cmd.description or cmd.help)
@@ -144,11 +150,10 @@ def cmd_admin_token(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import signal
 
-    import uvicorn
-
     from .app import create_app
     from .ledger.db import migrate, redact_url
-    from .server import server_config
+    from .background import begin_drain
+    from .server import CoordinatorServer, server_config
 
     # uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; with the default SIGTERM
     # action that would end the process before the embedded PostgreSQL is stopped below.
@@ -167,10 +172,10 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if not args.no_migrate:
             migrate(url)
-        log.info("database %s at migration head", redact_url(url))
+        _log_schema(url)
         app = create_app(settings, database_url=url)
-        config = server_config(app, settings, host=args.host or settings.host, port=settings.port, timeout_graceful_shutdown=75)
-        uvicorn.Server(config).run()
+        config = server_config(app, settings, host=args.host or settings.host, port=settings.port)
+        CoordinatorServer(config, on_exit=lambda: begin_drain(app)).run()
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
@@ -180,20 +185,97 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from .ledger.db import downgrade, migrate, redact_url
+def _log_schema(url: str) -> None:
+    """Say where the schema is for this release, as read (``serve --no-migrate`` migrates
+    nothing: a replica started before its release's migration waits, not ready, until it ran)."""
+    from .ledger.db import classify_database_error, redact_url
+    from .ledger.schema import read_status_sync
 
+    try:
+        status = read_status_sync(url)
+    except Exception as e:
+        verdict = classify_database_error(e)
+        log.warning("database %s: schema not read (%s); /readyz reports it once the database answers",
+                    redact_url(url), verdict[1] if verdict else type(e).__name__)
+        return
+    level = logging.INFO if status.usable else logging.WARNING
+    suffix = "" if status.usable else "; not ready, and the API answers 503 schema_mismatch, until it is"
+    log.log(level, "database %s: %s%s", redact_url(url), status.message(), suffix)
+
+
+def _lock_not_available(error: BaseException) -> bool:
+    import psycopg
+
+    from .ledger.schema import MigrationLockBusy
+
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, MigrationLockBusy) or isinstance(e, psycopg.errors.LockNotAvailable):
+            return True
+        stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
+    return False
+
+
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    import time
+
+    from .ledger.db import classify_database_error, downgrade, migrate, redact_url
+    from .ledger.schema import read_status_sync
+
+    if args.database_url is not None and not args.database_url.strip():
+        print("ckpt-coordinator: --database-url is empty: give a postgresql:// URL, or leave the option out", file=sys.stderr)
+        return 2
     url, emb = (args.database_url, None) if args.database_url else resolve_database(settings, args.data_dir)
     try:
-        if args.downgrade:
-            downgrade(url, args.revision)
-        else:
-            migrate(url, args.revision)
-        print(f"database {redact_url(url)} at revision {args.revision}")
+        before = read_status_sync(url).revision
+        for attempt in range(1, max(1, args.attempts) + 1):
+            try:
+                (downgrade if args.downgrade else migrate)(url, args.revision, lock_timeout_s=args.lock_timeout, lock_wait_s=args.lock_wait)
+                break
+            except Exception as e:
+                if not _lock_not_available(e):
+                    verdict = classify_database_error(e)
+                    if verdict is not None and verdict[0] == "unavailable":
+                        print(f"ckpt-coordinator: database {redact_url(url)}: {verdict[1]}; nothing was changed", file=sys.stderr)
+                        return 1
+                    raise
+                if attempt >= max(1, args.attempts):
+                    print(f"ckpt-coordinator: migration of {redact_url(url)} rolled back {attempt} times: {_lock_reason(e)}; "
+                          "nothing was changed. Find the long transaction (pg_stat_activity) or run again later.", file=sys.stderr)
+                    return 1
+                log.warning("migration rolled back (%s); trying again (%d of %d)", _lock_reason(e), attempt + 1, args.attempts)
+                time.sleep(min(30.0, 2.0 * attempt))
+        after = read_status_sync(url)
+        print(f"database {redact_url(url)}: revision {before or 'none'} -> {after.revision} ({after.message()})")
     finally:
         if emb is not None:
             emb.stop()
     return 0
+
+
+def _lock_reason(error: BaseException) -> str:
+    from .ledger.schema import MigrationLockBusy
+
+    if isinstance(error, MigrationLockBusy):
+        return str(error)
+    return "a schema change waited for a table lock longer than its lock timeout (a long transaction holds the table)"
+
+
+def _config_problems(error: Exception) -> str:
+    """Which variables are wrong and why, never their values (a token or URL would be printed)."""
+    errors = getattr(error, "errors", None)
+    if not callable(errors):
+        return type(error).__name__
+    lines = []
+    for item in errors():
+        name = "CKPTC_" + "_".join(str(p) for p in item.get("loc", ())).upper()
+        lines.append(f"{name}: {str(item.get('msg', '')).removeprefix('Value error, ')}")
+    return "; ".join(lines) or type(error).__name__
 
 
 def main(argv: list[str] | None = None, *, commands: Mapping[str, Delegated] | None = None) -> int:
@@ -209,7 +291,7 @@ def main(argv: list[str] | None = None, *, commands: Mapping[str, Delegated] | N
     try:
         settings = Settings()
     except Exception as e:  # pydantic ValidationError: say which variable, never a traceback
-        print(f"ckpt-coordinator: invalid configuration: {e}", file=sys.stderr)
+        print(f"ckpt-coordinator: invalid configuration: {_config_problems(e)}", file=sys.stderr)
         return 2
     _configure_logging(settings)
     from .ledger.db import EmbeddedStartError

@@ -113,6 +113,15 @@ class Settings(BaseSettings):
     )
     max_run_rows: int = Field(default=10_000_000, ge=1, description="Sibling rows one run may admit in all (run_row_quota).")
     max_open_runs: int = Field(default=1_000, ge=1, description="Open runs the coordinator keeps at once (run_quota).")
+    db_statement_timeout_s: float = Field(
+        default=900.0, ge=0, description="The database ends a statement of the service that runs longer than this (0: never)."
+    )
+    shutdown_drain_s: float = Field(
+        default=25.0,
+        ge=0,
+        description="On SIGTERM, how long snapshots this replica drives may run on before they are cancelled (Gym resumed, "
+        "ended `cancelled`); the run leases it holds are released as their work ends.",
+    )
     gym_allowed_networks: str = Field(
         default="127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7",
         description="Where Gym servers may be: networks (CIDR) and host names (name or *.suffix), comma-separated. "
@@ -132,8 +141,16 @@ class Settings(BaseSettings):
 
     @field_validator("database_url", mode="before")
     @classmethod
-    def _empty_is_none(cls, v: object) -> object:
-        return None if v in ("", None) else v
+    def _set_means_set(cls, v: object) -> object:
+        # Set and empty is a mistake (a Secret key that came out blank), never "use the embedded
+        # database": a migration Job would migrate a throw-away database and report success.
+        if isinstance(v, (str, SecretStr)):
+            raw = v.get_secret_value() if isinstance(v, SecretStr) else v
+            if not raw.strip():
+                raise ValueError(
+                    "CKPTC_DATABASE_URL is set but empty: set it to a postgresql:// URL, or unset it to use the embedded PostgreSQL"
+                )
+        return v
 
     @field_validator("embedded_pg_settings")
     @classmethod

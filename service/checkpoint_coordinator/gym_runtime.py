@@ -70,6 +70,7 @@ def make_client(
     transport: httpx.AsyncBaseTransport | None = None,
     issued: Iterable[str] | Callable[[str], bool] = (),
     clock: Clock | None = None,
+    run_id: str | None = None,
 ) -> GymControlClient:
     """A control client with the run's budgets.
 
@@ -86,6 +87,7 @@ def make_client(
         owns_checkpoint_id=owns,
         clock=clock,
         egress=_egress,
+        run_id=run_id,
     )
 
 
@@ -103,7 +105,7 @@ class GymClients:
         client = self._clients.get(run_id)
         if client is None:
             cfg = config if isinstance(config, RecoveryConfig) else load_recovery_config(config)
-            client = make_client(cfg, transport=self._transport, clock=self._clock)
+            client = make_client(cfg, transport=self._transport, clock=self._clock, run_id=run_id)
             self._clients[run_id] = client
         return client
 

@@ -11,6 +11,9 @@ logs a traceback per attempt). Here (README, "Limits"):
   each answer (between requests uvicorn's keep-alive timeout also closes an idle one);
 * a request body must arrive within ``body_timeout_s`` of its head (``BodyDeadline``);
 * the event loop's "out of system resource" accept errors are logged once per ten seconds.
+
+At SIGTERM (``CoordinatorServer``) the app is told at once, so its background work drains
+(deploy/README.md, "Shutdown") while the requests in flight finish, not after them.
 """
 
 from __future__ import annotations
@@ -28,13 +31,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .config import Settings
 from .errors import RequestTimeout
 
-__all__ = ["BodyDeadline", "guarded_protocol", "install_accept_error_limit", "max_connections", "server_config"]
+__all__ = [
+    "BodyDeadline", "CoordinatorServer", "HTTP_DRAIN_S", "guarded_protocol", "install_accept_error_limit", "max_connections", "server_config",
+]
 
 log = logging.getLogger("checkpoint_coordinator.server")
 
 # Descriptors kept for everything that is not a client connection (database pool, listeners,
 # log files, the embedded PostgreSQL's pipes, Gym control connections).
 DESCRIPTOR_RESERVE = 128
+# How long requests in flight at SIGTERM may run on: one that fans out to Gym (a restore, a
+# registration) takes up to a control timeout (60 s by default) and its reply grace (5 s).
+HTTP_DRAIN_S = 65.0
 _REFUSED = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Length: 0\r\n\r\n"
 
 
@@ -156,8 +164,30 @@ def install_accept_error_limit(loop: asyncio.AbstractEventLoop, every_s: float =
     loop.set_exception_handler(handler)
 
 
+class CoordinatorServer(uvicorn.Server):
+    """uvicorn's server, calling ``on_exit`` on the event loop at the first SIGTERM or SIGINT
+    (the app's drain: run leases handed back, snapshots finished or cancelled) beside its own
+    graceful close of the connections."""
+
+    def __init__(self, config: uvicorn.Config, on_exit: Any = None) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self._on_exit is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_exit)
+
+
 def server_config(app: Any, settings: Settings, *, host: str, port: int, **overrides: Any) -> uvicorn.Config:
     """The uvicorn configuration every coordinator runs under."""
+    overrides.setdefault("timeout_graceful_shutdown", HTTP_DRAIN_S)
     return uvicorn.Config(
         BodyDeadline(app, settings.body_timeout_s),
         host=host,

@@ -106,7 +106,7 @@ def test_parse_accepts_spaces_case_and_empty_items() -> None:
     "value, code, says",
     [
         # Refused by the configuration, before any server is started.
-        ("fsync=off", 2, ("embedded_pg_settings", "durable")),
+        ("fsync=off", 2, ("CKPTC_EMBEDDED_PG_SETTINGS", "durable")),
         # Lexically fine, refused by the server: one line with the server's own complaint.
         ("max_wal_size=huge", 1, ("did not start", "max_wal_size")),
     ],

@@ -109,3 +109,125 @@ def test_the_pre_cut_s_key_rows_are_unlogged(database_url: str) -> None:
     finally:
         eng.dispose()
     assert persistence == "u"
+
+
+# --------------------------------------------------------------------------- upgrades that roll
+
+
+def _scripts() -> list:  # type: ignore[type-arg]
+    from alembic.script import ScriptDirectory
+
+    return list(reversed(list(ScriptDirectory.from_config(db.alembic_config("postgresql://localhost/unused")).walk_revisions())))
+
+
+def test_every_revision_from_the_compat_table_on_says_which_releases_run_on_it() -> None:
+    from checkpoint_coordinator.ledger.schema import runs_on_from_of
+
+    scripts = _scripts()
+    order = [s.revision for s in scripts]
+    since = order.index("0013")
+    floor = order[0]
+    for script in scripts[since:]:
+        declared = getattr(script.module, "runs_on_from", None)
+        assert declared is not None, f"revision {script.revision} must say runs_on_from (deploy/README.md, 'Writing a migration')"
+        assert declared in order and order.index(declared) <= order.index(script.revision), script.revision
+        # A release that stopped running on the schema does not start again at a later revision.
+        assert order.index(declared) >= order.index(floor), script.revision
+        floor = runs_on_from_of(script)
+
+
+def _compat(url: str) -> tuple[str | None, str | None]:
+    eng = create_engine(db.sqlalchemy_url(url))
+    try:
+        with eng.connect() as conn:
+            revision = conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+            if conn.execute(text("SELECT to_regclass('schema_compat')")).scalar() is None:
+                return revision, None
+            return revision, conn.execute(text("SELECT runs_on_from FROM schema_compat")).scalar()
+    finally:
+        eng.dispose()
+
+
+def test_each_migration_run_writes_who_runs_on_the_schema_it_leaves(empty_database_url: str) -> None:
+    from checkpoint_coordinator.ledger.schema import SchemaState, read_status_sync
+
+    assert read_status_sync(empty_database_url).state is SchemaState.behind  # no ledger yet
+    db.migrate(empty_database_url, "0012")
+    assert _compat(empty_database_url) == ("0012", None)
+    assert read_status_sync(empty_database_url).state is SchemaState.behind
+    db.migrate(empty_database_url)
+    assert _compat(empty_database_url) == ("0013", "0012")
+    assert read_status_sync(empty_database_url).state is SchemaState.at_head
+    db.downgrade(empty_database_url, "0012")
+    assert _compat(empty_database_url) == ("0012", None)
+
+
+def test_a_second_migration_waits_for_the_first_and_gives_up_cleanly(empty_database_url: str) -> None:
+    from checkpoint_coordinator.ledger.schema import MIGRATION_LOCK_KEY, MigrationLockBusy
+
+    db.migrate(empty_database_url, "0011")
+    holder = create_engine(db.sqlalchemy_url(empty_database_url))
+    try:
+        with holder.connect() as conn:
+            assert conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar()
+            conn.commit()
+            with pytest.raises(MigrationLockBusy):
+                db.migrate(empty_database_url, lock_wait_s=1.0)
+            assert _compat(empty_database_url) == ("0011", None)  # nothing changed
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK_KEY})
+            conn.commit()
+    finally:
+        holder.dispose()
+    db.migrate(empty_database_url)
+    assert _compat(empty_database_url)[0] == db.head_revision()
+
+
+def test_a_table_lock_held_by_a_long_transaction_rolls_the_migration_back_whole(empty_database_url: str) -> None:
+    import subprocess
+    import sys
+
+    db.migrate(empty_database_url, "0012")
+    holder = create_engine(db.sqlalchemy_url(empty_database_url))
+    try:
+        with holder.connect() as conn:
+            conn.execute(text("LOCK TABLE runs IN ACCESS SHARE MODE"))  # a reader that does not end
+            result = subprocess.run(
+                [sys.executable, "-m", "checkpoint_coordinator.cli", "migrate", "--database-url", empty_database_url,
+                 "--lock-timeout", "0.5", "--attempts", "2"],
+                capture_output=True, text=True, timeout=120,
+            )
+            conn.rollback()
+    finally:
+        holder.dispose()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "rolled back 2 times" in result.stderr and "nothing was changed" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _compat(empty_database_url) == ("0012", None)  # 0013's table and column both rolled back
+    eng = create_engine(db.sqlalchemy_url(empty_database_url))
+    try:
+        with eng.connect() as conn:
+            columns = set(conn.execute(text("SELECT column_name FROM information_schema.columns WHERE table_name = 'runs'")).scalars())
+    finally:
+        eng.dispose()
+    assert "consecutive_snapshot_failures" not in columns
+    done = subprocess.run([sys.executable, "-m", "checkpoint_coordinator.cli", "migrate", "--database-url", empty_database_url],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"revision 0012 -> {db.head_revision()}" in done.stdout and "this release's head" in done.stdout
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_an_empty_database_url_is_refused_not_taken_for_the_embedded_one(value: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "CKPTC_DATABASE_URL": value, "CKPTC_DATA_DIR": str(tmp_path / "data")}
+    for args in (["migrate"], ["serve", "--port", "0"]):
+        result = subprocess.run([sys.executable, "-m", "checkpoint_coordinator.cli", *args], env=env, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, (args, result.stderr)
+        assert "CKPTC_DATABASE_URL is set but empty" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "data").exists()  # no embedded PostgreSQL was started
+    flag = subprocess.run([sys.executable, "-m", "checkpoint_coordinator.cli", "migrate", "--database-url", ""],
+                          env={k: v for k, v in os.environ.items() if k != "CKPTC_DATABASE_URL"}, capture_output=True, text=True, timeout=60)
+    assert flag.returncode == 2 and "--database-url is empty" in flag.stderr

@@ -272,8 +272,10 @@ def test_scanner_catches_each_kind_of_violation(tmp_path: Path) -> None:
     assert len(result.violations) == 6, text
     assert set(result.recorded) == {
         "ckptc_snapshot_phase_seconds",
+        "ckptc_run_snapshot_phase_seconds",  # a helper that takes a run_id writes both
         "ckptc_ledger_transitions_total",
         "ckptc_restore_siblings_total",
+        "ckptc_run_restore_siblings_total",
         "ckptc_outbox_pending",
     }
 

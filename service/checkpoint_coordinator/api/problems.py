@@ -146,6 +146,33 @@ class NoStore:
         await self.app(scope, receive, with_header)
 
 
+# Retry-After of a 503 while the schema is not one this release runs on (an upgrade in progress).
+SCHEMA_RETRY_AFTER_S = 30
+# Paths a replica answers whatever the schema: its probes, its metrics, its API description.
+_SCHEMA_FREE_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/openapi.json", "/docs", "/redoc"})
+
+
+class SchemaGate:
+    """While the database's schema is one this release must not read or write (behind its head:
+    the migration has not run; newer and not declared runnable by this release: a rollback gone
+    too far), every ledger request is answered 503 ``schema_mismatch`` with ``Retry-After``,
+    never run against a schema it does not know. The replica is out of the Service meanwhile
+    (``/readyz``); this covers whoever reaches it directly."""
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        status = getattr(self.state, "schema", None)
+        if scope["type"] != "http" or status is None or status.usable or scope.get("path") in _SCHEMA_FREE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        err = Unavailable(f"{status.message()}; this replica serves again once it is", code="schema_mismatch",
+                          retry_after_s=SCHEMA_RETRY_AFTER_S, schema=status.public())
+        await problem_response(err, {"Retry-After": str(SCHEMA_RETRY_AFTER_S)})(scope, receive, send)
+
+
 class ErrorBoundary:
     """Answers every exception that escapes the routes with a problem document, here, rather
     than letting it reach the server: Starlette's last-resort handler re-raises after it

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from ..errors import Forbidden
 from ..ledger import runs as runs_repo
+from ..observability import metrics
 from ..recovery_config import validate_recovery_config
 from .auth import Caller, require_admin, require_run_access
 from .common import RUN_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
@@ -32,6 +33,7 @@ class RunOut(Strict):
     epoch: int
     restored_from_rollout_snapshot: str | None
     consecutive_snapshot_losses: int
+    consecutive_snapshot_failures: int
     dispatch_gate: dict[str, Any]
     created_at: str
     closed_at: str | None
@@ -92,4 +94,6 @@ async def rotate_run_token(request: Request, caller: Caller = Depends(require_ru
 async def close_run(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     if caller.run_id is None:
         raise Forbidden("no run")
-    return (await runs_repo.close_run(request.app.state.engine, caller.run_id)).public()
+    closed = (await runs_repo.close_run(request.app.state.engine, caller.run_id)).public()
+    metrics.forget_run(caller.run_id)  # other replicas drop theirs at their next sweep
+    return closed

@@ -7,7 +7,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, StrictBool, model_validator
 
-from ..errors import BadRequest
+from ..errors import BadRequest, Unavailable
 from ..ledger import snapshots as repo
 from ..observability.http import LONG_POLL_SCOPE_KEY
 from ..snapshots import service as snapshot_service
@@ -78,6 +78,11 @@ class TrainStepIn(Strict):
 async def request_snapshot(body: SnapshotRequest, request: Request, response: Response, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
     """Request a snapshot anchored on train step S. Idempotent by snapshot id; runs in the background."""
     app = request.app
+    if getattr(app.state, "draining", False):
+        # It would take the run's lease here, as this replica hands its runs back: the retry
+        # reaches another replica.
+        raise Unavailable("this replica is shutting down; retry the request (another replica takes it)",
+                          code="replica_draining", retry_after_s=1)
     row, created = await snapshot_service.request_snapshot(
         app.state.engine, app.state.snapshots, caller.run_id, body.snapshot_id, body.anchor_step,
         stop=body.stop, deadline_s=body.deadline_s, lease_ttl_s=app.state.settings.ownership_lease_s,

@@ -19,6 +19,7 @@ __all__ = [
     "GroupDisposition",
     "LedgerTransition",
     "RowReason",
+    "SchemaState",
     "REASON_DISPOSITIONS",
     "sql_list",
 ]
@@ -137,6 +138,16 @@ LedgerTransition = StrEnum(  # type: ignore[misc]
     + [(s.name if s is not GroupStatus.abandoned else "group_abandoned", s.value if s is not GroupStatus.abandoned else "group_abandoned") for s in GroupStatus]
     + [(s.name, s.value) for s in RetirementState if s is not RetirementState.none],
 )
+
+class SchemaState(StrEnum):
+    """What the database's schema is to a release (its readiness, its metric, its log)."""
+
+    at_head = "at_head"  # the revision the release was built for
+    ahead = "ahead"  # a newer release's schema that says this release runs on it
+    behind = "behind"  # an older schema (or none): a migration has to run first
+    incompatible = "incompatible"  # a newer schema this release must not run on
+    unknown = "unknown"  # not read yet (the database has not answered since the start)
+
 
 #: Attempts that may still be in flight: ended (abandoned) when their group gives up.
 LIVE_ATTEMPT_STATUSES = (AttemptStatus.dispatched, AttemptStatus.reserved, AttemptStatus.returned)

@@ -147,8 +147,10 @@ class ControlChannel:
         control_timeout_s: float,
         max_reply_bytes: int,
         reply_memory: ReplyMemory | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.http = http
+        self.run_id = run_id
         self.clock = clock
         # Section 2: the grace only covers the reply's trip back after the participant's deadline.
         self.reply_grace_s = min(control_timeout_s, 5.0)
@@ -188,7 +190,7 @@ class ControlChannel:
             raise
         finally:
             elapsed = time.perf_counter() - started
-            observe_gym_control(op, target.kind, outcome, elapsed)
+            observe_gym_control(op, target.kind, outcome, elapsed, self.run_id)
             record_call(target.instance_id, op, target.server_name, elapsed)
 
     async def get_status(self, target: Target, timeout_s: float) -> tuple[int, bytes]:
@@ -201,7 +203,7 @@ class ControlChannel:
             outcome = exc.part["class"]
             raise
         finally:
-            observe_gym_control("status", target.kind, outcome, time.perf_counter() - started)
+            observe_gym_control("status", target.kind, outcome, time.perf_counter() - started, self.run_id)
 
     async def _exchange(
         self, target: Target, op: str, method: str, payload: bytes | None, budget_s: float, items: int = 0

@@ -70,13 +70,15 @@ class GymControlClient:
         owns_checkpoint_id: Callable[[str], bool] | None = None,
         max_connections: int = 256,
         egress: EgressPolicy | None = None,
+        run_id: str | None = None,
     ) -> None:
         """
         ``owns_checkpoint_id`` tells whether an id found on a participant was issued by this
         coordinator (for example, by looking it up in the ledger after a restart); ids this
         client issued itself are always recognised. ``transport`` replaces the network layer in
         tests. ``egress``: where Gym servers may be (connections elsewhere are refused as they
-        connect); ignored with a ``transport``.
+        connect); ignored with a ``transport``. ``run_id``: the run the calls are for (its
+        per-run call counts).
         """
         for name, value in (("control_timeout_s", control_timeout_s), ("discovery_timeout_s", discovery_timeout_s)):
             if not value > 0:
@@ -108,7 +110,8 @@ class GymControlClient:
         self.grace_checked: set[tuple[str, str]] = set()
         self._ctl = Control(
             channel=ControlChannel(
-                self._http, self.clock, control_timeout_s=self.control_timeout_s, max_reply_bytes=max_control_reply_bytes
+                self._http, self.clock, control_timeout_s=self.control_timeout_s, max_reply_bytes=max_control_reply_bytes,
+                run_id=run_id,
             ),
             clock=self.clock,
             budgets=Budgets(self.control_timeout_s, self.prepare_timeout_s, self.discovery_timeout_s),

@@ -95,7 +95,28 @@ async def one_statement(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
         yield conn
 
 
-def make_async_engine(url: str, *, pool_size: int = 10) -> LedgerEngine:
+# A database node can die without a word (no FIN, no RST); without these a connection would wait
+# for the kernel's own TCP timeouts, many minutes, while its request or snapshot hangs. A URL that
+# sets one of them keeps its own; libpq ignores the TCP ones on a Unix socket (the embedded server).
+CONNECT_TIMEOUT_S = 10
+TCP_OPTIONS: dict[str, int] = {
+    "keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+    # Data sent and not acknowledged for this long ends the connection (a primary gone mid-statement).
+    "tcp_user_timeout": 30_000,
+}
+
+
+def client_options(url: str, *, statement_timeout_s: float = 0) -> dict[str, Any]:
+    """libpq connection parameters for the service's connections, those in ``url`` left as given.
+    ``statement_timeout_s`` (0: none) ends a statement that runs longer on the server."""
+    given = set(make_url(url).query)
+    options: dict[str, Any] = {"connect_timeout": CONNECT_TIMEOUT_S, **TCP_OPTIONS}
+    if statement_timeout_s > 0:
+        options["options"] = f"-c statement_timeout={int(statement_timeout_s * 1000)}"
+    return {k: v for k, v in options.items() if k not in given}
+
+
+def make_async_engine(url: str, *, pool_size: int = 10, statement_timeout_s: float = 0) -> LedgerEngine:
     """Pool without a ping on every checkout (a round trip as long as a small indexed read): a
     connection is pinged only after ``IDLE_PING_S`` idle or when its socket shows the server
     ended the session (a local check, no round trip). One that dies silently in between fails
@@ -108,6 +129,7 @@ def make_async_engine(url: str, *, pool_size: int = 10) -> LedgerEngine:
         pool_pre_ping=False,
         pool_recycle=POOL_RECYCLE_S,
         isolation_level="AUTOCOMMIT",
+        connect_args=client_options(url, statement_timeout_s=statement_timeout_s),
     ).sync_engine
     _ping_when_idle(sync)
     return LedgerEngine(sync)
@@ -256,16 +278,25 @@ def alembic_config(url: str) -> Any:
     return cfg
 
 
-def migrate(url: str, revision: str = "head") -> None:
+def migrate(url: str, revision: str = "head", *, lock_timeout_s: float | None = None, lock_wait_s: float | None = None) -> None:
+    """Upgrade to ``revision`` under the migration lock (``migrations/env.py``)."""
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    command.upgrade(_locked(alembic_config(url), lock_timeout_s, lock_wait_s), revision)
 
 
-def downgrade(url: str, revision: str = "base") -> None:
+def downgrade(url: str, revision: str = "base", *, lock_timeout_s: float | None = None, lock_wait_s: float | None = None) -> None:
     from alembic import command
 
-    command.downgrade(alembic_config(url), revision)
+    command.downgrade(_locked(alembic_config(url), lock_timeout_s, lock_wait_s), revision)
+
+
+def _locked(cfg: Any, lock_timeout_s: float | None, lock_wait_s: float | None) -> Any:
+    if lock_timeout_s is not None:
+        cfg.attributes["lock_timeout_s"] = lock_timeout_s
+    if lock_wait_s is not None:
+        cfg.attributes["lock_wait_s"] = lock_wait_s
+    return cfg
 
 
 def head_revision() -> str:

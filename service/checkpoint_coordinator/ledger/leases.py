@@ -77,11 +77,64 @@ def fence_sql(run: str = ":r") -> str:
     )
 
 
-async def release(engine: AsyncEngine, run_id: str, owner: str) -> None:
+async def release_held(engine: AsyncEngine, owner: str, *, keep: frozenset[str] = frozenset()) -> list[str]:
+    """End every live lease ``owner`` holds but those of ``keep`` (a replica going away): another
+    replica takes each run at its next request instead of after the lease's expiry. The runs'
+    unfinished snapshots are announced as created, so the replicas' recovery starts or ends
+    those at once (a snapshot requested elsewhere while this replica held the lease names it
+    as owner). The released run ids."""
+    from .snapshots import NOTIFY_CHANNEL, notify_payload
+
     async with engine.begin() as conn:
-        await conn.execute(text("UPDATE ownership_leases SET expires_at = now() WHERE run_id = :r AND owner = :o"), {"r": run_id, "o": owner})
+        rows = (
+            await conn.execute(
+                text(
+                    "WITH released AS (UPDATE ownership_leases SET expires_at = now() "
+                    "  WHERE owner = :o AND expires_at > now() AND NOT (run_id = ANY(CAST(:keep AS text[]))) RETURNING run_id) "
+                    "SELECT r.run_id, s.snapshot_id FROM released r LEFT JOIN snapshots s ON s.run_id = r.run_id AND s.outcome IS NULL"
+                ),
+                {"o": owner, "keep": sorted(keep)},
+            )
+        ).all()
+        notes = [notify_payload(r.run_id, r.snapshot_id, created=True) for r in rows if r.snapshot_id is not None]
+        if notes:
+            await conn.execute(text("SELECT pg_notify(:ch, p) FROM unnest(CAST(:ps AS text[])) AS p"), {"ch": NOTIFY_CHANNEL, "ps": notes})
+    return sorted({r.run_id for r in rows})
 
 
 async def held_count(engine: AsyncEngine, owner: str) -> int:
     async with engine.connect() as conn:
         return int((await conn.execute(text("SELECT count(*) FROM ownership_leases WHERE owner = :o AND expires_at > now()"), {"o": owner})).scalar() or 0)
+
+
+async def runs_without_driver(engine: AsyncEngine) -> int:
+    """Open runs with work owed (a snapshot not ended, outbox items due for a minute) whose lease
+    no replica holds: nobody is driving them (every replica's background workers off, or failing)."""
+    async with engine.connect() as conn:
+        return int(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT count(*) FROM runs r WHERE r.state = 'open' "
+                        "AND (EXISTS (SELECT 1 FROM snapshots s WHERE s.run_id = r.run_id AND s.outcome IS NULL) "
+                        "  OR (r.gate_snapshot_id IS NULL AND EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = r.run_id "
+                        "      AND o.state = 'pending' AND o.next_attempt_at <= now() - interval '1 minute'))) "
+                        "AND NOT EXISTS (SELECT 1 FROM ownership_leases l WHERE l.run_id = r.run_id AND l.expires_at > now())"
+                    )
+                )
+            ).scalar()
+            or 0
+        )
+
+
+async def runs_kept_by(engine: AsyncEngine, owner: str, run_ids: list[str]) -> set[str]:
+    """Of ``run_ids``, the open runs ``owner`` was the last to hold the lease of (or nobody was)."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT r.run_id FROM runs r LEFT JOIN ownership_leases l ON l.run_id = r.run_id "
+                "WHERE r.run_id = ANY(CAST(:runs AS text[])) AND r.state = 'open' AND (l.owner IS NULL OR l.owner = :o)"
+            ),
+            {"runs": run_ids, "o": owner},
+        )
+        return {r[0] for r in rows}

@@ -79,6 +79,8 @@ class Run(Base):
     epoch: Mapped[int] = mapped_column(BigInteger, server_default="1")
     restored_from_rollout_snapshot: Mapped[str | None] = mapped_column(Text)
     consecutive_snapshot_losses: Mapped[int] = mapped_column(Integer, server_default="0")
+    # Snapshots ended failed since the last published one (aborts leave it as it is).
+    consecutive_snapshot_failures: Mapped[int] = mapped_column(Integer, server_default="0")
     # Dispatch gate: closed while a snapshot holds it (section 4.2 / 5.2).
     gate_snapshot_id: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
@@ -490,6 +492,20 @@ class OutboxItem(Base):
     next_attempt_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     delivered_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class SchemaCompat(Base):
+    """One row: the oldest revision whose code runs on this schema (``runs_on_from``), written by
+    every migration run (``migrations/env.py``) and read by replicas of every release
+    (``ledger.schema``)."""
+
+    __tablename__ = "schema_compat"
+    __table_args__ = (
+        PrimaryKeyConstraint("id"),
+        CheckConstraint("id", name="one_row"),
+    )
+    id: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))
+    runs_on_from: Mapped[str] = mapped_column(Text)
 
 
 class OwnershipLease(Base):

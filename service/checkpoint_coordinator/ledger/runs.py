@@ -44,6 +44,7 @@ class RunRow:
     epoch: int
     restored_from_rollout_snapshot: str | None
     consecutive_snapshot_losses: int
+    consecutive_snapshot_failures: int
     gate_snapshot_id: str | None
     created_at: datetime
     closed_at: datetime | None
@@ -57,6 +58,7 @@ class RunRow:
             "epoch": self.epoch,
             "restored_from_rollout_snapshot": self.restored_from_rollout_snapshot,
             "consecutive_snapshot_losses": self.consecutive_snapshot_losses,
+            "consecutive_snapshot_failures": self.consecutive_snapshot_failures,
             "dispatch_gate": {"open": self.gate_snapshot_id is None, "snapshot_id": self.gate_snapshot_id},
             "created_at": self.created_at.isoformat(),
             "closed_at": self.closed_at.isoformat() if self.closed_at else None,
@@ -65,7 +67,7 @@ class RunRow:
 
 _RUN_COLS = (
     "run_id, config, checkpoint_root, state, epoch, restored_from_rollout_snapshot, "
-    "consecutive_snapshot_losses, gate_snapshot_id, created_at, closed_at"
+    "consecutive_snapshot_losses, consecutive_snapshot_failures, gate_snapshot_id, created_at, closed_at"
 )
 
 

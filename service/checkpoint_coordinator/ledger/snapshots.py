@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
@@ -1108,6 +1108,13 @@ async def captured(engine: AsyncEngine, run_id: str, snapshot_id: str, reference
         return SnapshotRow(**dict(r._mapping))
 
 
+class Streaks(NamedTuple):
+    """A run's snapshots in a row since its last published one: lost to a train step, failed."""
+
+    losses: int
+    failures: int
+
+
 async def end(
     engine: AsyncEngine,
     run_id: str,
@@ -1125,10 +1132,11 @@ async def end(
     keep_latest_k: int = 2,
     keep_gate: bool = False,
     keep_gym_manifest: bool | None = None,
-) -> tuple[SnapshotRow, int]:
+) -> tuple[SnapshotRow, Streaks]:
     """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
-    reopen the gate if still held, count consecutive losses, apply retention on publish.
-    Fenced like every phase move (from ``expected``). Returns (row, consecutive losses after this).
+    reopen the gate if still held, count consecutive losses and failures, apply retention on
+    publish. Fenced like every phase move (from ``expected``). Returns (row, the run's streaks
+    after this).
     ``keep_gym_manifest``: join its Gym entries into ``gym_manifest`` (the snapshot reached
     ``data_plane``, so every instance's entry is in); by default only when it publishes."""
     outcome, reason = SnapshotOutcome(outcome), SnapshotReason(reason)
@@ -1167,14 +1175,19 @@ async def end(
         if not (keep_gate and outcome is SnapshotOutcome.published):
             await _open_gate_of_run(conn, run_id, snapshot_id)
         if outcome is SnapshotOutcome.published:
-            losses_sql = "0"
-        elif reason is SnapshotReason.train_step_committed:
-            losses_sql = "consecutive_snapshot_losses + 1"
+            losses_sql = failures_sql = "0"
         else:
-            losses_sql = "consecutive_snapshot_losses"
-        losses = (
-            await conn.execute(text(f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql} WHERE run_id = :r RETURNING consecutive_snapshot_losses"), {"r": run_id})
-        ).scalar()
+            losses_sql = "consecutive_snapshot_losses + 1" if reason is SnapshotReason.train_step_committed else "consecutive_snapshot_losses"
+            failures_sql = "consecutive_snapshot_failures + 1" if outcome is SnapshotOutcome.failed else "consecutive_snapshot_failures"
+        streaks = (
+            await conn.execute(
+                text(
+                    f"UPDATE runs SET consecutive_snapshot_losses = {losses_sql}, consecutive_snapshot_failures = {failures_sql} "
+                    "WHERE run_id = :r RETURNING consecutive_snapshot_losses, consecutive_snapshot_failures"
+                ),
+                {"r": run_id},
+            )
+        ).one()
         # The pre-cut's key rows may still be being written: their writer ends first, or rows it
         # wrote after this delete would stay behind (bounded: it normally ends within a second).
         await sk.key_rows_in(conn, run_id, snapshot_id, None, wait_s=sk.END_KEY_ROWS_WAIT_S)
@@ -1202,7 +1215,7 @@ async def end(
         # The one place key rows go. They are read only for the run's one pending snapshot, this
         # one: those a writer committed after an earlier end stopped waiting for it go too.
         await conn.execute(text("DELETE FROM snapshot_cut_keys WHERE run_id = :r"), {"r": run_id})
-        return SnapshotRow(**dict(r._mapping)), int(losses or 0)
+        return SnapshotRow(**dict(r._mapping)), Streaks(int(streaks[0]), int(streaks[1]))
 
 
 async def delete_cut_rows(conn: AsyncConnection, run_id: str, snapshot_ids: list[str]) -> None:

@@ -31,6 +31,7 @@ from prometheus_client.exposition import choose_encoder
 from ..domain.vocabulary import Disposition, LedgerTransition
 
 from ..domain.snapshot_state import REASON_OUTCOME, FailureClass, SnapshotOutcome, SnapshotReason, SnapshotTiming
+from ..domain.vocabulary import SchemaState
 
 __all__ = [
     "REGISTRY",
@@ -357,10 +358,113 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
     MetricSpec(
         name="ckptc_ready",
         type=MetricType.GAUGE,
-        help="Result of the last readiness check (database reachable and migrations at "
-        "head): 1 ready, 0 not ready (boolean, unitless).",
+        help="Result of the last readiness check: 1 ready (a schema this release runs on, not shutting down; a "
+        "database outage leaves it ready, the API then answers 503 itself), 0 not ready (boolean, unitless).",
         unit="boolean",
         attr="READY",
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_database_up",
+        type=MetricType.GAUGE,
+        help="1 while the ledger database answered this replica's last check (every 5 s), else 0 (boolean, unitless).",
+        unit="boolean",
+        attr="DATABASE_UP",
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_schema_state",
+        type=MetricType.GAUGE,
+        help="1 for the state the database schema is in for this replica's release, 0 for the others (boolean, "
+        "unitless): at_head, ahead (a newer release's schema this one runs on), behind (a migration to run), "
+        "incompatible (a newer schema this release must not run on), unknown (not read yet).",
+        unit="boolean",
+        attr="SCHEMA_STATE",
+        labels={"state": _values(SchemaState)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_runs_without_driver",
+        type=MetricType.GAUGE,
+        help="Open runs with work owed (a snapshot not ended, outbox items due for a minute) whose lease no "
+        "replica holds, in runs; every replica reports the fleet's count.",
+        unit="runs",
+        attr="RUNS_WITHOUT_DRIVER",
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_snapshot_failures_consecutive",
+        type=MetricType.GAUGE,
+        help="Snapshots of a run that ended failed since its last published one, in snapshots (aborts leave it as "
+        "it is); reported by the replica that ended the last one.",
+        unit="snapshots",
+        attr="SNAPSHOT_FAILURES_CONSECUTIVE",
+        labels={"run": OPEN},
+        in_spec_table=False,
+    ),
+    # ---- per run, for the run drill-down: small label sets, dropped when the run ends or moves ----
+    MetricSpec(
+        name="ckptc_run_snapshots_total",
+        type=MetricType.COUNTER,
+        help="Snapshots of a run that reached a terminal outcome on this replica, in snapshots, by outcome and reason.",
+        unit="snapshots",
+        attr="RUN_SNAPSHOTS_TOTAL",
+        labels={"run": OPEN, "outcome": _values(SnapshotOutcome), "reason": _values(SnapshotReason)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_snapshot_phase_seconds",
+        type=MetricType.GAUGE,
+        help="How long each phase of a run's last ended snapshot took, in seconds (phase=total: the whole "
+        "snapshot; gym_parked: Gym's park).",
+        unit="seconds",
+        attr="RUN_SNAPSHOT_PHASE_SECONDS",
+        labels={"run": OPEN, "phase": _values(SnapshotTiming)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_gym_restarted_episodes",
+        type=MetricType.GAUGE,
+        help="Episodes of a run's last published snapshot that would start over from their task after a crash, in episodes.",
+        unit="episodes",
+        attr="RUN_GYM_RESTARTED_EPISODES",
+        labels={"run": OPEN},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_gym_exported_outside_scope_total",
+        type=MetricType.COUNTER,
+        help="Episodes Gym exported outside a run's commit scopes (accepted, left out of its snapshots), in episodes.",
+        unit="episodes",
+        attr="RUN_GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL",
+        labels={"run": OPEN},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_gym_control_calls_total",
+        type=MetricType.COUNTER,
+        help="Gym control calls made for a run, in calls, by op and outcome (ok or the control failure class).",
+        unit="calls",
+        attr="RUN_GYM_CONTROL_CALLS_TOTAL",
+        labels={"run": OPEN, "op": _values(GymControlOp), "outcome": _values(GymCallOutcome)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_restore_siblings_total",
+        type=MetricType.COUNTER,
+        help="Siblings placed by a run's applied restore plans on this replica, in siblings, by disposition.",
+        unit="siblings",
+        attr="RUN_RESTORE_SIBLINGS_TOTAL",
+        labels={"run": OPEN, "disposition": _values(RestoreDisposition)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_run_restore_seconds",
+        type=MetricType.GAUGE,
+        help="How long a run's last restore took from plan checks to applied ledger, in seconds, by its outcome.",
+        unit="seconds",
+        attr="RUN_RESTORE_SECONDS",
+        labels={"run": OPEN, "outcome": _values(RestoreOutcome)},
         in_spec_table=False,
     ),
     MetricSpec(
@@ -430,6 +534,17 @@ SNAPSHOT_RESUME_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_snapshot_resume
 SNAPSHOT_LOSSES_WARNING: Final[Gauge] = _OBJECTS["ckptc_snapshot_losses_warning"]  # type: ignore[assignment]
 RUN_LEASES_HELD: Final[Gauge] = _OBJECTS["ckptc_run_leases_held"]  # type: ignore[assignment]
 READY: Final[Gauge] = _OBJECTS["ckptc_ready"]  # type: ignore[assignment]
+DATABASE_UP: Final[Gauge] = _OBJECTS["ckptc_database_up"]  # type: ignore[assignment]
+SCHEMA_STATE: Final[Gauge] = _OBJECTS["ckptc_schema_state"]  # type: ignore[assignment]
+RUNS_WITHOUT_DRIVER: Final[Gauge] = _OBJECTS["ckptc_runs_without_driver"]  # type: ignore[assignment]
+SNAPSHOT_FAILURES_CONSECUTIVE: Final[Gauge] = _OBJECTS["ckptc_snapshot_failures_consecutive"]  # type: ignore[assignment]
+RUN_SNAPSHOTS_TOTAL: Final[Counter] = _OBJECTS["ckptc_run_snapshots_total"]  # type: ignore[assignment]
+RUN_SNAPSHOT_PHASE_SECONDS: Final[Gauge] = _OBJECTS["ckptc_run_snapshot_phase_seconds"]  # type: ignore[assignment]
+RUN_GYM_RESTARTED_EPISODES: Final[Gauge] = _OBJECTS["ckptc_run_gym_restarted_episodes"]  # type: ignore[assignment]
+RUN_GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_run_gym_exported_outside_scope_total"]  # type: ignore[assignment]
+RUN_GYM_CONTROL_CALLS_TOTAL: Final[Counter] = _OBJECTS["ckptc_run_gym_control_calls_total"]  # type: ignore[assignment]
+RUN_RESTORE_SIBLINGS_TOTAL: Final[Counter] = _OBJECTS["ckptc_run_restore_siblings_total"]  # type: ignore[assignment]
+RUN_RESTORE_SECONDS: Final[Gauge] = _OBJECTS["ckptc_run_restore_seconds"]  # type: ignore[assignment]
 BUILD_INFO: Final[Gauge] = _OBJECTS["ckptc_build_info"]  # type: ignore[assignment]
 
 
@@ -455,6 +570,8 @@ def _initialize_series() -> None:
         FENCED_WRITES_TOTAL.labels(work=work.value)
     for status in ("401", "403", "429"):
         AUTH_FAILURES_TOTAL.labels(status=status)
+    for state in SchemaState:
+        SCHEMA_STATE.labels(state=state.value).set(1 if state is SchemaState.unknown else 0)
 
 
 _initialize_series()
@@ -498,14 +615,52 @@ def _count(n: int, what: str) -> int:
     return n
 
 
+# --------------------------------------------------------------------------- per-run series
+
+# Every per-run child this process created, by run, and when one was last set: a run's series
+# are dropped together when it ends or moves to another replica (``forget_run``), or they would
+# stay at their last value for ever (a finished run's alert firing, series without bound).
+_RUN_CHILDREN: dict[str, set[tuple[Counter | Gauge, tuple[str, ...]]]] = {}
+_RUN_TOUCHED: dict[str, float] = {}
+
+
+def _run_child(metric: Counter | Gauge, run_id: str, **labels: str) -> Counter | Gauge:
+    run = _run_label(run_id)
+    values = (run, *labels.values())
+    _RUN_CHILDREN.setdefault(run, set()).add((metric, values))
+    _RUN_TOUCHED[run] = time.monotonic()
+    return metric.labels(*values)  # type: ignore[return-value]
+
+
+def runs_with_series() -> set[str]:
+    return set(_RUN_TOUCHED)
+
+
+def run_series_idle_s(run_id: str) -> float:
+    """Seconds since this process last set a series of the run (inf when it has none)."""
+    touched = _RUN_TOUCHED.get(run_id)
+    return math.inf if touched is None else time.monotonic() - touched
+
+
+def forget_run(run_id: str) -> None:
+    """Drop a run's per-run series (the run ended, or another replica drives it now)."""
+    _RUN_TOUCHED.pop(run_id, None)
+    for metric, values in _RUN_CHILDREN.pop(run_id, set()):
+        with contextlib.suppress(KeyError):
+            metric.remove(*values)
+
+
 # --------------------------------------------------------------------------- helpers: snapshots
 
 
-def observe_snapshot_phase(phase: SnapshotTiming | str, seconds: float) -> None:
-    """Record how long one snapshot phase took (use phase ``gym_parked`` for the park)."""
-    SNAPSHOT_PHASE_SECONDS.labels(phase=_closed(phase, SnapshotTiming, "phase")).observe(
-        _non_negative(seconds, "seconds")
-    )
+def observe_snapshot_phase(phase: SnapshotTiming | str, seconds: float, run_id: str | None = None) -> None:
+    """Record how long one snapshot phase took (use phase ``gym_parked`` for the park); with
+    ``run_id`` also as that run's last snapshot's."""
+    label = _closed(phase, SnapshotTiming, "phase")
+    value = _non_negative(seconds, "seconds")
+    SNAPSHOT_PHASE_SECONDS.labels(phase=label).observe(value)
+    if run_id is not None:
+        _run_child(RUN_SNAPSHOT_PHASE_SECONDS, run_id, phase=label).set(value)  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -519,8 +674,8 @@ def snapshot_phase_timer(phase: SnapshotTiming | str) -> Iterator[None]:
         observe_snapshot_phase(label, time.perf_counter() - start)
 
 
-def record_snapshot_outcome(outcome: SnapshotOutcome | str, reason: SnapshotReason | str) -> None:
-    """Count a snapshot that reached a terminal outcome.
+def record_snapshot_outcome(outcome: SnapshotOutcome | str, reason: SnapshotReason | str, run_id: str | None = None) -> None:
+    """Count a snapshot that reached a terminal outcome (with ``run_id``, for its run too).
 
     The pair must agree with ``REASON_OUTCOME`` (``published`` goes with ``ok``).
     """
@@ -529,6 +684,13 @@ def record_snapshot_outcome(outcome: SnapshotOutcome | str, reason: SnapshotReas
     if REASON_OUTCOME[why] != out:
         raise MetricLabelError(f"reason={why} belongs to outcome={REASON_OUTCOME[why]}, not outcome={out}")
     SNAPSHOTS_TOTAL.labels(outcome=out, reason=why).inc()
+    if run_id is not None:
+        _run_child(RUN_SNAPSHOTS_TOTAL, run_id, outcome=out, reason=why).inc()
+
+
+def set_snapshot_failures(run_id: str, consecutive: int) -> None:
+    """Publish how many of a run's snapshots failed since its last published one."""
+    _run_child(SNAPSHOT_FAILURES_CONSECUTIVE, run_id).set(_count(consecutive, "consecutive"))  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -552,29 +714,26 @@ def set_snapshot_losses(run_id: str, consecutive: int, warn_threshold: int | Non
     ``warn_threshold`` is the run's configured count after which the coordinator
     warns; ``None`` leaves the warning gauge at 0.
     """
-    run = _run_label(run_id)
     n = _count(consecutive, "consecutive")
-    SNAPSHOT_LOSSES_CONSECUTIVE.labels(run=run).set(n)
+    _run_child(SNAPSHOT_LOSSES_CONSECUTIVE, run_id).set(n)  # type: ignore[union-attr]
     warn = warn_threshold is not None and n >= _count(warn_threshold, "warn_threshold") > 0
-    SNAPSHOT_LOSSES_WARNING.labels(run=run).set(1 if warn else 0)
+    _run_child(SNAPSHOT_LOSSES_WARNING, run_id).set(1 if warn else 0)  # type: ignore[union-attr]
 
 
-def forget_run(run_id: str) -> None:
-    """Drop a run's per-run series (call when the run ends or its lease moves away)."""
-    run = _run_label(run_id)
-    for gauge in (SNAPSHOT_LOSSES_CONSECUTIVE, SNAPSHOT_LOSSES_WARNING):
-        with contextlib.suppress(KeyError):
-            gauge.remove(run)
-
-
-def observe_gym_restarted_episodes(count: int) -> None:
+def observe_gym_restarted_episodes(count: int, run_id: str | None = None) -> None:
     """Record, per published snapshot, the episodes that would restart after a crash."""
-    GYM_RESTARTED_EPISODES.observe(_count(count, "count"))
+    n = _count(count, "count")
+    GYM_RESTARTED_EPISODES.observe(n)
+    if run_id is not None:
+        _run_child(RUN_GYM_RESTARTED_EPISODES, run_id).set(n)  # type: ignore[union-attr]
 
 
-def record_exported_outside_scope(kind: str, count: int) -> None:
+def record_exported_outside_scope(kind: str, count: int, run_id: str | None = None) -> None:
     """Count exports a commit accepted outside its scope (protocol section 13 P2)."""
-    GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL.labels(kind=_closed(kind, GymParticipantKind, "kind")).inc(_count(count, "count"))
+    n = _count(count, "count")
+    GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL.labels(kind=_closed(kind, GymParticipantKind, "kind")).inc(n)
+    if run_id is not None:
+        _run_child(RUN_GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL, run_id).inc(n)
 
 
 def record_snapshot_resume_failure() -> None:
@@ -585,25 +744,33 @@ def record_snapshot_resume_failure() -> None:
 # --------------------------------------------------------------------------- helpers: restore
 
 
-def record_restore_siblings(disposition: RestoreDisposition | str, count: int = 1) -> None:
+def record_restore_siblings(disposition: RestoreDisposition | str, count: int = 1, run_id: str | None = None) -> None:
     """Count siblings of an applied restore plan under one disposition."""
     label = _closed(disposition, RestoreDisposition, "disposition")
     n = _count(count, "count")
     # Touch the child even for 0 so every disposition exists as a series from the first restore.
     RESTORE_SIBLINGS_TOTAL.labels(disposition=label).inc(n)
+    if run_id is not None:
+        _run_child(RUN_RESTORE_SIBLINGS_TOTAL, run_id, disposition=label).inc(n)
 
 
-def record_restore_plan(counts: Mapping[RestoreDisposition | str, int]) -> None:
+def record_restore_plan(counts: Mapping[RestoreDisposition | str, int], run_id: str | None = None) -> None:
     """Count every disposition of an applied plan (missing dispositions count 0)."""
     normalized = {_closed(k, RestoreDisposition, "disposition"): _count(v, "count") for k, v in counts.items()}
     for disposition in RestoreDisposition:
-        record_restore_siblings(disposition, normalized.get(disposition.value, 0))
+        record_restore_siblings(disposition, normalized.get(disposition.value, 0), run_id)
 
 
-def observe_restore_duration(seconds: float, outcome: RestoreOutcome | str) -> None:
-    RESTORE_DURATION_SECONDS.labels(outcome=_closed(outcome, RestoreOutcome, "outcome")).observe(
-        _non_negative(seconds, "seconds")
-    )
+def observe_restore_duration(seconds: float, outcome: RestoreOutcome | str, run_id: str | None = None) -> None:
+    label = _closed(outcome, RestoreOutcome, "outcome")
+    value = _non_negative(seconds, "seconds")
+    RESTORE_DURATION_SECONDS.labels(outcome=label).observe(value)
+    if run_id is not None:
+        for other in RestoreOutcome:  # the last restore's outcome only
+            if other.value != label and (RUN_RESTORE_SECONDS, (run_id, other.value)) in _RUN_CHILDREN.get(run_id, set()):
+                RUN_RESTORE_SECONDS.remove(run_id, other.value)
+                _RUN_CHILDREN[run_id].discard((RUN_RESTORE_SECONDS, (run_id, other.value)))
+        _run_child(RUN_RESTORE_SECONDS, run_id, outcome=label).set(value)  # type: ignore[union-attr]
 
 
 # --------------------------------------------------------------------------- helpers: gym, outbox, ledger
@@ -614,13 +781,16 @@ def observe_gym_control(
     kind: GymParticipantKind | str,
     outcome: GymCallOutcome | str,
     seconds: float,
+    run_id: str | None = None,
 ) -> None:
-    """Record one control call to one participant."""
+    """Record one control call to one participant (with ``run_id``, counted for its run too)."""
+    op_label = _closed(op, GymControlOp, "op")
+    outcome_label = _closed(outcome, GymCallOutcome, "outcome")
     GYM_CONTROL_SECONDS.labels(
-        op=_closed(op, GymControlOp, "op"),
-        kind=_closed(kind, GymParticipantKind, "kind"),
-        outcome=_closed(outcome, GymCallOutcome, "outcome"),
+        op=op_label, kind=_closed(kind, GymParticipantKind, "kind"), outcome=outcome_label
     ).observe(_non_negative(seconds, "seconds"))
+    if run_id is not None:
+        _run_child(RUN_GYM_CONTROL_CALLS_TOTAL, run_id, op=op_label, outcome=outcome_label).inc()
 
 
 def set_outbox_backlog(op: OutboxOp | str, pending: int, oldest_age_seconds: float) -> None:
@@ -654,6 +824,20 @@ def set_run_leases_held(count: int) -> None:
 def set_ready(ready: bool) -> None:
     """Record the result of a readiness check (called by ``/readyz``)."""
     READY.set(1 if ready else 0)
+
+
+def set_database_up(up: bool) -> None:
+    DATABASE_UP.set(1 if up else 0)
+
+
+def set_schema_state(state: SchemaState | str) -> None:
+    current = _closed(state, SchemaState, "state")
+    for member in SchemaState:
+        SCHEMA_STATE.labels(state=member.value).set(1 if member.value == current else 0)
+
+
+def set_runs_without_driver(count: int) -> None:
+    RUNS_WITHOUT_DRIVER.set(_count(count, "count"))
 
 
 # --------------------------------------------------------------------------- helpers: http, build
@@ -700,25 +884,29 @@ def set_build_info(version: str | None = None) -> None:
 #: find, in the source tree, what code records each metric, and checks that every
 #: public recording helper of this module is listed.
 HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
-    "observe_snapshot_phase": ("ckptc_snapshot_phase_seconds",),
+    "observe_snapshot_phase": ("ckptc_snapshot_phase_seconds", "ckptc_run_snapshot_phase_seconds"),
     "snapshot_phase_timer": ("ckptc_snapshot_phase_seconds",),
-    "record_snapshot_outcome": ("ckptc_snapshots_total",),
+    "record_snapshot_outcome": ("ckptc_snapshots_total", "ckptc_run_snapshots_total"),
+    "set_snapshot_failures": ("ckptc_snapshot_failures_consecutive",),
     "snapshot_in_progress": ("ckptc_snapshots_in_progress",),
     "set_snapshots_in_progress": ("ckptc_snapshots_in_progress",),
     "set_snapshot_losses": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning"),
-    "observe_gym_restarted_episodes": ("ckptc_gym_restarted_episodes",),
+    "observe_gym_restarted_episodes": ("ckptc_gym_restarted_episodes", "ckptc_run_gym_restarted_episodes"),
     "record_snapshot_resume_failure": ("ckptc_snapshot_resume_failures_total",),
-    "record_exported_outside_scope": ("ckptc_gym_exported_outside_scope_total",),
-    "record_restore_siblings": ("ckptc_restore_siblings_total",),
-    "record_restore_plan": ("ckptc_restore_siblings_total",),
-    "observe_restore_duration": ("ckptc_restore_duration_seconds",),
-    "observe_gym_control": ("ckptc_gym_control_seconds",),
+    "record_exported_outside_scope": ("ckptc_gym_exported_outside_scope_total", "ckptc_run_gym_exported_outside_scope_total"),
+    "record_restore_siblings": ("ckptc_restore_siblings_total", "ckptc_run_restore_siblings_total"),
+    "record_restore_plan": ("ckptc_restore_siblings_total", "ckptc_run_restore_siblings_total"),
+    "observe_restore_duration": ("ckptc_restore_duration_seconds", "ckptc_run_restore_seconds"),
+    "observe_gym_control": ("ckptc_gym_control_seconds", "ckptc_run_gym_control_calls_total"),
     "set_outbox_backlog": ("ckptc_outbox_pending", "ckptc_outbox_oldest_age_seconds"),
     "record_ledger_transition": ("ckptc_ledger_transitions_total",),
     "set_run_leases_held": ("ckptc_run_leases_held",),
     "record_fenced_write": ("ckptc_fenced_writes_total",),
     "record_auth_failure": ("ckptc_auth_failures_total",),
     "set_ready": ("ckptc_ready",),
+    "set_database_up": ("ckptc_database_up",),
+    "set_schema_state": ("ckptc_schema_state",),
+    "set_runs_without_driver": ("ckptc_runs_without_driver",),
     "observe_http_request": ("ckptc_http_request_seconds",),
     "set_build_info": ("ckptc_build_info",),
 }

@@ -91,7 +91,7 @@ async def register_instances(
     cfg = run_config(run.config)
     await check_egress(registrations)
     specs = [InstanceSpec(r.instance_id, r.control_token, r.servers) for r in registrations]
-    client = make_client(cfg, transport=transport)
+    client = make_client(cfg, transport=transport, run_id=run_id)
     try:
         topology = await client.discover_all(specs, log_warnings=False)
     except GymControlError as exc:

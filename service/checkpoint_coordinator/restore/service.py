@@ -447,7 +447,7 @@ async def execute_restore(
         answer = await _restore(engine, run_id, req, p, transport)
     except _BeforeGym as e:
         await records.release_claim(engine, run_id, req.restore_id)
-        _observe(started, "failed")
+        _observe(started, "failed", run_id)
         raise e.error from None
     except _GymTouchedRefusal as e:
         # Gym was touched (and cleaned up): the refusal is this restore id's answer from now on.
@@ -460,10 +460,10 @@ async def execute_restore(
             {"request": req.stored(), "problem": problem},
             gym_restore_id=(problem.get("gym") or {}).get("restore_id"),
         )
-        _observe(started, "failed")
+        _observe(started, "failed", run_id)
         raise e.error from None
     except BaseException as exc:
-        _observe(started, "failed")
+        _observe(started, "failed", run_id)
         # Whatever failed unexpectedly, the restore id must not stay 'running' forever.
         problem = exc.problem() if isinstance(exc, CoordinatorError) else CoordinatorError("the restore failed; see the coordinator log").problem()
         try:
@@ -473,8 +473,8 @@ async def execute_restore(
         except Exception as record_exc:
             log.error("run %s restore %s: recording the failure failed: %r", run_id, req.restore_id, record_exc)
         raise
-    _observe(started, "succeeded")
-    _record_counts(answer["counts"])
+    _observe(started, "succeeded", run_id)
+    _record_counts(answer["counts"], run_id)
     return answer
 
 
@@ -513,16 +513,16 @@ async def end_discarded_snapshot(
         await asyncio.sleep(0.1)
 
 
-def _observe(started: float, outcome: str) -> None:
+def _observe(started: float, outcome: str, run_id: str) -> None:
     from ..observability.metrics import observe_restore_duration
 
-    observe_restore_duration(time.monotonic() - started, outcome)
+    observe_restore_duration(time.monotonic() - started, outcome, run_id)
 
 
-def _record_counts(counts: dict[str, int]) -> None:
+def _record_counts(counts: dict[str, int], run_id: str) -> None:
     from ..observability.metrics import record_restore_plan
 
-    record_restore_plan({d: counts.get(d, 0) for d in METRIC_DISPOSITIONS})
+    record_restore_plan({d: counts.get(d, 0) for d in METRIC_DISPOSITIONS}, run_id)
 
 
 async def _restore(
@@ -637,7 +637,7 @@ async def _gym_restore(
         raise _BeforeGym(
             SnapshotUnusable(f"snapshot {p.snap.snapshot_id!r} has a Gym manifest but no absolute snapshot_dir", code="snapshot_dir_missing")
         )
-    client = make_client(p.cfg, transport=transport, issued=issued)
+    client = make_client(p.cfg, transport=transport, issued=issued, run_id=run_id)
     try:
         try:
             live = await client.discover_all(specs, log_warnings=False)

@@ -429,7 +429,7 @@ class PendingSnapshot:
         }
         for ic in commit.instances.values():
             for kind, n in ic.outside_scope.items():
-                metrics.record_exported_outside_scope(kind, n)
+                metrics.record_exported_outside_scope(kind, n, self.run_id)
         if unknown:
             detail["unregistered_instances"] = unknown
         if result.lapsed:
@@ -534,7 +534,7 @@ class PendingSnapshot:
                 await self._candidates
         timings = self._timings()
         save = self.save
-        _, losses = await until_database_answers(
+        _, streaks = await until_database_answers(
             lambda: repo.end(
                 self.engine, self.run_id, self.snapshot_id, outcome, reason, fence=self.fence, expected=self.phase,
                 detail=detail, timings=timings, gym_parked_seconds=save.gym_parked_seconds if save else None,
@@ -544,14 +544,16 @@ class PendingSnapshot:
             f"snapshot {self.snapshot_id} of run {self.run_id}: ending it {outcome}/{reason}",
         )
         self.phase = P(outcome.value)
-        metrics.record_snapshot_outcome(outcome, reason)
+        metrics.record_snapshot_outcome(outcome, reason, self.run_id)
         for name, secs in timings.items():
             if name in _TIMED:
-                metrics.observe_snapshot_phase(name, max(0.0, secs))
+                metrics.observe_snapshot_phase(name, max(0.0, secs), self.run_id)
         if restarted is not None:
-            metrics.observe_gym_restarted_episodes(restarted)
+            metrics.observe_gym_restarted_episodes(restarted, self.run_id)
         warn_after = int(self._config.get("snapshot_loss_warn_after", 3))
+        losses = streaks.losses
         metrics.set_snapshot_losses(self.run_id, losses, warn_after)
+        metrics.set_snapshot_failures(self.run_id, streaks.failures)
         if reason is SnapshotReason.train_step_committed and losses >= warn_after:
             log.warning("run %s: %d consecutive snapshots lost to train steps; snapshot more often or earlier in the step", self.run_id, losses)
         log.info("snapshot %s of run %s ended %s/%s", self.snapshot_id, self.run_id, outcome, reason)

@@ -97,6 +97,20 @@ class SnapshotRunner:
             if epoch != job.fence.epoch:
                 job.lease_lost(Fenced(run_id, "renewing the run's lease", job.fence))
 
+    def running_runs(self) -> frozenset[str]:
+        return frozenset(run_id for run_id, _ in self.jobs)
+
+    async def wait_any_ended(self, timeout_s: float) -> None:
+        """Until one of the snapshots driven here ends, or ``timeout_s`` passed."""
+        waiters = [asyncio.ensure_future(job.done.wait()) for job in list(self.jobs.values())]
+        if not waiters:
+            return
+        try:
+            await asyncio.wait(waiters, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+
     async def shutdown(self) -> None:
         tasks = list(self._tasks.values())
         for t in tasks:
@@ -146,13 +160,14 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
             outcome = outcome_of(reason)
             # In data_plane or later every instance's Gym entry was stored: the manifest is kept
             # (``resume`` may be an abort from before data_plane: not kept).
-            await repo.end(engine, run_id, sid, outcome, reason, fence=fence, expected=phase, detail=detail,
-                           keep_gym_manifest=phase in (SnapshotPhase.data_plane, SnapshotPhase.publish))
+            _, streaks = await repo.end(engine, run_id, sid, outcome, reason, fence=fence, expected=phase, detail=detail,
+                                        keep_gym_manifest=phase in (SnapshotPhase.data_plane, SnapshotPhase.publish))
         except Fenced as e:
             metrics.record_fenced_write(metrics.FencedWork.SNAPSHOT)
             log.warning("snapshot %s of run %s: recovery fenced (%s)", sid, run_id, e)
             continue
-        metrics.record_snapshot_outcome(outcome, reason)
+        metrics.record_snapshot_outcome(outcome, reason, run_id)
+        metrics.set_snapshot_failures(run_id, streaks.failures)
         log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended %s/%s", sid, run_id, phase, outcome, reason)
         ended.append(sid)
     return ended

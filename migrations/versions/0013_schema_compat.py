@@ -1,0 +1,39 @@
+"""schema_compat: which releases can run on this schema; runs count failed snapshots in a row
+
+A rolling upgrade keeps the previous release's replicas serving while the new schema is already
+in: each revision names the oldest revision whose code still runs correctly on it
+(``runs_on_from``; an additive change names the revision before it), and every migration run
+writes the value of the revision it leaves the database at into this one-row table, where
+replicas of any release read it (deploy/README.md, "Upgrades").
+
+``consecutive_snapshot_failures`` is beside ``consecutive_snapshot_losses``: the failing-snapshots
+alert is per run, and a run whose lease moves to another replica keeps its count.
+
+Revision ID: 0013
+Revises: 0012
+Create Date: 2026-12-06 14:00:00
+"""
+from __future__ import annotations
+
+from alembic import op
+
+revision = '0013'
+down_revision = '0012'
+branch_labels = None
+depends_on = None
+# A new table and a column with a default: code at 0012 runs on this schema unchanged.
+runs_on_from = '0012'
+
+
+def upgrade() -> None:
+    op.execute(
+        "CREATE TABLE schema_compat ("
+        "id boolean NOT NULL DEFAULT true, runs_on_from text NOT NULL, "
+        "CONSTRAINT pk_schema_compat PRIMARY KEY (id), CONSTRAINT ck_schema_compat_one_row CHECK (id))"
+    )
+    op.execute("ALTER TABLE runs ADD COLUMN consecutive_snapshot_failures integer NOT NULL DEFAULT 0")
+
+
+def downgrade() -> None:
+    op.execute("ALTER TABLE runs DROP COLUMN consecutive_snapshot_failures")
+    op.execute("DROP TABLE schema_compat")
