@@ -217,14 +217,21 @@ def _quantile(q: str, metric: str, by: str, extra: str = "", window: str = "$__r
 
 
 def fleet_overview() -> dict[str, Any]:
+    control_all = _rate("ckptc_gym_control_seconds_count")
+    control_errors = _rate("ckptc_gym_control_seconds_count", 'outcome!~"ok|not_ready"')
     http_all = _rate("ckptc_http_request_seconds_count")
     http_5xx = _rate("ckptc_http_request_seconds_count", 'status=~"5.."')
     items: list[Panel | Row] = [
         Row("Fleet"),
         Panel("Replicas up", "Coordinator replicas Prometheus scraped successfully.",
               [Target(f'sum(up{{{SEL}}})')], kind="stat", width=4, height=4),
-        Panel("Replicas ready", "Replicas whose last /readyz found the database reachable and migrations at head.",
+        Panel("Replicas ready", "Replicas in the Service: a schema their release runs on, not shutting down (a database "
+              "outage leaves them in; they answer 503 themselves).",
               [Target(f"sum(ckptc_ready{{{SEL}}})")], kind="stat", width=4, height=4),
+        Panel("Database reachable", "Replicas whose last check (every 5 s) reached the ledger database.",
+              [Target(f"sum(ckptc_database_up{{{SEL}}})")], kind="stat", width=4, height=4),
+        Panel("Runs without a driver", "Open runs owing work (a snapshot not ended, outbox items due) whose lease no replica holds.",
+              [Target(f"max(ckptc_runs_without_driver{{{SEL}}})")], kind="stat", width=4, height=4),
         Panel("Runs driven", "Runs whose background work (snapshots, outbox) a replica holds the ownership lease of. "
               "Only one replica drives a run at a time.",
               [Target(f"sum(ckptc_run_leases_held{{{SEL}}})")], kind="stat", width=4, height=4),
@@ -271,7 +278,30 @@ def fleet_overview() -> dict[str, Any]:
         Panel("Latency p50 by route", "Median request duration per route template.",
               [Target(_quantile("0.5", "ckptc_http_request_seconds", "route", 'route!="unmatched"'), "{{route}}")], unit="s"),
         Panel("Versions", "Coordinator and Python version of each replica.",
-              [Target(f"ckptc_build_info{{{SEL}}}", instant=True)], kind="table", width=24, height=5),
+              [Target(f"ckptc_build_info{{{SEL}}}", instant=True)], kind="table", width=12, height=5),
+        Panel("Schema", "The state of the database schema for each replica's release: at_head, ahead (a newer "
+              "release's schema it runs on), behind (its migration has not run), incompatible.",
+              [Target(f"ckptc_schema_state{{{SEL}}} == 1", instant=True)], kind="table", width=12, height=5),
+        Row("Snapshot phases and Gym, all runs"),
+        Panel("Phase duration p95", "95th percentile duration of each snapshot phase over the last hour, all runs.",
+              [Target(_quantile("0.95", "ckptc_snapshot_phase_seconds", "phase", window="1h"), "{{phase}}")], unit="s"),
+        Panel("Gym parked", "How long Gym admission stayed closed per snapshot (first prepare sent until resume answered), last hour.",
+              [Target(_quantile(q, "ckptc_snapshot_phase_seconds", "", 'phase="gym_parked"', "1h"), f"p{int(float(q) * 100)}")
+               for q in ("0.5", "0.95", "0.99")], unit="s"),
+        Panel("Episodes that would restart after a crash", "Gym restarts per published snapshot (restart-only participants), last hour.",
+              [Target(_quantile("0.95", "ckptc_gym_restarted_episodes", "", window="1h"), "p95")]),
+        Panel("Gym exports outside the commit scope", "Episodes Gym exported outside a commit's scope (published Gym's agents "
+              "and resources export every live session): accepted and left out of the snapshot, by exporter kind.",
+              [Target(f"sum by (kind) (increase(ckptc_gym_exported_outside_scope_total{{{SEL}}}[1h]))", "{{kind}}")]),
+        Panel("Control call latency p95 by op and kind", "Successful control calls to one participant.",
+              [Target(_quantile("0.95", "ckptc_gym_control_seconds", "op, kind", 'outcome="ok"'), "{{op}} {{kind}}")], unit="s"),
+        Panel("Control error ratio by op and kind", "Share of control calls that did not end ok (not_ready is a normal prepare answer).",
+              [Target(f"sum by (op, kind) ({control_errors}) / clamp_min(sum by (op, kind) ({control_all}), 1e-9)", "{{op}} {{kind}}")],
+              unit="percentunit"),
+        Panel("Restored siblings by disposition", "Siblings of applied restore plans, all runs, last day.",
+              [Target(f"sum by (disposition) (increase(ckptc_restore_siblings_total{{{SEL}}}[1d]))", "{{disposition}}")]),
+        Panel("Restore duration p95", "Plan checks to applied ledger, by outcome, last day.",
+              [Target(_quantile("0.95", "ckptc_restore_duration_seconds", "outcome", window="1d"), "{{outcome}}")], unit="s"),
     ]
     return _dashboard(
         "ckptc-fleet",
@@ -288,52 +318,59 @@ def fleet_overview() -> dict[str, Any]:
 
 def run_drilldown() -> dict[str, Any]:
     w = "$window"
-    control_all = _rate("ckptc_gym_control_seconds_count")
-    control_errors = _rate("ckptc_gym_control_seconds_count", 'outcome!="ok"')
+    run = f'{SEL}, run=~"$run"'  # every query of this dashboard is the selected runs'
+
+    def calls(extra: str = "") -> str:
+        return f"rate(ckptc_run_gym_control_calls_total{{{run}{', ' + extra if extra else ''}}}[$__rate_interval])"
+
+    failed = calls('outcome!~"ok|not_ready"')
     items: list[Panel | Row] = [
         Row("Selected runs"),
-        Panel("Consecutive losses to train steps", "Per selected run; resets when a snapshot publishes.",
-              [Target(f'max by (run) (ckptc_snapshot_losses_consecutive{{{SEL}, run=~"$run"}})', "{{run}}")]),
-        Panel("Loss warning", "1 while a run is at or above the configured warning threshold.",
-              [Target(f'max by (run) (ckptc_snapshot_losses_warning{{{SEL}, run=~"$run"}})', "{{run}}")]),
-        Row("Snapshot phases (labels carry no run id: these are the selected replicas' snapshots)"),
-        Panel("Phase duration p95", "95th percentile duration of each snapshot phase over the window.",
-              [Target(_quantile("0.95", "ckptc_snapshot_phase_seconds", "phase", window=w), "{{phase}}")], unit="s"),
-        Panel("Phase duration p50", "Median duration of each snapshot phase over the window.",
-              [Target(_quantile("0.5", "ckptc_snapshot_phase_seconds", "phase", window=w), "{{phase}}")], unit="s"),
-        Panel("Gym parked", "How long Gym admission stayed closed per snapshot (first prepare sent until resume answered).",
-              [Target(_quantile(q, "ckptc_snapshot_phase_seconds", "", 'phase="gym_parked"', w), f"p{int(float(q) * 100)}")
-               for q in ("0.5", "0.95", "0.99")], unit="s"),
-        Panel("Episodes that would restart after a crash", "Gym restarts per published snapshot (restart-only participants).",
-              [Target(_quantile("0.95", "ckptc_gym_restarted_episodes", "", window=w), "p95"),
-               Target(f"sum({_rate('ckptc_gym_restarted_episodes_sum', window=w)}) / "
-                      f"clamp_min(sum({_rate('ckptc_gym_restarted_episodes_count', window=w)}), 1e-9)", "mean")]),
-        Panel("Gym exports outside the commit scope", "Episodes Gym exported outside a commit's scope (published Gym's agents "
-              "and resources export every live session): accepted and left out of the snapshot, by exporter kind.",
-              [Target(f"sum by (kind) (increase(ckptc_gym_exported_outside_scope_total{{{SEL}}}[{w}]))", "{{kind}}")]),
+        Panel("Consecutive losses to train steps", "Snapshots aborted in a row because a train step committed first; "
+              "resets when a snapshot publishes.",
+              [Target(f"max by (run) (ckptc_snapshot_losses_consecutive{{{run}}})", "{{run}}")], width=8),
+        Panel("Loss warning", "1 while a run is at or above its configured warning threshold.",
+              [Target(f"max by (run) (ckptc_snapshot_losses_warning{{{run}}})", "{{run}}")], width=8),
+        Panel("Failed snapshots since the last published", "Snapshots that ended failed since the run's last published one "
+              "(CkptcSnapshotsFailingRepeatedly fires at 3).",
+              [Target(f"max by (run) (ckptc_snapshot_failures_consecutive{{{run}}})", "{{run}}")], width=8),
+        Row("Snapshots"),
         Panel("Snapshot outcomes over the window", "Terminal snapshots by outcome and reason.",
-              [Target(f"sum by (outcome, reason) (increase(ckptc_snapshots_total{{{SEL}}}[{w}])) > 0", "{{outcome}}: {{reason}}")],
-              width=24),
+              [Target(f"sum by (run, outcome, reason) (increase(ckptc_run_snapshots_total{{{run}}}[{w}])) > 0",
+                      "{{run}} {{outcome}}: {{reason}}")], width=24),
+        Panel("Last snapshot's phases", "How long each phase of the run's last ended snapshot took (a step per snapshot).",
+              [Target(f'max by (run, phase) (ckptc_run_snapshot_phase_seconds{{{run}, phase!~"total|gym_parked"}})',
+                      "{{run}} {{phase}}")], unit="s"),
+        Panel("Last snapshot's total and Gym park", "The whole snapshot, and how long Gym admission stayed closed for it.",
+              [Target(f'max by (run, phase) (ckptc_run_snapshot_phase_seconds{{{run}, phase=~"total|gym_parked"}})',
+                      "{{run}} {{phase}}")], unit="s"),
+        Panel("Episodes that would restart after a crash", "Gym restarts of the run's last published snapshot "
+              "(restart-only participants).",
+              [Target(f"max by (run) (ckptc_run_gym_restarted_episodes{{{run}}})", "{{run}}")]),
+        Panel("Gym exports outside the commit scope", "Episodes Gym exported outside the run's commit scopes (accepted and "
+              "left out of its snapshots).",
+              [Target(f"sum by (run) (increase(ckptc_run_gym_exported_outside_scope_total{{{run}}}[{w}]))", "{{run}}")]),
         Row("Restore"),
-        Panel("Restored siblings by disposition", "Siblings of applied restore plans: reused, rerun, continued, restarted, gym_restarted.",
-              [Target(f"sum by (disposition) (increase(ckptc_restore_siblings_total{{{SEL}}}[{w}]))", "{{disposition}}")]),
-        Panel("Restore duration p95", "Plan checks to applied ledger, by outcome.",
-              [Target(_quantile("0.95", "ckptc_restore_duration_seconds", "outcome", window=w), "{{outcome}}")], unit="s"),
+        Panel("Restored siblings by disposition", "Siblings of the run's applied restore plans: reused, rerun, continued, "
+              "restarted, gym_restarted.",
+              [Target(f"sum by (run, disposition) (increase(ckptc_run_restore_siblings_total{{{run}}}[{w}]))",
+                      "{{run}} {{disposition}}")]),
+        Panel("Last restore's duration", "Plan checks to applied ledger, by its outcome.",
+              [Target(f"max by (run, outcome) (ckptc_run_restore_seconds{{{run}}})", "{{run}} {{outcome}}")], unit="s"),
         Row("Gym control"),
-        Panel("Control call latency p95 by op and kind", "Successful control calls to one participant.",
-              [Target(_quantile("0.95", "ckptc_gym_control_seconds", "op, kind", 'outcome="ok"'), "{{op}} {{kind}}")], unit="s"),
-        Panel("Control calls by outcome", "Calls per second by op and outcome (ok or the failure class).",
-              [Target(f"sum by (op, outcome) ({_rate('ckptc_gym_control_seconds_count')})", "{{op}} {{outcome}}")], unit="ops"),
-        Panel("Control error ratio by op and kind", "Share of control calls that did not end ok.",
-              [Target(f"sum by (op, kind) ({control_errors}) / clamp_min(sum by (op, kind) ({control_all}), 1e-9)",
-                      "{{op}} {{kind}}")],
-              unit="percentunit", width=24),
+        Panel("Control calls by op and outcome", "The run's control calls per second by op and outcome (ok or the failure class).",
+              [Target(f"sum by (run, op, outcome) ({calls()})", "{{run}} {{op}} {{outcome}}")], unit="ops"),
+        Panel("Control error ratio by op", "Share of the run's control calls that did not end ok (not_ready is a normal "
+              "prepare answer).",
+              [Target(f"sum by (run, op) ({failed}) / clamp_min(sum by (run, op) ({calls()}), 1e-9)", "{{run}} {{op}}")],
+              unit="percentunit"),
     ]
     return _dashboard(
         "ckptc-run",
         "Checkpoint coordinator — run drill-down",
-        "Snapshot phase latencies (including the Gym park), restore dispositions and Gym control latency. "
-        "Metric labels never carry group, rollout or snapshot ids; only the loss panels filter by run.",
+        "One run or a few, every panel filtered by the selected runs: snapshot outcomes, phases and Gym park, restores and "
+        "Gym control. Fleet-wide distributions are on the fleet overview. Metric labels never carry group, rollout or "
+        "snapshot ids.",
         items,
         with_run=True,
         tags=["checkpoint-coordinator"],

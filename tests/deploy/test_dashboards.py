@@ -49,11 +49,22 @@ def test_fleet_and_drilldown_cover_what_operators_asked_for() -> None:
     drill = " ".join(e for _, e in generate.all_queries(dashboards()["run-drilldown.json"]))
     for needle in ("ckptc_run_leases_held", "ckptc_snapshots_total", "sum by (outcome, reason)",
                    "ckptc_snapshots_in_progress", "ckptc_snapshot_losses_consecutive", "ckptc_outbox_pending",
-                   "ckptc_outbox_oldest_age_seconds", 'status=~"5.."', "ckptc_http_request_seconds_bucket"):
+                   "ckptc_outbox_oldest_age_seconds", 'status=~"5.."', "ckptc_http_request_seconds_bucket",
+                   'phase="gym_parked"', "sum by (le, phase)", "ckptc_restore_siblings_total", "ckptc_database_up",
+                   "ckptc_schema_state", "ckptc_runs_without_driver", "sum by (le, op, kind) (rate(ckptc_gym_control_seconds_bucket"):
         assert needle in fleet, needle
-    for needle in ('phase="gym_parked"', "sum by (le, phase)", "ckptc_restore_siblings_total",
-                   "sum by (le, op, kind) (rate(ckptc_gym_control_seconds_bucket"):
+    for needle in ("ckptc_snapshot_failures_consecutive", "ckptc_run_snapshots_total", "ckptc_run_snapshot_phase_seconds",
+                   'phase=~"total|gym_parked"', "ckptc_run_restore_siblings_total", "ckptc_run_gym_control_calls_total"):
         assert needle in drill, needle
+
+
+def test_the_drilldown_filters_by_run_throughout() -> None:
+    queries = generate.all_queries(dashboards()["run-drilldown.json"])
+    assert len(queries) >= 12
+    for title, expr in queries:
+        selectors = re.findall(r"(ckptc_\w+)\{([^}]*)\}", expr)
+        assert selectors and len(selectors) == len(re.findall(r"ckptc_\w+", expr)), title
+        assert all('run=~"$run"' in labels for _, labels in selectors), title
 
 
 def test_every_metric_of_the_table_is_on_a_dashboard() -> None:

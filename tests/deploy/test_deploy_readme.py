@@ -31,13 +31,14 @@ def test_operational_facts_are_stated() -> None:
     assert "embedded PostgreSQL" in FLAT and "single machine only" in FLAT
     assert "only one replica at a time" in FLAT and "ownership lease" in FLAT
     assert "secret.example.yaml" in FLAT
-    for step in ("kubectl apply -k deploy/k8s", "wait --for=condition=complete job/ckpt-coordinator-migrate",
+    for step in ("kubectl apply -k deploy/k8s", "wait --for=condition=complete job/ckpt-coordinator-migrate-0.1.0",
                  "create secret generic ckpt-coordinator-secrets"):
         assert step in FLAT, step
 
 
 def test_documented_paths_exist() -> None:
-    for path in ("k8s/base/namespace.yaml", "k8s/secret.example.yaml", "k8s/overlays/cnpg/kustomization.yaml",
+    for path in ("k8s/namespace.yaml", "k8s/secret.example.yaml", "k8s/overlays/cnpg/kustomization.yaml",
+                 "k8s/overlays/production/kustomization.yaml", "k8s/components/cnpg/objectstore.yaml", "prometheus/rule.py",
                  "prometheus/alerts.yml", "prometheus/prometheus.yml", "grafana/generate.py",
                  "grafana/fleet-overview.json", "grafana/run-drilldown.json"):
         assert (DEPLOY / path).exists(), path

@@ -40,7 +40,7 @@ def test_readme_names_match_rendered_manifests() -> None:
     namespaces = {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"}
     cmds = " ".join(_commands())
     assert namespaces == {"ckpt-coordinator"} and "-n ckpt-coordinator" in cmds
-    for kind, name in re.findall(r"(job|deployment)/([a-z0-9-]+)", cmds):
+    for kind, name in re.findall(r"(job|deployment)/([a-z0-9.-]*[a-z0-9])", cmds):
         assert (kind, name) in names, f"README waits on {kind}/{name}, not rendered"
     secret = re.search(r"create secret generic (\S+)", cmds).group(1)  # type: ignore[union-attr]
     refs = set(re.findall(r"secretKeyRef:\s*\n\s*(?:key: \S+\s*\n\s*)?name: (\S+)", rendered)) | set(re.findall(r"secretRef:\s*\n\s*name: (\S+)", rendered))
