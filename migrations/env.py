@@ -38,21 +38,23 @@ def run_migrations_offline() -> None:
 
 def _take_migration_lock(connection: Connection, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
-    while not connection.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar():
+    while True:
+        taken = connection.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY}).scalar()
+        connection.commit()  # the lock is the session's: no transaction stays open around the wait
+        if taken:
+            return
         if time.monotonic() >= deadline:
             raise MigrationLockBusy(wait_s)
         time.sleep(0.5)
-    connection.commit()  # the lock is the session's; no transaction stays open around the wait
 
 
 def _write_compat(connection: Connection) -> None:
     revision = connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
     if revision is None or connection.execute(text("SELECT to_regclass('schema_compat')")).scalar() is None:
         return  # below the revision that has the table
-    script = context.script.get_revision(revision)
     connection.execute(
         text("INSERT INTO schema_compat (id, runs_on_from) VALUES (true, :v) ON CONFLICT (id) DO UPDATE SET runs_on_from = EXCLUDED.runs_on_from"),
-        {"v": runs_on_from_of(script)},
+        {"v": runs_on_from_of(context.script, revision)},
     )
 
 

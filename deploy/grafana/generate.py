@@ -92,7 +92,8 @@ def _variables(with_run: bool) -> list[dict[str, Any]]:
     ]
     if with_run:
         variables.append(
-            query_var("run", "Run", 'label_values(ckptc_snapshot_losses_consecutive{job="$job"}, run)', multi=True)
+            # Every run that talked to Gym (a snapshot, a restore, an outbox delivery) on a replica.
+            query_var("run", "Run", 'label_values(ckptc_run_gym_control_calls_total{job="$job"}, run)', multi=True)
         )
         variables.append(
             {

@@ -1,10 +1,10 @@
 """schema_compat: which releases can run on this schema; runs count failed snapshots in a row
 
 A rolling upgrade keeps the previous release's replicas serving while the new schema is already
-in: each revision names the oldest revision whose code still runs correctly on it
-(``runs_on_from``; an additive change names the revision before it), and every migration run
-writes the value of the revision it leaves the database at into this one-row table, where
-replicas of any release read it (deploy/README.md, "Upgrades").
+in: each revision from this one on says whether it is ``additive`` (code that ran on the schema
+before it still runs on it), every migration run writes the oldest revision whose code runs on
+the schema it leaves (``runs_on_from``, computed along the chain) into this one-row table, and
+replicas of any release read it there (deploy/README.md, "Upgrades and rollbacks").
 
 ``consecutive_snapshot_failures`` is beside ``consecutive_snapshot_losses``: the failing-snapshots
 alert is per run, and a run whose lease moves to another replica keeps its count.
@@ -21,8 +21,8 @@ revision = '0013'
 down_revision = '0012'
 branch_labels = None
 depends_on = None
-# A new table and a column with a default: code at 0012 runs on this schema unchanged.
-runs_on_from = '0012'
+# A new table and a column with a default: code that ran on 0012 runs on this schema unchanged.
+additive = True
 
 
 def upgrade() -> None:

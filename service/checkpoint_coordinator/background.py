@@ -43,7 +43,8 @@ async def start_background(app: FastAPI) -> None:
     app.state.drain = None
     app.state.background = []
     app.state.lease_takers = []
-    await refresh_schema(app)
+    if not await refresh_schema(app):
+        log.warning("the ledger database does not answer yet; serving (ledger calls answer 503), the schema is read once it does")
     # The listener runs even without the background workers: the snapshots this process starts
     # learn of the trainer's handshakes through it.
     app.state.background += [
@@ -51,8 +52,8 @@ async def start_background(app: FastAPI) -> None:
         asyncio.create_task(_schema_watch(app), name="schema-watch"),
         asyncio.create_task(_housekeeping(app), name="housekeeping"),
     ]
-    if not settings.background_workers:
-        return
+    if not settings.background_workers or app.state.draining:
+        return  # draining: a SIGTERM during the start, no lease may be taken from here on
 
     async def lease_of(run_id: str) -> int | None:
         # On a schema this release must not write (an upgrade half done, a rollback too far) the
@@ -91,6 +92,7 @@ async def _housekeeping(app: FastAPI) -> None:
     while True:
         try:
             metrics.set_runs_without_driver(await leases.runs_without_driver(engine))
+            metrics.set_run_streaks(await leases.run_streaks(engine))
             await _sweep_run_series(engine, owner)
         except asyncio.CancelledError:
             raise
@@ -132,6 +134,8 @@ async def _drain(app: FastAPI, drain_s: float) -> None:
     for t in app.state.lease_takers:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await t
+    with contextlib.suppress(Exception):  # the next owner delivers them at once, not after the claims expire
+        await outbox_repo.release_claims(app.state.engine, owner)
     await _hand_back(app, keep=runner.running_runs())
     loop = asyncio.get_running_loop()
     deadline = loop.time() + drain_s

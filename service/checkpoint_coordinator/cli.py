@@ -85,7 +85,7 @@ def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
     m.add_argument("--lock-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long one schema change waits for a table lock before the run is rolled back and tried again (default 10)")
     m.add_argument("--lock-wait", type=float, default=None, metavar="SECONDS",
-                   help="how long to wait for another migration to finish (default 600)")
+                   help="how long to wait for another migration to finish (default 300)")
     m.add_argument("--attempts", type=int, default=5, metavar="N",
                    help="runs before giving up when table locks stay taken (default 5)")
 
@@ -172,7 +172,8 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     try:
         if not args.no_migrate:
             migrate(url)
-        _log_schema(url)
+        # The app reads the schema at its start and logs what it found (not ready when it is not
+        # one this release runs on): serve --no-migrate migrates nothing.
         app = create_app(settings, database_url=url)
         config = server_config(app, settings, host=args.host or settings.host, port=settings.port)
         CoordinatorServer(config, on_exit=lambda: begin_drain(app)).run()
@@ -185,28 +186,9 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
-def _log_schema(url: str) -> None:
-    """Say where the schema is for this release, as read (``serve --no-migrate`` migrates
-    nothing: a replica started before its release's migration waits, not ready, until it ran)."""
-    from .ledger.db import classify_database_error, redact_url
-    from .ledger.schema import read_status_sync
-
-    try:
-        status = read_status_sync(url)
-    except Exception as e:
-        verdict = classify_database_error(e)
-        log.warning("database %s: schema not read (%s); /readyz reports it once the database answers",
-                    redact_url(url), verdict[1] if verdict else type(e).__name__)
-        return
-    level = logging.INFO if status.usable else logging.WARNING
-    suffix = "" if status.usable else "; not ready, and the API answers 503 schema_mismatch, until it is"
-    log.log(level, "database %s: %s%s", redact_url(url), status.message(), suffix)
-
-
-def _lock_not_available(error: BaseException) -> bool:
+def _lock_timed_out(error: BaseException) -> bool:
+    """A DDL statement waited for a table lock past the lock timeout (worth another run)."""
     import psycopg
-
-    from .ledger.schema import MigrationLockBusy
 
     seen: set[int] = set()
     stack: list[BaseException | None] = [error]
@@ -215,7 +197,7 @@ def _lock_not_available(error: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, MigrationLockBusy) or isinstance(e, psycopg.errors.LockNotAvailable):
+        if isinstance(e, psycopg.errors.LockNotAvailable):
             return True
         stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
     return False
@@ -225,45 +207,60 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     import time
 
     from .ledger.db import classify_database_error, downgrade, migrate, redact_url
-    from .ledger.schema import read_status_sync
+    from .ledger.schema import MigrationLockBusy, SchemaState, read_status_sync
 
     if args.database_url is not None and not args.database_url.strip():
         print("ckpt-coordinator: --database-url is empty: give a postgresql:// URL, or leave the option out", file=sys.stderr)
         return 2
     url, emb = (args.database_url, None) if args.database_url else resolve_database(settings, args.data_dir)
     try:
-        before = read_status_sync(url).revision
+        try:
+            before = read_status_sync(url)
+        except Exception as e:
+            verdict = classify_database_error(e)
+            if verdict is None or verdict[0] != "unavailable":
+                raise
+            print(f"ckpt-coordinator: database {redact_url(url)}: {verdict[1]}; nothing was changed", file=sys.stderr)
+            return 1
+        if before.state in (SchemaState.ahead, SchemaState.incompatible):
+            # A newer release migrated it: this release has no script of that revision. Applying
+            # this release's Job again (a rollback of the Deployment) must not fail when the newer
+            # schema runs this release.
+            if before.state is SchemaState.ahead and not args.downgrade:
+                print(f"database {redact_url(url)}: {before.message()}; nothing to do")
+                return 0
+            print(f"ckpt-coordinator: database {redact_url(url)}: {before.message()}; this release cannot "
+                  f"{'downgrade' if args.downgrade else 'migrate'} it: use the newer release's image", file=sys.stderr)
+            return 1
         for attempt in range(1, max(1, args.attempts) + 1):
             try:
                 (downgrade if args.downgrade else migrate)(url, args.revision, lock_timeout_s=args.lock_timeout, lock_wait_s=args.lock_wait)
                 break
+            except MigrationLockBusy as e:
+                print(f"ckpt-coordinator: migration of {redact_url(url)}: {e}. Let the other one finish, then run again.", file=sys.stderr)
+                return 1
             except Exception as e:
-                if not _lock_not_available(e):
+                if not _lock_timed_out(e):
                     verdict = classify_database_error(e)
                     if verdict is not None and verdict[0] == "unavailable":
                         print(f"ckpt-coordinator: database {redact_url(url)}: {verdict[1]}; nothing was changed", file=sys.stderr)
                         return 1
                     raise
                 if attempt >= max(1, args.attempts):
-                    print(f"ckpt-coordinator: migration of {redact_url(url)} rolled back {attempt} times: {_lock_reason(e)}; "
+                    print(f"ckpt-coordinator: migration of {redact_url(url)} rolled back {attempt} times: {_LOCK_TIMEOUT}; "
                           "nothing was changed. Find the long transaction (pg_stat_activity) or run again later.", file=sys.stderr)
                     return 1
-                log.warning("migration rolled back (%s); trying again (%d of %d)", _lock_reason(e), attempt + 1, args.attempts)
+                log.warning("migration rolled back (%s); trying again (%d of %d)", _LOCK_TIMEOUT, attempt + 1, args.attempts)
                 time.sleep(min(30.0, 2.0 * attempt))
         after = read_status_sync(url)
-        print(f"database {redact_url(url)}: revision {before or 'none'} -> {after.revision} ({after.message()})")
+        print(f"database {redact_url(url)}: revision {before.revision or 'none'} -> {after.revision} ({after.message()})")
     finally:
         if emb is not None:
             emb.stop()
     return 0
 
 
-def _lock_reason(error: BaseException) -> str:
-    from .ledger.schema import MigrationLockBusy
-
-    if isinstance(error, MigrationLockBusy):
-        return str(error)
-    return "a schema change waited for a table lock longer than its lock timeout (a long transaction holds the table)"
+_LOCK_TIMEOUT = "a schema change waited for a table lock longer than its lock timeout (a long transaction holds the table)"
 
 
 def _config_problems(error: Exception) -> str:

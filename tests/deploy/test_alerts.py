@@ -119,6 +119,7 @@ INSTANCE = {"job": "ckpt-coordinator", "instance": "coord-0:8080"}
 
 HOT = 'route="/v1/runs/{run_id}/attempts/sealed", method="POST"'
 LONG_POLL = 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}?wait_s", method="GET"'
+EXPORT = 'route="/v1/runs/{run_id}/snapshots/{snapshot_id}/ledger-export", method="GET"'
 
 
 def latency(labels: str, slow: bool) -> list[dict[str, str]]:
@@ -171,8 +172,8 @@ PROMTOOL_CASES: list[dict[str, Any]] = [
          [("55m", [])]),  # an old count that no longer grows
     case(latency(HOT, slow=True), "CkptcApiSlow",
          [("10m", []), ("35m", [{"severity": "warning", "route": "/v1/runs/{run_id}/attempts/sealed"}])]),
-    case(latency(HOT, slow=False) + latency(LONG_POLL, slow=True), "CkptcApiSlow",
-         [("35m", [])]),  # fast trainer calls; a long poll that waits on purpose is not counted
+    case(latency(HOT, slow=False) + latency(LONG_POLL, slow=True) + latency(EXPORT, slow=True), "CkptcApiSlow",
+         [("35m", [])]),  # fast trainer calls; a long poll that waits on purpose and a bulk export are not counted
     case([series("ckptc_snapshot_failures_consecutive", 'run="run-a"', "1 2 3x10"),
           series("ckptc_snapshot_failures_consecutive", 'run="run-b"', "0x12")],
          "CkptcSnapshotsFailingRepeatedly", [("3m", []), ("9m", [{"severity": "warning", "run": "run-a"}])]),

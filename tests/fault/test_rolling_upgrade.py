@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 HEAD = db.head_revision()
 NEXT = f"{int(HEAD) + 1:04d}"
+FLOOR = f"{int(HEAD) - 1:04d}"  # the head (0013) is additive over 0012, which is not
 AFTER = f"{int(HEAD) + 2:04d}"
 
 # What a newer release's additive migration may do: a new table, a nullable column, an index.
@@ -44,7 +45,7 @@ revision = {NEXT!r}
 down_revision = {HEAD!r}
 branch_labels = None
 depends_on = None
-runs_on_from = {HEAD!r}
+additive = True
 
 
 def upgrade():
@@ -67,7 +68,7 @@ revision = {AFTER!r}
 down_revision = {NEXT!r}
 branch_labels = None
 depends_on = None
-runs_on_from = {AFTER!r}
+additive = False
 
 
 def upgrade():
@@ -105,6 +106,11 @@ def run_migration(database_url: str, scripts: Path, direction: str, revision: st
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def _this_release_migrate(replica: CoordinatorProcess) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "checkpoint_coordinator.cli", "migrate"], env=replica.env,
+                          capture_output=True, text=True, timeout=120)
+
+
 async def test_a_replica_of_the_previous_release_serves_and_snapshots_through_a_newer_schema(database_url: str, tmp_path: Path) -> None:
     scripts = newer_release_scripts(tmp_path)
     replica = CoordinatorProcess(database_url, tmp_path, coordinator_id="previous-release", CKPTC_SNAPSHOT_POLL_S="0.5")
@@ -139,10 +145,16 @@ async def test_a_replica_of_the_previous_release_serves_and_snapshots_through_a_
             assert answers and set(answers) == {200}, answers
 
             ready = (await c.get("/readyz")).json()
-            assert ready["schema"] == {"state": "ahead", "revision": NEXT, "head": HEAD, "runs_on_from": HEAD}, ready
+            # Additive over an additive head: the floor is the last breaking revision below them.
+            assert ready["schema"] == {"state": "ahead", "revision": NEXT, "head": HEAD, "runs_on_from": FLOOR}, ready
             async with engine.connect() as conn:
                 assert (await conn.execute(text("SELECT version_num FROM alembic_version"))).scalar() == NEXT
                 assert (await conn.execute(text("SELECT to_regclass('newer_release_notes') IS NOT NULL"))).scalar()
+
+            # This release's migration Job applied again (a rollback of the Deployment) changes
+            # nothing and succeeds, rather than fail on a revision it has no script of.
+            again = _this_release_migrate(replica)
+            assert again.returncode == 0 and "nothing to do" in again.stdout, again.stderr
 
             # And it goes on as before: admits, dispatches, seals and a published snapshot.
             await trainer.admit_and_dispatch([group_body("after", 2)], gym.instance_id)
@@ -161,6 +173,8 @@ async def test_a_replica_of_the_previous_release_serves_and_snapshots_through_a_
             refused = await c.get(f"/v1/runs/{api.run_id}", headers=api.h)
             assert refused.status_code == 503 and refused.json()["code"] == "schema_mismatch"
             assert "retry-after" in refused.headers
+            wrong_image = _this_release_migrate(replica)
+            assert wrong_image.returncode == 1 and "use the newer release's image" in wrong_image.stderr
 
             # Rolled back with the newer release's scripts, the schema runs this release again.
             await asyncio.to_thread(run_migration, database_url, scripts, "downgrade", NEXT)

@@ -120,20 +120,38 @@ def _scripts() -> list:  # type: ignore[type-arg]
     return list(reversed(list(ScriptDirectory.from_config(db.alembic_config("postgresql://localhost/unused")).walk_revisions())))
 
 
-def test_every_revision_from_the_compat_table_on_says_which_releases_run_on_it() -> None:
-    from checkpoint_coordinator.ledger.schema import runs_on_from_of
-
+def test_every_revision_from_the_compat_table_on_says_whether_it_is_additive() -> None:
     scripts = _scripts()
     order = [s.revision for s in scripts]
-    since = order.index("0013")
-    floor = order[0]
-    for script in scripts[since:]:
-        declared = getattr(script.module, "runs_on_from", None)
-        assert declared is not None, f"revision {script.revision} must say runs_on_from (deploy/README.md, 'Writing a migration')"
-        assert declared in order and order.index(declared) <= order.index(script.revision), script.revision
-        # A release that stopped running on the schema does not start again at a later revision.
-        assert order.index(declared) >= order.index(floor), script.revision
-        floor = runs_on_from_of(script)
+    for script in scripts[order.index("0013"):]:
+        assert isinstance(getattr(script.module, "additive", None), bool), (
+            f"revision {script.revision} must say additive = True or False (deploy/README.md, 'Writing a migration')"
+        )
+
+
+def test_the_floor_walks_down_every_additive_revision(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two additive revisions in a row still run the release before both; a breaking one starts
+    the floor again."""
+    import shutil
+
+    from alembic.script import ScriptDirectory
+
+    from checkpoint_coordinator.ledger.schema import runs_on_from_of
+
+    head = db.head_revision()
+    shutil.copytree(db.migrations_dir(), tmp_path / "m", ignore=shutil.ignore_patterns("__pycache__"))
+    chain = [("9001", head, True), ("9002", "9001", True), ("9003", "9002", False), ("9004", "9003", True)]
+    for rev, down, additive in chain:
+        (tmp_path / "m" / "versions" / f"{rev}_t.py").write_text(
+            f"revision = {rev!r}\ndown_revision = {down!r}\nbranch_labels = None\ndepends_on = None\nadditive = {additive}\n"
+            "def upgrade():\n    pass\ndef downgrade():\n    pass\n"
+        )
+    cfg = db.alembic_config("postgresql://localhost/unused")
+    cfg.set_main_option("script_location", str(tmp_path / "m"))
+    scripts = ScriptDirectory.from_config(cfg)
+    floor_of_head = runs_on_from_of(scripts, head)
+    assert [runs_on_from_of(scripts, r) for r, _, _ in chain] == [floor_of_head, floor_of_head, "9003", "9003"]
+    assert runs_on_from_of(scripts, "0012") == "0012"  # before the convention: only its own code
 
 
 def _compat(url: str) -> tuple[str | None, str | None]:

@@ -16,6 +16,10 @@ def _series_of(run_id: str) -> list[str]:
     return [line for line in body.splitlines() if f'run="{run_id}"' in line]
 
 
+def _drilldown_of(run_id: str) -> list[str]:
+    return [line for line in _series_of(run_id) if line.startswith("ckptc_run_")]
+
+
 def _record_for(run_id: str) -> None:
     metrics.set_snapshot_losses(run_id, 2, 3)
     metrics.set_snapshot_failures(run_id, 4)
@@ -53,11 +57,34 @@ async def test_the_sweep_drops_runs_that_moved_away_and_keeps_its_own(app, clien
                                 "('series-moved', 'another-replica', 2, now() + interval '1 minute'), "
                                 "('series-mine', :o, 1, now() - interval '1 minute')"), {"o": owner})
     await background._sweep_run_series(app.state.engine, owner)
-    assert _series_of("series-moved")  # within the grace: Prometheus scrapes the last values first
+    assert _drilldown_of("series-moved")  # within the grace: Prometheus scrapes the last values first
     monkeypatch.setattr(background, "RUN_SERIES_GRACE_S", 0.0)
     await background._sweep_run_series(app.state.engine, owner)
-    assert _series_of("series-moved") == []
+    assert _drilldown_of("series-moved") == []
     # Its own (even with the lease lapsed between snapshots) and a run nobody drove yet stay.
-    assert _series_of("series-mine") and _series_of("series-fresh")
-    for run_id in ("series-mine", "series-fresh"):
+    assert _drilldown_of("series-mine") and _drilldown_of("series-fresh")
+    for run_id in ("series-moved", "series-mine", "series-fresh"):
         metrics.forget_run(run_id)
+
+
+async def test_streaks_come_from_the_ledger_on_every_replica(app, client, admin) -> None:  # type: ignore[no-untyped-def]
+    """A run's losses and failures in a row are reported from the ledger whoever drives it: after a
+    restart or a lease moving the failing-snapshots alert keeps its count; a run without a streak
+    has no series."""
+    from checkpoint_coordinator.ledger import leases
+
+    for run_id in ("streak-failing", "streak-healthy"):
+        await _run(client, admin, run_id)
+    async with app.state.engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET consecutive_snapshot_failures = 4, consecutive_snapshot_losses = 3 WHERE run_id = 'streak-failing'"))
+    metrics.set_snapshot_failures("streak-healthy", 0)  # set by a snapshot's end, a streak since ended
+    streaks = await leases.run_streaks(app.state.engine)
+    assert streaks["streak-failing"] == (3, 4, 3) and "streak-healthy" not in streaks
+    metrics.set_run_streaks(streaks)
+    assert 'ckptc_snapshot_failures_consecutive{run="streak-failing"} 4.0' in _series_of("streak-failing")
+    assert 'ckptc_snapshot_losses_warning{run="streak-failing"} 1.0' in _series_of("streak-failing")
+    assert _series_of("streak-healthy") == []
+    async with app.state.engine.begin() as conn:
+        await conn.execute(text("UPDATE runs SET consecutive_snapshot_failures = 0, consecutive_snapshot_losses = 0 WHERE run_id = 'streak-failing'"))
+    metrics.set_run_streaks(await leases.run_streaks(app.state.engine))
+    assert _series_of("streak-failing") == []

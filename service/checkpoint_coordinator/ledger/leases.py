@@ -138,3 +138,17 @@ async def runs_kept_by(engine: AsyncEngine, owner: str, run_ids: list[str]) -> s
             {"runs": run_ids, "o": owner},
         )
         return {r[0] for r in rows}
+
+
+async def run_streaks(engine: AsyncEngine) -> dict[str, tuple[int, int, int]]:
+    """Every open run with snapshots lost or failed in a row: ``{run: (losses, failures, the
+    run's loss warning threshold)}`` (at most the open runs; the others have none)."""
+    async with engine.connect() as conn:
+        rows = await conn.execute(
+            text(
+                "SELECT run_id, consecutive_snapshot_losses, consecutive_snapshot_failures, "
+                "COALESCE((config->>'snapshot_loss_warn_after')::int, 3) FROM runs "
+                "WHERE state = 'open' AND (consecutive_snapshot_losses > 0 OR consecutive_snapshot_failures > 0)"
+            )
+        )
+        return {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows}

@@ -1,11 +1,11 @@
 """What the database's schema is to this release.
 
 A replica runs on its own head revision, and on a newer schema when that schema says so: every
-revision names the oldest revision whose code still runs on it (``runs_on_from``, in the
-revision's module; an additive migration names the revision before it), and each migration run
-writes the value for the revision it leaves the database at into ``schema_compat``. A replica
-of an older release then reads a revision it has never heard of, and that value: one of its own
-revisions means it may serve. That is what lets a rolling upgrade migrate first and replace the
+revision says whether it is ``additive`` (in the revision's module: code that ran on the schema
+before it still runs on it), and each migration run writes the oldest revision whose code runs on
+the schema it leaves (``runs_on_from``: the floor of the additive revisions above the last
+breaking one) into ``schema_compat``. A replica of an older release then reads a revision it has
+never heard of, and that floor: one of its own revisions means it may serve. That is what lets a rolling upgrade migrate first and replace the
 replicas after, and a rollback run the previous release on the newer schema (deploy/README.md,
 "Upgrades").
 """
@@ -23,8 +23,9 @@ from ..domain.vocabulary import SchemaState
 
 # pg_advisory_lock key every migration run takes (any fixed 64-bit number; this one spells "ckptcmig").
 MIGRATION_LOCK_KEY = 0x636B7074636D6967
-# How long a migration waits for another one to finish before it gives up.
-DEFAULT_LOCK_WAIT_S = 600.0
+# How long a migration waits for another one to finish before it gives up (well inside the
+# migration Job's activeDeadlineSeconds).
+DEFAULT_LOCK_WAIT_S = 300.0
 # How long one DDL statement waits for a table lock (a long transaction of a replica): past it the
 # migration fails, rolled back whole, instead of queueing every write of the fleet behind it.
 DEFAULT_LOCK_TIMEOUT_S = 10.0
@@ -64,10 +65,14 @@ class SchemaStatus:
         return {"state": self.state.value, "revision": self.revision, "head": self.head, "runs_on_from": self.runs_on_from}
 
 
-def runs_on_from_of(script: Any) -> str:
-    """The oldest revision whose code runs on ``script``'s schema. A revision that does not say
-    runs only its own code (the safe reading of every revision before the convention)."""
-    return str(getattr(script.module, "runs_on_from", None) or script.revision)
+def runs_on_from_of(scripts: Any, revision: str) -> str:
+    """The oldest revision whose code runs on ``revision``'s schema: walking down the chain of
+    ``scripts`` (an alembic ScriptDirectory), past every additive revision to the last one that is
+    not (a revision that does not say is not: the safe reading of those before the convention)."""
+    script = scripts.get_revision(revision)
+    while getattr(script.module, "additive", False) is True and script.down_revision is not None:
+        script = scripts.get_revision(script.down_revision)
+    return str(script.revision)
 
 
 @functools.cache
@@ -118,9 +123,9 @@ async def read_status(conn: AsyncConnection) -> SchemaStatus:
 def read_status_sync(url: str) -> SchemaStatus:
     from sqlalchemy import create_engine, pool
 
-    from .db import sqlalchemy_url
+    from .db import client_options, sqlalchemy_url
 
-    engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool)
+    engine = create_engine(sqlalchemy_url(url), poolclass=pool.NullPool, connect_args=client_options(url))
     try:
         with engine.connect() as conn:
             has_version, has_compat = conn.execute(text(_TABLES_SQL)).one()

@@ -632,6 +632,36 @@ def _run_child(metric: Counter | Gauge, run_id: str, **labels: str) -> Counter |
     return metric.labels(*values)  # type: ignore[return-value]
 
 
+# The streak gauges (losses, failures in a row) come from the ledger: every replica reports them for
+# every open run with a streak (``set_run_streaks``, from the housekeeping round), so they outlive
+# a lease moving and a restart; a snapshot's end sets its run's at once.
+_STREAK_RUNS: set[str] = set()
+_STREAK_GAUGES = (SNAPSHOT_LOSSES_CONSECUTIVE, SNAPSHOT_LOSSES_WARNING, SNAPSHOT_FAILURES_CONSECUTIVE)
+
+
+def _streak(metric: Gauge, run_id: str) -> Gauge:
+    run = _run_label(run_id)
+    _STREAK_RUNS.add(run)
+    return metric.labels(run)  # type: ignore[no-any-return]
+
+
+def _drop_streaks(run: str) -> None:
+    _STREAK_RUNS.discard(run)
+    for gauge in _STREAK_GAUGES:
+        with contextlib.suppress(KeyError):
+            gauge.remove(run)
+
+
+def set_run_streaks(streaks: Mapping[str, tuple[int, int, int]]) -> None:
+    """Publish every open run's streaks, ``{run: (losses, failures, warn_after)}``, as read from
+    the ledger; a run left out has none (any more) and its series go."""
+    for run_id, (losses, failures, warn_after) in streaks.items():
+        set_snapshot_losses(run_id, losses, warn_after)
+        set_snapshot_failures(run_id, failures)
+    for run in _STREAK_RUNS - set(streaks):
+        _drop_streaks(run)
+
+
 def runs_with_series() -> set[str]:
     return set(_RUN_TOUCHED)
 
@@ -644,6 +674,7 @@ def run_series_idle_s(run_id: str) -> float:
 
 def forget_run(run_id: str) -> None:
     """Drop a run's per-run series (the run ended, or another replica drives it now)."""
+    _drop_streaks(run_id)
     _RUN_TOUCHED.pop(run_id, None)
     for metric, values in _RUN_CHILDREN.pop(run_id, set()):
         with contextlib.suppress(KeyError):
@@ -690,7 +721,7 @@ def record_snapshot_outcome(outcome: SnapshotOutcome | str, reason: SnapshotReas
 
 def set_snapshot_failures(run_id: str, consecutive: int) -> None:
     """Publish how many of a run's snapshots failed since its last published one."""
-    _run_child(SNAPSHOT_FAILURES_CONSECUTIVE, run_id).set(_count(consecutive, "consecutive"))  # type: ignore[union-attr]
+    _streak(SNAPSHOT_FAILURES_CONSECUTIVE, run_id).set(_count(consecutive, "consecutive"))
 
 
 @contextlib.contextmanager
@@ -715,9 +746,9 @@ def set_snapshot_losses(run_id: str, consecutive: int, warn_threshold: int | Non
     warns; ``None`` leaves the warning gauge at 0.
     """
     n = _count(consecutive, "consecutive")
-    _run_child(SNAPSHOT_LOSSES_CONSECUTIVE, run_id).set(n)  # type: ignore[union-attr]
+    _streak(SNAPSHOT_LOSSES_CONSECUTIVE, run_id).set(n)
     warn = warn_threshold is not None and n >= _count(warn_threshold, "warn_threshold") > 0
-    _run_child(SNAPSHOT_LOSSES_WARNING, run_id).set(1 if warn else 0)  # type: ignore[union-attr]
+    _streak(SNAPSHOT_LOSSES_WARNING, run_id).set(1 if warn else 0)
 
 
 def observe_gym_restarted_episodes(count: int, run_id: str | None = None) -> None:
@@ -888,6 +919,7 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "snapshot_phase_timer": ("ckptc_snapshot_phase_seconds",),
     "record_snapshot_outcome": ("ckptc_snapshots_total", "ckptc_run_snapshots_total"),
     "set_snapshot_failures": ("ckptc_snapshot_failures_consecutive",),
+    "set_run_streaks": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning", "ckptc_snapshot_failures_consecutive"),
     "snapshot_in_progress": ("ckptc_snapshots_in_progress",),
     "set_snapshots_in_progress": ("ckptc_snapshots_in_progress",),
     "set_snapshot_losses": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning"),

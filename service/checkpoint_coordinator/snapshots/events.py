@@ -12,6 +12,7 @@ import logging
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ..ledger.db import client_options
 from ..ledger.snapshots import NOTIFY_CHANNEL, parse_notify_payload
 from .runner import SnapshotRunner
 
@@ -30,9 +31,13 @@ async def listen(engine: AsyncEngine, runner: SnapshotRunner, *, connected: asyn
     import psycopg
 
     url = _libpq_url(engine)
+    # Keepalives and tcp_user_timeout as on every connection of the service: a LISTEN connection
+    # to a primary that died silently would otherwise wait for ever, and events then arrive only
+    # through the snapshots' polling.
+    options = client_options(url)
     while True:
         try:
-            async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+            async with await psycopg.AsyncConnection.connect(url, autocommit=True, **options) as conn:
                 await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
                 runner.wake_all()
                 if connected is not None:
