@@ -243,7 +243,8 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from checkpoint_coordinator.ledger import rollout_views, snapshots
+    from checkpoint_coordinator.rollouts import views as rollout_views
+    from checkpoint_coordinator.snapshots import store as snapshots
     from checkpoint_coordinator.ledger.db import make_async_engine, read_rows, sqlalchemy_url
 
     engine = make_async_engine(pg_url, pool_size=2)
@@ -328,7 +329,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
 async def measure_drain(pg_url: str, runs: dict[int, str], pending_n: int, reps: int) -> dict[int, list[float]]:
     """One drain pass exactly as the snapshot runner does it, per run, interleaved."""
     from checkpoint_coordinator.gym.models import Episode
-    from checkpoint_coordinator.ledger import snapshots
+    from checkpoint_coordinator.snapshots import store as snapshots
     from checkpoint_coordinator.ledger.db import make_async_engine
 
     engine = make_async_engine(pg_url, pool_size=2)

@@ -46,9 +46,9 @@ from _common import Postgres  # noqa: E402
 from sqlalchemy import text  # noqa: E402
 
 from checkpoint_coordinator.domain.config import load_recovery_config  # noqa: E402
-from checkpoint_coordinator.ledger import restore_records as records  # noqa: E402
+from checkpoint_coordinator.restore.store import records  # noqa: E402
 from checkpoint_coordinator.ledger.db import make_async_engine  # noqa: E402
-from checkpoint_coordinator.ledger.snapshots import cut_xid_basis, insert_cut_rows, set_cut_xid_basis  # noqa: E402
+from checkpoint_coordinator.snapshots.store import cut_xid_basis, insert_cut_rows, set_cut_xid_basis  # noqa: E402
 from checkpoint_coordinator.restore.service import (  # noqa: E402
     ANSWER_PAGE_ROWS,
     RestoreRequest,
@@ -191,7 +191,8 @@ class _Breakdown:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
         # The statements that go through the driver directly (binary parameters, plain tuples).
-        from checkpoint_coordinator.ledger import restore_plan_sql, rewind
+        from checkpoint_coordinator.restore.store import plan_sql as restore_plan_sql
+        from checkpoint_coordinator.restore.store import rewind
 
         for module, name in ((restore_plan_sql, "fetch"), (rewind, "fetch"), (rewind, "execute_binary")):
             setattr(module, name, self._timed(getattr(module, name)))
@@ -456,7 +457,7 @@ async def _oracle_plan(engine: Any, run_id: str) -> Any:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.oracles.restore_plan import plan_restore
 
-    from checkpoint_coordinator.ledger import restore_reads as reads
+    from checkpoint_coordinator.restore.store import reads
     from checkpoint_coordinator.restore.planning import rollout_minter
     from checkpoint_coordinator.restore.service import load_manifest
 

@@ -140,7 +140,7 @@ def _trace_spans(trace_file: str) -> None:
     import functools
 
     from checkpoint_coordinator.gym.save import GymSave
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
     from checkpoint_coordinator.outbox.worker import OutboxDeliverer
 
     out = open(trace_file, "a")  # noqa: SIM115 - one line per span, open for the process's life
@@ -565,7 +565,7 @@ def explain_cut(url: str, run_id: str) -> list[str]:
     rolled back) with its settings: its total, the copy with its plan, and any per-row trigger."""
     import psycopg
 
-    from checkpoint_coordinator.ledger.snapshots import _cut_insert
+    from checkpoint_coordinator.snapshots.store import _cut_insert
 
     sql = _cut_insert(only_named_groups=False).replace(":r", "%(r)s").replace(":s", "%(s)s")
     lines = []
@@ -616,7 +616,7 @@ async def direct_cut(url: str, run_id: str, manifest: dict[str, Any]) -> tuple[f
     polling beside it. The record is deleted afterwards (with its cut). Returns (seconds, keys)."""
     from sqlalchemy import text
 
-    from checkpoint_coordinator.ledger import snapshots as repo
+    from checkpoint_coordinator.snapshots import store as repo
     from checkpoint_coordinator.ledger.db import make_async_engine
 
     engine = make_async_engine(url, pool_size=2)
@@ -641,7 +641,7 @@ async def read_costs(url: str, run_id: str, sid: str, reps: int) -> dict[str, An
     """The runner's poll of the snapshot row, and the candidates query of the gate phase."""
     from sqlalchemy import text
 
-    from checkpoint_coordinator.ledger import snapshots as repo
+    from checkpoint_coordinator.snapshots import store as repo
     from checkpoint_coordinator.ledger.db import make_async_engine
 
     engine = make_async_engine(url, pool_size=2)

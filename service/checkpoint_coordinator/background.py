@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from .gym_runtime import GymClients
 from .ledger import leases
-from .ledger import outbox as outbox_repo
+from .outbox import store as outbox_repo
 from .ledger.schema import SchemaState, SchemaStatus, this_head
 from .api.health import refresh_schema
 from .observability import metrics

@@ -151,7 +151,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
     import signal
 
     from .app import create_app
-    from .ledger.db import migrate, redact_url
+    from .ledger.db import migrate
     from .background import begin_drain
     from .server import CoordinatorServer, server_config
 

@@ -145,7 +145,8 @@ def install_accept_error_limit(loop: asyncio.AbstractEventLoop, every_s: float =
     """Log the loop's accept errors (out of descriptors or memory) once per ``every_s``, with
     how many were left out, instead of one traceback per attempt; any other error as before."""
     previous = loop.get_exception_handler()
-    state = {"last": 0.0, "skipped": 0}
+    # None until the first report: a machine up for less than ``every_s`` must still report.
+    state: dict[str, Any] = {"last": None, "skipped": 0}
 
     def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         if "accept" not in str(context.get("message", "")):
@@ -155,7 +156,7 @@ def install_accept_error_limit(loop: asyncio.AbstractEventLoop, every_s: float =
                 lp.default_exception_handler(context)
             return
         now = time.monotonic()
-        if now - state["last"] < every_s:
+        if state["last"] is not None and now - state["last"] < every_s:
             state["skipped"] += 1
             return
         log.error("%s: %s (%d more since the last report)", context.get("message"), context.get("exception"), state["skipped"])

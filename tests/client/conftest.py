@@ -108,7 +108,7 @@ def coordinator(settings: Any, database_url: str, tmp_path: Path) -> Iterator[Li
 def set_gate(database_url: str, run_id: str, snapshot_id: str | None) -> None:
     """Close (or reopen) a run's dispatch gate the way a snapshot does, straight in the ledger."""
     from checkpoint_coordinator.ledger.db import make_async_engine
-    from checkpoint_coordinator.ledger.gate import close_gate, open_gate
+    from checkpoint_coordinator.ledger.runs import close_gate, open_gate
 
     async def go() -> None:
         engine = make_async_engine(database_url, pool_size=1)

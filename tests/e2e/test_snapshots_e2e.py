@@ -84,7 +84,7 @@ async def test_every_gym_entry_carries_its_new_keys_to_the_barrier(client, admin
     # move to data_plane): the barrier looks none up. What the barrier finds is recorded here.
     from sqlalchemy import text
 
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
 
     api = await _setup(client, admin, app, gyms)
     take_cut = ledger_snapshots.take_cut
@@ -112,7 +112,7 @@ async def test_every_gym_entry_carries_its_new_keys_to_the_barrier(client, admin
 async def test_the_owner_answers_the_pre_cut_keys_fetch_with_the_keys_it_holds(client, admin, app, gyms, tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # The fetch lands while Gym commits; the replica driving the snapshot answers it with the
     # pre-cut's keys it holds (no aggregation of the key rows), the same text the rows give.
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
 
     api = await _setup(client, admin, app, gyms)
     for g in gyms.values():
@@ -250,7 +250,7 @@ async def test_the_request_closes_the_gate_in_its_own_transaction_on_the_owner_s
     from sqlalchemy import event
 
     from checkpoint_coordinator.ledger import leases
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
 
     api = await _setup(client, admin, app, gyms)
     engine = app.state.engine
@@ -566,7 +566,7 @@ async def test_a_waiting_trainer_hears_of_each_step_when_it_is_written(client, a
 
     from checkpoint_coordinator.snapshots import watch
 
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
 
     monkeypatch.setattr(watch, "FALLBACK_S", 60.0)
     api = await _setup(client, admin, app, gyms)

@@ -106,7 +106,7 @@ async def _request_on_another_replica(database_url: str, sid: str, *, owner: str
 
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from checkpoint_coordinator.ledger import snapshots as ledger_snapshots
+    from checkpoint_coordinator.snapshots import store as ledger_snapshots
     from checkpoint_coordinator.ledger.db import sqlalchemy_url
     from checkpoint_coordinator.ledger.runs import get_run
 

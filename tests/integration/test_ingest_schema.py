@@ -207,7 +207,7 @@ async def test_a_wrong_guess_releases_its_locks_and_locks_the_real_group(client,
     back to the savepoint (another transaction can take g1 at once) and imp is locked instead."""
     import psycopg
 
-    from checkpoint_coordinator.ledger import rollout_locks
+    from checkpoint_coordinator.rollouts import locks as rollout_locks
 
     run = await new_run(client, admin)
     await run.admit(group_body("g1", 1))

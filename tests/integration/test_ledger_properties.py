@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from sqlalchemy import text
 
 from checkpoint_coordinator.errors import CoordinatorError
-from checkpoint_coordinator.ledger import rollout_views, rollouts, runs
+from checkpoint_coordinator.ledger import runs
+from checkpoint_coordinator.rollouts import views as rollout_views
+from checkpoint_coordinator.rollouts import store as rollouts
 from checkpoint_coordinator.ledger.db import make_async_engine
 
 OPS = st.lists(

@@ -20,8 +20,8 @@ from sqlalchemy.exc import DBAPIError
 
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
 from checkpoint_coordinator.ledger import leases
-from checkpoint_coordinator.ledger import outbox
-from checkpoint_coordinator.ledger import snapshots as repo
+from checkpoint_coordinator.outbox import store as outbox
+from checkpoint_coordinator.snapshots import store as repo
 from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.ledger.runs import lock_run
 from checkpoint_coordinator.snapshots import service as snapshot_service

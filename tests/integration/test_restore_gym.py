@@ -148,7 +148,7 @@ async def test_restore_continues_exported_episodes_on_their_instance(client, adm
         sealed = await fetch(scene.engine, "SELECT attempt_id, status FROM attempts WHERE run_id = :r AND rollout_id = ANY(:ids)", r=scene.api.run_id, ids=list(saved))
         assert {x["status"] for x in sealed} == {"sealed"}
         # Once sealed, the restored rollouts are forgotten on their instance: the seal queued it.
-        from checkpoint_coordinator.ledger.rollouts import forget_restored_on_seal
+        from checkpoint_coordinator.rollouts.store import forget_restored_on_seal
 
         async with scene.engine.begin() as conn:
             assert await forget_restored_on_seal(conn, scene.api.run_id, [x["attempt_id"] for x in sealed]) == 0  # already queued

@@ -273,7 +273,7 @@ async def test_restore_refusals_before_anything_is_written(client, admin, app) -
 async def test_forget_restored_on_seal_queues_one_forget_per_sealed_continuation(client, admin, app) -> None:  # type: ignore[no-untyped-def]
     from sqlalchemy import text
 
-    from checkpoint_coordinator.ledger.rollouts import forget_restored_on_seal
+    from checkpoint_coordinator.rollouts.store import forget_restored_on_seal
 
     api = await new_run(client, admin, target_level="turn")
     rows = (await api.admit(group_body("T", 3)))["groups"][0]["rows"]
@@ -334,7 +334,7 @@ async def test_restore_after_an_earlier_restore_rewrites_every_row_that_differs(
 
 
 async def test_a_large_restore_answer_comes_in_pages(client, admin, app, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from checkpoint_coordinator.ledger import restore_records as records
+    from checkpoint_coordinator.restore.store import records
     from checkpoint_coordinator.restore import service
 
     # Pages of 3 rows over stored chunks of 4: pages and chunks do not line up.

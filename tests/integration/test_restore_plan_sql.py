@@ -19,12 +19,12 @@ from checkpoint_coordinator.domain.config import load_recovery_config
 from checkpoint_coordinator.domain.cut import Cut, CutAttempt, CutGroup, PromptRef
 from checkpoint_coordinator.domain.restore_plan import Disposition
 from checkpoint_coordinator.errors import CoordinatorError
-from checkpoint_coordinator.ledger import imported_snapshots as imported
+from checkpoint_coordinator.restore.store import imports as imported
 from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.restore.planning import row_json
 from checkpoint_coordinator.domain.errors import CutError, ManifestLedgerMismatch, PlanError
 from checkpoint_coordinator.domain.gym_manifest import load_gym_manifest
-from checkpoint_coordinator.ledger import restore_reads as reads
+from checkpoint_coordinator.restore.store import reads
 from checkpoint_coordinator.domain.restore_plan import Placement
 from checkpoint_coordinator.domain.vocabulary import RowReason
 from checkpoint_coordinator.restore.planning import live_retire_items, rollout_minter

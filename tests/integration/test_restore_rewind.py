@@ -12,7 +12,8 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
 from checkpoint_coordinator.errors import Conflict
-from checkpoint_coordinator.ledger import restore_records as records, rewind
+from checkpoint_coordinator.restore.store import records
+from checkpoint_coordinator.restore.store import rewind
 from checkpoint_coordinator.restore.planning import rollout_minter
 from checkpoint_coordinator.restore.service import _rewind_of, load_and_plan
 

@@ -16,7 +16,7 @@ from sqlalchemy import text
 from checkpoint_coordinator.gym.client import GymControlClient
 from checkpoint_coordinator.gym.models import Episode, InstanceSpec
 from checkpoint_coordinator.gym.save import GymSave
-from checkpoint_coordinator.ledger.snapshots import cut_xid_basis, insert_cut_rows, set_cut_xid_basis
+from checkpoint_coordinator.snapshots.store import cut_xid_basis, insert_cut_rows, set_cut_xid_basis
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from .ledger_helpers import RunApi

@@ -257,7 +257,7 @@ async def test_turn_level_needs_instance(client, admin) -> None:  # type: ignore
 
 
 async def test_gate_closed_refuses_dispatch_with_snapshot_and_retry_after(client, admin, app) -> None:  # type: ignore[no-untyped-def]
-    from checkpoint_coordinator.ledger import gate
+    from checkpoint_coordinator.ledger import runs as gate
 
     run = await new_run(client, admin)
     rows = (await run.admit(group_body("g1", 1)))["groups"][0]["rows"]

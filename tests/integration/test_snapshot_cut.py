@@ -16,7 +16,7 @@ from sqlalchemy import text
 
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
 from checkpoint_coordinator.ledger import leases
-from checkpoint_coordinator.ledger import snapshots as repo
+from checkpoint_coordinator.snapshots import store as repo
 from checkpoint_coordinator.ledger.db import make_async_engine
 
 RUN = "run-cut"

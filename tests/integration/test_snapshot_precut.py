@@ -16,17 +16,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from sqlalchemy import text
-
-from checkpoint_coordinator.ledger import snapshots as repo
+from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
 from checkpoint_coordinator.ledger.db import JsonText
 from checkpoint_coordinator.ledger.leases import Fenced
+from checkpoint_coordinator.ledger.notify import _notice
+from checkpoint_coordinator.snapshots import store as repo
+from checkpoint_coordinator.snapshots.store.cut import _DELTA_CUT_SQL
+from sqlalchemy import text
 
 from . import test_snapshot_cut as cut_tests
-from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
-
-from .test_snapshot_cut import owner_fence
-from .test_snapshot_cut import _ATTEMPT_VIEW_COLS, _GROUP_VIEW_COLS, MANIFEST, RUN, _data_plane, _rows
+from .test_snapshot_cut import (
+    _ATTEMPT_VIEW_COLS,
+    _GROUP_VIEW_COLS,
+    MANIFEST,
+    RUN,
+    _data_plane,
+    _rows,
+    owner_fence,
+)
 
 engine = cut_tests.engine  # the same small ledger: g1 generating, g2 ready, g3 finalized
 
@@ -713,9 +720,9 @@ async def test_the_barrier_s_key_statement_reads_only_the_changed_key_rows_of_a_
                                 "SELECT :r, 'p', 'tq/k' || lpad(g::text, 6, '0'), 1 FROM generate_series(1, 20000) g"), {"r": RUN})
     old = [f"tq/k{g:06d}" for g in range(1, 21)] if changed else []
     new = ([f"tq/k{g:06d}" for g in range(11, 21)] + ["tq/fresh"]) if changed else []
-    params = {"r": RUN, "s": "p", "old": old, "new": new, "extra": "{}", "cx": 1, "cs": "x", "g": 1, "n": 1, **repo._notice(RUN, "p")}
+    params = {"r": RUN, "s": "p", "old": old, "new": new, "extra": "{}", "cx": 1, "cs": "x", "g": 1, "n": 1, **_notice(RUN, "p")}
     async with engine.begin() as conn:
-        (plan,), = (await conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + repo._DELTA_CUT_SQL), params)).one()
+        (plan,), = (await conn.execute(text("EXPLAIN (ANALYZE, FORMAT JSON) " + _DELTA_CUT_SQL), params)).one()
         row = (await conn.execute(text("SELECT cut_keys_added, cut_keys_removed FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'"), {"r": RUN})).one()
     assert _key_rows_read(plan["Plan"]) <= 2 * len(set(old) | set(new))
     # The manifest's keys (model/x, tq/a) are added either way; with the changes, tq/k1..10 lose

@@ -28,6 +28,7 @@ SERVICE_AREAS = {
     "snapshots": "snapshots",
     "restore": "restore",
     "outbox": "outbox",
+    "rollouts": "rollouts",
     "domain": "domain",
     "ledger": "ledger",
     "gym": "gym",
@@ -57,7 +58,7 @@ PACKAGE_AREAS = {
     "ckptc_migrations": "migrations",
 }
 
-_MIDDLE = {"snapshots", "restore", "outbox"}
+_MIDDLE = {"snapshots", "restore", "outbox", "rollouts"}
 _BELOW = {"domain", "ledger", "gym", "support", "runtime"}
 _SERVICE = set(SERVICE_AREAS.values())
 

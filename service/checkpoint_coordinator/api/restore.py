@@ -11,8 +11,8 @@ from pydantic import Field, StringConstraints
 
 from ..domain.errors import ManifestError
 from ..domain.vocabulary import Disposition
-from ..ledger import restore_reads as reads
-from ..ledger import snapshots as snapshot_rows
+from ..restore.store import reads
+from ..snapshots import store as snapshot_rows
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service

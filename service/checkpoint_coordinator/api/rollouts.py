@@ -9,8 +9,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import BadRequest
-from ..ledger import rollout_views as views
-from ..ledger import rollouts as repo
+from ..rollouts import views
+from ..rollouts import store as repo
 from .auth import Caller, require_run_access
 from .common import BIGINT_MAX, GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
 

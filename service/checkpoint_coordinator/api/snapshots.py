@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, StrictBool, model_validator
 
 from ..errors import BadRequest, Unavailable
-from ..ledger import snapshots as repo
+from ..snapshots import store as repo
 from ..observability.http import LONG_POLL_SCOPE_KEY
 from ..snapshots import service as snapshot_service
 from ..snapshots.watch import MAX_WAIT_S

@@ -83,7 +83,7 @@ async def release_held(engine: AsyncEngine, owner: str, *, keep: frozenset[str] 
     unfinished snapshots are announced as created, so the replicas' recovery starts or ends
     those at once (a snapshot requested elsewhere while this replica held the lease names it
     as owner). The released run ids."""
-    from .snapshots import NOTIFY_CHANNEL, notify_payload
+    from .notify import NOTIFY_CHANNEL, notify_payload
 
     async with engine.begin() as conn:
         rows = (

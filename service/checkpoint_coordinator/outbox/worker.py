@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..gym.client import GymControlClient, callers_first
 from ..gym.models import Episode, InstanceTopology
 from ..gym_runtime import GymClients, load_topology
-from ..ledger import outbox as repo
+from . import store as repo
 from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 from ..observability import metrics

@@ -11,7 +11,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..domain.errors import LegacyLedgerError
 from ..domain.identity import SNAPSHOT_ID
 from ..errors import BadRequest
-from ..ledger import imported_snapshots as imported, restore_reads as reads
+from .store import imports as imported
+from .store import reads
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from .errors import LedgerImportRefused, SnapshotNotFound

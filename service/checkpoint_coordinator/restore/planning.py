@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..domain.restore_plan import Disposition, NewRolloutId, PlanRow, RestorePlan, RetireItem, may_run_in_gym
-from ..ledger.restore_records import answer_row_json
+from .store.records import answer_row_json
 
 # Dispositions that are sent to Gym, in the order the answer lists them.
 SEND_DISPOSITIONS = (

@@ -53,7 +53,10 @@ from ..errors import Conflict, CoordinatorError, RunClosed
 from ..gym.errors import GymControlError
 from ..gym.models import parse_capture_key
 from ..gym.results import RestoreResult
-from ..ledger import restore_plan_sql as plan_sql, restore_reads as reads, restore_records as records, rewind
+from .store import plan_sql
+from .store import reads
+from .store import records
+from .store import rewind
 from ..ledger.runs import RunRow, get_run
 from ..recovery_config import domain_problem
 from .errors import (
@@ -485,7 +488,7 @@ async def end_discarded_snapshot(
     (section 6.7): ask its owner to abort it (reason ``restored``; Gym is resumed as in any
     abort) and wait until it has ended. One whose capture was already reported publishes
     instead, and is waited for too. Returns the snapshot's id, or None when none was open."""
-    from ..ledger import snapshots as snaps
+    from ..snapshots import store as snaps
     from ..ledger.gym_registry import open_snapshot_id
 
     async with engine.connect() as conn:

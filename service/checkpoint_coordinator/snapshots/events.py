@@ -13,7 +13,7 @@ import logging
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..ledger.db import client_options
-from ..ledger.snapshots import NOTIFY_CHANNEL, parse_notify_payload
+from .store import NOTIFY_CHANNEL, parse_notify_payload
 from .runner import SnapshotRunner
 
 log = logging.getLogger(__name__)

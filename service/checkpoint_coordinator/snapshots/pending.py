@@ -49,10 +49,10 @@ from ..gym.results import CommitResult, InstanceCommit
 from ..gym.save import GymSave
 from ..gym.timings import SlowestCalls, recording
 from ..gym_runtime import GymClients, load_topology
-from ..ledger import snapshots as repo
+from . import store as repo
 from ..ledger.db import JsonText, classify_database_error
 from ..ledger.leases import Fence, Fenced
-from ..ledger.restore_plan_sql import saved_episodes_ended
+from ..restore.store.plan_sql import saved_episodes_ended
 from ..ledger.runs import RunRow, get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..domain.snapshot_state import SnapshotPhase, SnapshotReason
 from ..gym_runtime import GymClients, load_topology
 from ..ledger import leases
-from ..ledger import snapshots as repo
+from . import store as repo
 from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 from ..observability import metrics

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from ..gym.context import checkpoint_id_for
 from ..gym_runtime import load_topology
 from ..ledger import leases
-from ..ledger import snapshots as repo
+from . import store as repo
 from ..ledger.leases import Fence
 from ..ledger.runs import get_run, lock_run
 from .pending import Opened

@@ -11,11 +11,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.identity import capture_key
 from ..domain.rollout_rules import granularity
-from ..domain.vocabulary import AttemptStatus, LIVE_GROUP_STATUSES
+from ..domain.vocabulary import LIVE_GROUP_STATUSES, AttemptStatus
 from ..errors import NotFound
-from .db import read_rows
-from .models import Attempt, OutboxItem, PromptGroup, Sibling
-from .runs import lock_run
+from ..ledger.db import read_rows
+from ..ledger.models import Attempt, OutboxItem, PromptGroup, Sibling
+from ..ledger.runs import lock_run
 
 _G, _A, _S, _O = PromptGroup.__table__, Attempt.__table__, Sibling.__table__, OutboxItem.__table__
 

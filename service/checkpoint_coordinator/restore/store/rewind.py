@@ -17,17 +17,17 @@ from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..domain.restore_plan import RetireItem
-from ..domain.vocabulary import AttemptStatus as A
-from ..domain.vocabulary import GroupStatus as G
-from ..domain.vocabulary import RetirementState as R
-from ..errors import Conflict
-from . import outbox
-from .db import dump_json, fetch
-from .db import execute as execute_binary
-from .restore_records import AnswerRows, mark_applied, store_answer_rows
-from .runs import RunRow, lock_run
-from .snapshots import NEXT_XID_SQL, SYSTEM_ID_SQL, xid_base_usable
+from ...domain.restore_plan import RetireItem
+from ...domain.vocabulary import AttemptStatus as A
+from ...domain.vocabulary import GroupStatus as G
+from ...domain.vocabulary import RetirementState as R
+from ...errors import Conflict
+from ...ledger.db import dump_json, fetch
+from ...ledger.db import execute as execute_binary
+from ...ledger.runs import RunRow, lock_run
+from ...outbox import store as outbox
+from ...snapshots.store import NEXT_XID_SQL, SYSTEM_ID_SQL, xid_base_usable
+from .records import AnswerRows, mark_applied, store_answer_rows
 
 # -------------------------------------------------------------------------------------------
 # The rewind

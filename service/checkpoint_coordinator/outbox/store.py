@@ -13,12 +13,11 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
-
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from .leases import Fence, Fenced, fence_sql
-from .db import execute
+from ..ledger.db import execute
+from ..ledger.leases import Fence, Fenced, fence_sql
 
 MAX_BATCH = 1024
 

@@ -8,12 +8,12 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..domain.cut import Cut, CutAttempt
-from ..errors import Conflict
-from .db import dump_json
-from .restore_reads import SnapshotRow, get_snapshot
-from .runs import lock_run
-from .snapshots import insert_cut_rows
+from ...domain.cut import Cut, CutAttempt
+from ...errors import Conflict
+from ...ledger.db import dump_json
+from ...ledger.runs import lock_run
+from ...snapshots.store import insert_cut_rows
+from .reads import SnapshotRow, get_snapshot
 
 
 async def create_imported_snapshot(

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..domain.rollout_rules import AttemptRow, GroupRow, GroupState
-from .db import execute, fetch
+from ..ledger.db import execute, fetch
 
 # Batch statements are planned for their own arguments, never run as prepared statements: a
 # prepared statement's generic plan treats arrays of thousands of ids as if they held a handful.

@@ -12,10 +12,15 @@ from sqlalchemy import Text, cast, delete, func, insert, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..errors import Conflict
-from .db import driver_connection, dump_json, fetch
-from .models import RESTORE_ROW_CHUNK_TEXT_COLUMNS, RESTORE_ROWS_PER_CHUNK, Restore, Snapshot
-from .runs import lock_run
+from ...errors import Conflict
+from ...ledger.db import driver_connection, dump_json, fetch
+from ...ledger.models import (
+    RESTORE_ROW_CHUNK_TEXT_COLUMNS,
+    RESTORE_ROWS_PER_CHUNK,
+    Restore,
+    Snapshot,
+)
+from ...ledger.runs import lock_run
 
 # -------------------------------------------------------------------------------------------
 # Restore records (idempotency per restore id)

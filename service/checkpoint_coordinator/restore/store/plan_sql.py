@@ -11,12 +11,12 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..domain.restore_plan import REASON_CODES, may_run_in_gym
-from ..domain.vocabulary import RowReason
-from ..domain.vocabulary import AttemptStatus as A
-from ..domain.vocabulary import GroupStatus as G
-from ..domain.levels import RestoreLevel as L
-from .db import fetch
+from ...domain.levels import RestoreLevel as L
+from ...domain.restore_plan import REASON_CODES, may_run_in_gym
+from ...domain.vocabulary import AttemptStatus as A
+from ...domain.vocabulary import GroupStatus as G
+from ...domain.vocabulary import RowReason
+from ...ledger.db import fetch
 
 _R = REASON_CODES
 _R_SEALED, _R_COHORT, _R_NEVER_SENT = _R[RowReason.sealed_at_cut], _R[RowReason.cohort_incomplete], _R[RowReason.never_sent]

@@ -40,17 +40,27 @@ from ..domain.rollout_rules import (
     granularity,
     send_row,
 )
-from ..domain.vocabulary import ENDED_ATTEMPT_STATUSES, ENDED_GROUP_STATUSES, FailureClass, sql_list
+from ..domain.vocabulary import (
+    ENDED_ATTEMPT_STATUSES,
+    ENDED_GROUP_STATUSES,
+    FailureClass,
+    sql_list,
+)
 from ..domain.vocabulary import AttemptStatus as A
 from ..domain.vocabulary import GroupStatus as G
 from ..domain.vocabulary import RetirementState as R
 from ..errors import Conflict, NotFound
-from . import outbox
-from .db import execute, fetch
-from .gate import require_open
-from .models import GymInstance
-from .rollout_locks import current_attempts, load_states, lock_and_read, lock_groups, states_of_locked
-from .runs import lock_run
+from ..ledger.db import execute, fetch
+from ..ledger.models import GymInstance
+from ..ledger.runs import lock_run, require_open
+from ..outbox import store as outbox
+from .locks import (
+    current_attempts,
+    load_states,
+    lock_and_read,
+    lock_groups,
+    states_of_locked,
+)
 
 # Batch statements are planned for their own arguments, never run as prepared statements: a
 # prepared statement's generic plan treats arrays of thousands of ids as if they held a handful.

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..domain.cut import Cut, CutAttempt, CutGroup, PromptRef
-from .db import fetch
-from .models import Snapshot
+from ...domain.cut import Cut, CutAttempt, CutGroup, PromptRef
+from ...ledger.db import fetch
+from ...ledger.models import Snapshot
 
 # -------------------------------------------------------------------------------------------
 # Snapshots

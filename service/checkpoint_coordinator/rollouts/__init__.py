@@ -1,0 +1,1 @@
+"""The live rollout ledger: admit, dispatch, seal, fail and finalize, with its SQL beside it."""
