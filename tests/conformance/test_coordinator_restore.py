@@ -24,13 +24,13 @@ from checkpoint_coordinator.gym import (
     FailureClass,
     GymControlClient,
     GymControlError,
-    GymSave,
     InstanceSpec,
 )
 from gymsim.testing import GymsimInstance, corrupt_records_file, default_instance_config, server_config
 
 from .helpers import PARTICIPANTS, Rows, StartGym, calls_to, nothing, server_of, spec, state, topology, wait_running
 from .recording import RecordingTransport
+from .sequenced import SequencedGymSave
 
 CLIENT_TIMEOUTS = {"control_timeout_s": 2, "prepare_timeout_s": 3, "discovery_timeout_s": 2}
 # Short episodes: the continuations a restore starts finish quickly.
@@ -80,7 +80,7 @@ async def _take_snapshot(directory: str, plan: dict[str, tuple[dict[str, Any], l
             await wait_running(insts[iid], keys)
         async with GymControlClient(control_timeout_s=2, prepare_timeout_s=3) as saver:
             topo = await topology(saver, *insts.values())
-            result = await GymSave(
+            result = await SequencedGymSave(
                 saver, topo, snapshot_dir=directory,
                 candidates={iid: [Episode(k, 0) for k in keys] for iid, (_, keys) in plan.items()},
                 drain_hook=nothing, capture_hook=nothing, drain_timeout_s=5,
@@ -392,7 +392,7 @@ async def test_c59_queued_retires_go_out_before_the_next_prepare(
 
     # The pending snapshot delivers the outbox as its retire phase, before the save's prepare step.
     await deliver_outbox()
-    await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing, capture_hook=nothing,
+    await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing, capture_hook=nothing,
                   drain_timeout_s=5).run()
     assert max(c.answered_at for c in recorder.ops("retire")) <= min(c.sent_at for c in recorder.ops("prepare"))
 

@@ -22,7 +22,6 @@ from checkpoint_coordinator.gym import (
     FailureClass,
     GymControlClient,
     GymControlError,
-    GymSave,
     GymSaveAborted,
     LeaseRenewer,
     ManualClock,
@@ -33,6 +32,7 @@ from gymsim.testing import default_instance_config, server_config
 from .helpers import PARTICIPANTS, Rows, StartGym, assert_all_idle, calls_to, server_of, state, topology, wait_running
 from .helpers import nothing as nothing_hook
 from .recording import RecordingTransport
+from .sequenced import SequencedGymSave
 
 CLIENT_TIMEOUTS = {"control_timeout_s": 1.0, "prepare_timeout_s": 3.0, "discovery_timeout_s": 2.0}
 
@@ -204,7 +204,7 @@ async def test_c42_the_first_renew_round_follows_the_commit_and_nothing_waits_fo
     inst = start_gym(faults=[{"server_name": "policy_model", "op": "renew", "type": "delay", "seconds": 1.5, "times": 1}])
     async with GymControlClient(control_timeout_s=10, transport=recorder) as client:
         topo = await topology(client, inst)
-        result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+        result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                                capture_hook=nothing_hook, drain_timeout_s=5).run()
     assert set(result.commit.instances) == {inst.instance_id}
     renews = recorder.ops("renew")
@@ -234,7 +234,7 @@ async def test_c43_stale_checkpoint_on_renew_before_the_commit_is_lease_lost_and
     ])
     async with GymControlClient(control_timeout_s=5, prepare_timeout_s=5, transport=recorder) as client:
         topo = await topology(client, fast, slow)
-        save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+        save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                        capture_hook=nothing_hook, drain_timeout_s=5)
         with pytest.raises(GymControlError) as info:
             await asyncio.wait_for(save.run(), 20)
@@ -271,7 +271,7 @@ async def test_c43_a_lease_that_lapses_after_the_commit_is_a_warning_naming_the_
 
     async with GymControlClient(control_timeout_s=1, prepare_timeout_s=3, transport=recorder) as client:
         topo = await topology(client, inst)
-        result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+        result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                                capture_hook=capture, drain_timeout_s=5, stop=stop).run()
     assert result.lapsed == {inst.instance_id: tuple(sorted(PARTICIPANTS))}
     for server in PARTICIPANTS:
@@ -295,7 +295,7 @@ async def test_c42_a_renew_answered_after_a_short_save_still_counts(
         topo = await topology(client, inst)
         results = []
         for n in range(2):
-            results.append(await GymSave(client, topo, snapshot_dir=str(tmp_path / str(n)), candidates={}, drain_hook=nothing_hook,
+            results.append(await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / str(n)), candidates={}, drain_hook=nothing_hook,
                                          capture_hook=nothing_hook, drain_timeout_s=5).run())
     first, second = results
     (grace,) = [w for w in first.warnings if "lease grace" in w]
@@ -315,7 +315,7 @@ async def test_c43_stale_checkpoint_on_commit_is_lease_lost(start_gym: StartGym,
         await asyncio.to_thread(inst.admin, "POST", "/admin/faults", {
             "server_name": "calendar_resources", "op": "commit", "type": "error", "status": 409, "code": code, "times": 1})
         recorder.clear()
-        save = GymSave(client, topo, snapshot_dir=str(tmp_path / code), candidates={}, drain_hook=nothing_hook,
+        save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / code), candidates={}, drain_hook=nothing_hook,
                        capture_hook=nothing_hook, drain_timeout_s=5)
         with pytest.raises(GymControlError) as info:
             await save.run()
@@ -362,7 +362,7 @@ async def test_c44_scope_excludes_restarts_sorted_objects_and_dir_created_first(
         drained.append({k: set(v) for k, v in pending.items()})
 
     snapshot = tmp_path / "snap"
-    save = GymSave(client, topo, snapshot_dir=str(snapshot), candidates=candidates, drain_hook=drain,
+    save = SequencedGymSave(client, topo, snapshot_dir=str(snapshot), candidates=candidates, drain_hook=drain,
                    capture_hook=nothing_hook, drain_timeout_s=5)
     result = await save.run()
     directory = instance_checkpoint_dir(str(snapshot), inst.instance_id)
@@ -388,7 +388,7 @@ async def test_c44_candidates_given_to_the_commit_step_give_the_scope(
     # handed to the commit step (not the constructor's) make the scope.
     inst = start_gym()
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
     await save.prepare()
     await save.commit({inst.instance_id: [Episode("ghost-2", 0), Episode("ghost-1", 3)]})
     await save.resume_before_cut()
@@ -402,7 +402,7 @@ async def test_c44_candidates_naming_an_unknown_instance_are_refused_before_the_
 ) -> None:
     inst = start_gym()
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_timeout_s=5)
     await save.prepare()
     with pytest.raises(ValueError, match="outside the topology"):
         await save.commit({"math/replica-9": [Episode("x", 0)]})
@@ -414,7 +414,7 @@ async def test_c44_candidates_naming_an_unknown_instance_are_refused_before_the_
 async def test_c44_empty_scope_is_sent_as_empty_list(start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any) -> None:
     inst = start_gym()
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                    capture_hook=nothing_hook, drain_timeout_s=5)
     result = await save.run()
     assert [c.body["episode_ids"] for c in recorder.ops("commit")] == [[], [], []]
@@ -476,7 +476,7 @@ async def test_c45_invalid_commit_replies_fail_as_protocol_error(
         recorder.rewrites.clear()
         recorder.rewrite(f"/s/{server}/", "commit", fn)
         recorder.clear()
-        save = GymSave(client, topo, snapshot_dir=str(tmp_path / kind), candidates={inst.instance_id: [Episode("r1", 0)]},
+        save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / kind), candidates={inst.instance_id: [Episode("r1", 0)]},
                        drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
         with pytest.raises(GymControlError) as info:
             await save.run()
@@ -511,7 +511,7 @@ async def test_c45_agent_and_resources_exports_outside_the_scope_are_counted_not
 
     recorder.rewrite("/s/workplace_agent/", "commit", add_r2)
     recorder.rewrite("/s/calendar_resources/", "commit", add_r2)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
                    drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
     result = await save.run()
     ic = result.commit.instances[inst.instance_id]
@@ -528,7 +528,7 @@ async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym,
     await asyncio.to_thread(inst.admin, "POST", "/admin/agent/workplace_agent/native_sessions", {"rollout_id": "native-1", "attempt": 0})
     await asyncio.to_thread(inst.admin, "POST", "/admin/agent/workplace_agent/native_sessions", {"rollout_id": "native-2", "attempt": 0})
     topo = await topology(client, inst)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("native-1", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("native-1", 0)]},
                    drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
     if gym_profile == "published":
         # Without run_episode_ids every agent session counts as a /run session (environment
@@ -569,7 +569,7 @@ async def test_c45_episode_claimed_by_two_agents(
     async with GymControlClient(control_timeout_s=1, prepare_timeout_s=3, transport=recorder) as client:
         topo = await topology(client, inst)
         with pytest.raises(GymControlError) as info:
-            await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)] if in_scope else []},
+            await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)] if in_scope else []},
                           drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5).run()
     err = info.value
     assert err.failure_class is FailureClass.PROTOCOL_ERROR
@@ -598,7 +598,7 @@ async def test_p8_run_episode_ids_outside_the_scope_are_counted_not_saved(
         return status, body
 
     recorder.rewrite("/s/workplace_agent/", "commit", keep)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
                    drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
     result = await save.run()
     ic = result.commit.instances[inst.instance_id]
@@ -644,7 +644,7 @@ async def test_c46_c47_saved_episodes_are_run_episode_ids_and_drain_waits_for_th
         renews_during_drain.append(len(recorder.ops("renew")) - before)
 
     cands = {inst.instance_id: [Episode("r-live", 0), Episode("r-wire", 0)]}
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates=cands, drain_hook=drain,
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates=cands, drain_hook=drain,
                            capture_hook=nothing_hook, drain_timeout_s=10).run()
     ic = result.commit.instances[inst.instance_id]
     assert ic.episodes == (Episode("r-live", 0),)
@@ -674,7 +674,7 @@ async def test_c47_drain_timeout_reports_count_and_samples(
         await asyncio.sleep(60)
 
     with pytest.raises(GymControlError) as info:
-        await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: ghosts},
+        await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: ghosts},
                       drain_hook=never, capture_hook=nothing_hook, drain_timeout_s=0.3).run()
     err = info.value
     assert err.failure_class is FailureClass.DRAIN_TIMEOUT and err.transient
@@ -702,7 +702,7 @@ async def test_c48_manifest_complete_before_capture_and_resume_between_capture_a
         seen["file"] = json.loads((tmp_path / "gym_checkpoint.json").read_text())
         seen["at"] = time.time()
 
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
                    drain_hook=nothing_hook, capture_hook=capture, drain_timeout_s=5, write_manifest_file=True)
     result = await save.run()
     published_at = time.time()  # what the caller does next
@@ -734,7 +734,7 @@ async def test_c49_transient_resume_failure_retried_on_the_failed_instance_only(
                       faults=[{"server_name": "workplace_agent", "op": "resume", "type": "error", "status": 503, "code": "checkpoint_coordinator_unavailable", "times": 1}])
     fine = start_gym(instance_id="math/replica-1")
     topo = await topology(client, flaky, fine)
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                            capture_hook=nothing_hook, drain_timeout_s=5).run()
     assert result.resume is not None and result.resume.ok and result.resume.rounds == 2
     assert len(calls_to(recorder, fine, "resume")) == 3
@@ -752,7 +752,7 @@ async def test_c49_resume_failure_after_the_cut_is_reported_and_snapshot_kept(
                        faults=[{"server_name": "workplace_agent", "op": "resume", "type": "error", "status": 503, "code": "checkpoint_coordinator_unavailable"}])
     fine = start_gym(instance_id="math/replica-1")
     topo = await topology(client, broken, fine)
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                            capture_hook=nothing_hook, drain_timeout_s=5).run()
     assert result.manifest["instances"].keys() == {"math/replica-0", "math/replica-1"}
     assert result.resume is not None and not result.resume.ok
@@ -777,7 +777,7 @@ async def test_c50_failure_before_cut_resumes_everyone_and_attaches_resume_failu
     ])
     topo = await topology(client, inst)
     with pytest.raises(GymControlError) as info:
-        await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+        await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                       capture_hook=nothing_hook, drain_timeout_s=5).run()
     err = info.value
     assert err.failure_class is FailureClass.PROTOCOL_ERROR and err.server_names() == {inst.instance_id: ["policy_model"]}
@@ -798,7 +798,7 @@ async def test_c50_capture_failure_resumes_and_reraises(start_gym: StartGym, cli
     async def capture(_: dict[str, Any]) -> None:
         raise CaptureFailed("data plane barrier timed out")
 
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                    capture_hook=capture, drain_timeout_s=5)
     with pytest.raises(CaptureFailed):
         await save.run()
@@ -818,7 +818,7 @@ async def test_c50_abort_by_caller_resumes_at_once(
         drain_started.set()
         await asyncio.sleep(60)
 
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("ghost", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("ghost", 0)]},
                    drain_hook=drain, capture_hook=nothing_hook, drain_timeout_s=30)
     running = asyncio.ensure_future(save.run())
     await asyncio.wait_for(drain_started.wait(), 5)
@@ -833,7 +833,7 @@ async def test_c50_abort_by_caller_resumes_at_once(
     assert save.gym_parked_seconds is not None
     assert_all_idle(inst)
     # After the cut an abort is refused.
-    done = GymSave(client, topo, snapshot_dir=str(tmp_path / "b"), candidates={}, drain_hook=nothing_hook,
+    done = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / "b"), candidates={}, drain_hook=nothing_hook,
                    capture_hook=nothing_hook, drain_timeout_s=5)
     await done.run()
     assert not done.abort()
@@ -855,7 +855,7 @@ async def test_c51_stop_commit_carries_stop_and_sends_no_resume(
     """Item 51, for participants that accept ``stop`` (section 13: one published branch does)."""
     inst = start_gym(_stop_config(True))
     topo = await topology(client, inst)
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
                            capture_hook=nothing_hook, drain_timeout_s=5, stop=True).run()
     assert [c.body["stop"] for c in recorder.ops("commit")] == [True, True, True]
     assert recorder.ops("resume") == []
@@ -882,7 +882,7 @@ async def test_p4_a_participant_refusing_stop_gets_the_commit_again_without_it(
     rows.start(refusing, "r1")
     await wait_running(refusing, ["r1"])
     topo = await topology(client, refusing, accepting)
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={refusing.instance_id: [Episode("r1", 0)]},
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={refusing.instance_id: [Episode("r1", 0)]},
                            drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5, stop=True).run()
     commits = [c for c in recorder.ops("commit") if c.url.startswith(refusing.base_url)]
     for server in PARTICIPANTS:
@@ -910,7 +910,7 @@ async def test_c52_checkpoint_ids_are_never_reused(start_gym: StartGym, client: 
     topo = await topology(client, inst)
     ids = set()
     for i in range(3):
-        result = await GymSave(client, topo, snapshot_dir=str(tmp_path / str(i)), candidates={}, drain_hook=nothing_hook,
+        result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / str(i)), candidates={}, drain_hook=nothing_hook,
                                capture_hook=nothing_hook, drain_timeout_s=5, snapshot_id=7).run()
         ids.add(result.checkpoint_id)
         assert result.checkpoint_id.startswith("snap-7-")
@@ -1026,7 +1026,7 @@ async def test_c46_a_model_without_staging_keys_by_episode_keeps_all_of_its_keys
         return status, body
 
     recorder.rewrite("/s/policy_model/", "commit", drop_map)
-    save = GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
+    save = SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={inst.instance_id: [Episode("r1", 0)]},
                    drain_hook=nothing_hook, capture_hook=nothing_hook, drain_timeout_s=5)
     result = await save.run()
     assert seen["keys"], "the model held staging keys for r1"

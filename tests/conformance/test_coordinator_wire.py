@@ -24,7 +24,6 @@ from checkpoint_coordinator.gym import (
     FailureClass,
     GymControlClient,
     GymControlError,
-    GymSave,
     InstanceSpec,
     InstanceTopology,
     instance_checkpoint_dir,
@@ -34,6 +33,7 @@ from gymsim.testing import default_instance_config, server_config
 
 from .helpers import PARTICIPANTS, StartGym, nothing, server_of, topology
 from .recording import RecordingTransport
+from .sequenced import SequencedGymSave
 
 SPELLINGS = ["current", "legacy"]
 CLIENT_TIMEOUTS = {"control_timeout_s": 1, "prepare_timeout_s": 2, "discovery_timeout_s": 2}
@@ -91,7 +91,7 @@ async def test_c62_codes_recognised_in_both_spellings(
     assert err.extra["rollouts_to_restart"] == {iid: []}
     # checkpoint_error (409): restore into a participant that is not fresh, from a valid
     # directory (published Gym reads the directory before it checks freshness).
-    saved = await GymSave(client, topo, snapshot_dir=str(tmp_path / "valid"), candidates={},
+    saved = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path / "valid"), candidates={},
                           drain_hook=nothing, capture_hook=nothing, drain_timeout_s=5).run()
     async with httpx.AsyncClient(timeout=10) as h:
         await h.post(inst.servers["policy_model"] + "/ng-rollout/warm/v1/chat/completions", json={"model": "p", "messages": [], "turn": 0})
@@ -216,7 +216,7 @@ async def test_c63_requests_use_objects_replies_parse_capture_keys_and_lists_are
         recorder.rewrite("/s/", "commit", shuffle)
         topo = await topology(client, inst)
         candidates = {inst.instance_id: [Episode("r-c", 11), Episode("r-b", 2), Episode("r-a", 0)]}
-        result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates=candidates, drain_hook=nothing,
+        result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates=candidates, drain_hook=nothing,
                                capture_hook=nothing, drain_timeout_s=5).run()
     finally:
         for row in rows:
@@ -276,7 +276,7 @@ async def test_c64_unknown_reply_fields_are_ignored(
     for op in ("status", "prepare", "renew", "commit", "resume"):
         recorder.rewrite("/s/", op, embellish)
     topo = await topology(client, inst)
-    result = await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing,
+    result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing,
                            capture_hook=nothing, drain_timeout_s=5).run()
     assert result.resume is not None and result.resume.ok
 
@@ -296,7 +296,7 @@ async def test_c64_reply_over_max_control_reply_bytes_is_a_protocol_error(
     async with GymControlClient(control_timeout_s=1, prepare_timeout_s=2, max_control_reply_bytes=2048, transport=recorder) as client:
         topo = await topology(client, inst)
         with pytest.raises(GymControlError) as info:
-            await GymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing,
+            await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing,
                           capture_hook=nothing, drain_timeout_s=5).run()
     err = info.value
     assert err.failure_class is FailureClass.PROTOCOL_ERROR and not err.transient

@@ -13,9 +13,9 @@ import pytest
 
 from checkpoint_coordinator.gym.client import GymControlClient
 from checkpoint_coordinator.gym.models import Episode, InstanceSpec
-from checkpoint_coordinator.gym.save import GymSave
 import gymsim.testing
 from gymsim.testing import GymsimInstance
+from .sequenced import SequencedGymSave
 
 pytestmark = pytest.mark.timeout(240)
 TURNS = 6
@@ -85,7 +85,7 @@ async def test_save_kill_restore_continue(tmp_path: Path) -> None:
                     saved_turns[iid] = {sid: len(h["history"]) for sid, h in got["sessions"].items()}
 
             snapshot_dir = str(tmp_path / "snap-1")
-            save = GymSave(
+            save = SequencedGymSave(
                 gc, topo, snapshot_dir=snapshot_dir,
                 candidates={iid: [Episode(r, 0) for r in episodes[iid]] for iid in ids},
                 drain_hook=drain, capture_hook=capture, drain_timeout_s=60, write_manifest_file=True,

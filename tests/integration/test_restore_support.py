@@ -15,11 +15,11 @@ from sqlalchemy import text
 
 from checkpoint_coordinator.gym.client import GymControlClient
 from checkpoint_coordinator.gym.models import Episode, InstanceSpec
-from checkpoint_coordinator.gym.save import GymSave
 from checkpoint_coordinator.snapshots.store import cut_xid_basis, insert_cut_rows, set_cut_xid_basis
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from .ledger_helpers import RunApi
+from ..conformance.sequenced import SequencedGymSave
 
 
 async def publish_snapshot(
@@ -182,7 +182,7 @@ async def gym_save(
 
     async with GymControlClient(control_timeout_s=10, prepare_timeout_s=20) as gc:
         topo = await gc.discover_all([InstanceSpec(g.instance_id, g.token, g.servers) for g in gyms])
-        save = GymSave(
+        save = SequencedGymSave(
             gc,
             topo,
             snapshot_dir=str(snapshot_dir),

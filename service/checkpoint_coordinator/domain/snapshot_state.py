@@ -397,7 +397,9 @@ RETIREMENT: TransitionTable[RetirementState] = TransitionTable(
     _table(
         [
             (R.none, (R.retire_pending, R.forget_pending)),
-            (R.retire_pending, (R.retired,)),
+            # A delivered retire queues the forget in the same transaction (outbox worker):
+            # ``retired`` is passed through without being written.
+            (R.retire_pending, (R.retired, R.forget_pending)),
             (R.retired, (R.forget_pending,)),
             (R.forget_pending, (R.forgotten, R.retire_pending)),
             (R.forgotten, ()),

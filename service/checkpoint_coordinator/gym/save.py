@@ -4,15 +4,15 @@ prepare -> (leases renewed) -> commit -> drain -> Gym manifest -> cut -> finish 
 parked when stopping). Before the cut, ``resume_before_cut`` is the abort; ``abandon`` stops
 driving the checkpoint without a Gym call (its owner was fenced: another coordinator drives it).
 
-The pending snapshot (``snapshots/``) calls the steps one by one, with its own phase writes
-between them. :meth:`GymSave.run` runs the same steps in order for a caller without a ledger (the
-conformance suite): a drain waiter and a capture step are its only arguments.
+The pending snapshot (``snapshots/pending/``) calls the steps one by one, with its own phase
+writes between them; the save's own state (:class:`GymSaveState`) says only where Gym stands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -26,17 +26,9 @@ from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
 from .results import CommitResult, InstanceCommit, ResumeReport, SaveResult
 
-__all__ = ["CaptureHook", "DrainHook", "GymSave", "GymSaveAborted"]
+__all__ = ["GymSave", "GymSaveAborted", "GymSaveState"]
 
 log = logging.getLogger("checkpoint_coordinator.gym")
-
-DrainHook = Callable[[dict[str, set[Episode]]], Awaitable[None]]
-"""Waits until the caller has resolved every pending ``/run`` (any reply, or a transport
-failure). It receives a mutable copy of the pending episodes per instance and may discard those
-that resolve, so that a drain timeout reports only the ones still pending."""
-
-CaptureHook = Callable[[dict[str, Any]], Awaitable[None]]
-"""Takes the caller's data-plane capture; receives the complete Gym manifest."""
 
 SAMPLE = 10
 
@@ -59,6 +51,18 @@ class GymSaveAborted(Exception):
         return (GymSaveAborted, (self.reason, self.resume_failure))
 
 
+class GymSaveState(enum.Enum):
+    """Where Gym stands in one save: nothing sent yet; parked (a prepare was sent); cut (the
+    caller's capture taken, Gym still parked); ended after or before the cut (resumed, released,
+    or abandoned to another coordinator)."""
+
+    new = "new"
+    parked = "parked"
+    cut = "cut"
+    ended_after_cut = "ended_after_cut"
+    ended_before_cut = "ended_before_cut"
+
+
 class GymSave:
     """One save attempt on Gym. Steps: :meth:`prepare`, :meth:`commit`, :meth:`drain`,
     :meth:`manifest`, :meth:`cut`, :meth:`finish`; or :meth:`resume_before_cut` /
@@ -72,8 +76,6 @@ class GymSave:
         snapshot_dir: str,
         drain_timeout_s: float,
         candidates: Mapping[str, Iterable[Episode]] | None = None,
-        drain_hook: DrainHook | None = None,
-        capture_hook: CaptureHook | None = None,
         checkpoint_id: str | None = None,
         snapshot_id: str | int | None = None,
         stop: bool = False,
@@ -83,8 +85,6 @@ class GymSave:
         self.topology = topology
         self.snapshot_dir = snapshot_dir
         self.candidates = self._checked(candidates or {})
-        self.drain_hook = drain_hook
-        self.capture_hook = capture_hook
         self.drain_timeout_s = drain_timeout_s
         self.checkpoint_id = checkpoint_id or client.new_checkpoint_id(snapshot_id)
         self.stop = stop
@@ -99,12 +99,8 @@ class GymSave:
         self._plan: tuple[dict[str, list[Episode]], dict[str, list[Episode]]] | None = None
         self._planned_for: dict[str, frozenset[Episode]] | None = None
         self._dirs_made: asyncio.Future[None] | None = None
-        self._cut_done = False
+        self.state = GymSaveState.new
         self._parked_since: float | None = None
-        self._ended = False
-        self._aborted = asyncio.Event()
-        self._abort_reason = ""
-        self._started = False
         self._mark = 0.0
         self._run_started = 0.0
 
@@ -116,12 +112,15 @@ class GymSave:
 
     @property
     def cut_done(self) -> bool:
-        return self._cut_done
+        return self.state in (GymSaveState.cut, GymSaveState.ended_after_cut)
 
     @property
     def parked(self) -> bool:
         """Whether a prepare was sent and nothing has resumed (or released) Gym since."""
-        return self._parked_since is not None and not self._ended
+        return self.state in (GymSaveState.parked, GymSaveState.cut)
+
+    def _ended(self) -> None:
+        self.state = GymSaveState.ended_after_cut if self.cut_done else GymSaveState.ended_before_cut
 
     def _lap(self, name: str) -> None:
         now = self.client.clock.time()
@@ -137,10 +136,11 @@ class GymSave:
         self._run_started = self._run_started or clock.time()
         self._mark = clock.time()
         self._parked_since = clock.time()
+        self.state = GymSaveState.parked
         try:
             prepared = await self.client.prepare(self.checkpoint_id, self.topology)
         except GymControlError as exc:
-            self._ended = True
+            self._ended()
             self._note_parked(clock.time())
             exc.extra.setdefault("timings", dict(self.timings))
             raise
@@ -297,7 +297,7 @@ class GymSave:
         just captured: raised, and the snapshot fails."""
         assert self._renewer is not None
         self._renewer.check()
-        self._cut_done = True
+        self.state = GymSaveState.cut
         self._lap("capture")
 
     async def finish(self) -> SaveResult:
@@ -305,7 +305,7 @@ class GymSave:
         ``stop`` (section 13 P4; one that refused it, or whose lease lapsed, is resumed as usual).
         A resume failure is reported, not raised: the snapshot is kept and the leases reopen Gym.
         Every answer of the renew round in flight is in before this returns."""
-        assert self._cut_done and self.commit_result is not None and self._renewer is not None
+        assert self.state is GymSaveState.cut and self.commit_result is not None and self._renewer is not None
         commit = self.commit_result
         resume: ResumeReport | None = None
         if self.stop:
@@ -313,14 +313,14 @@ class GymSave:
             # are answered first (a stopping save's park ends with the process anyway).
             await self._stop_renewer(last_round=True)
             to_resume = self._release_stopped(commit)
-            self._ended = True
+            self._ended()
             if to_resume:
                 resume = await self._resume_after_cut(to_resume)
         else:
             # Resume at once; the renew round still in flight is waited for beside it, and the
             # lapses it reports judged by the resume's answers (``LeaseRenewer.confirm_late``).
             self._renewer.halt()
-            self._ended = True
+            self._ended()
             resume, _ = await asyncio.gather(self._resume_after_cut(self.topology), self._renewer.settle())
             self._renewer.confirm_late(resume.idempotent)
             await self._stop_renewer()  # collects its warnings
@@ -366,7 +366,7 @@ class GymSave:
         await self._stop_renewer(settle=False)
         if not self.parked:
             return None
-        self._ended = True
+        self._ended()
         report = await self.client.resume(self.checkpoint_id, self.topology, raise_on_failure=False)
         self._note_parked(report.answered_at)
         return report
@@ -374,82 +374,12 @@ class GymSave:
     async def abandon(self) -> None:
         """Stop driving the checkpoint without any Gym call (another coordinator now does)."""
         await self._stop_renewer(settle=False)
-        self._ended = True
+        self._ended()
 
     async def _stop_renewer(self, *, settle: bool = True, last_round: bool = False) -> None:
         if self._renewer is not None:
             await self._renewer.stop(settle=settle, last_round=last_round)
             self.warnings.extend(w for w in self._renewer.warnings if w not in self.warnings)
-
-    # --- the whole sequence, for callers without a ledger --------------------------------------
-
-    def abort(self, reason: str = "train_step_committed") -> bool:
-        """Abort :meth:`run` before the cut: Gym is resumed at once and ``run`` raises
-        :class:`GymSaveAborted`. Returns False when the cut has already happened."""
-        if self._cut_done:
-            return False
-        self._abort_reason = reason
-        self._aborted.set()
-        return True
-
-    async def run(self) -> SaveResult:
-        """prepare, commit (the constructor's candidates), drain (``drain_hook``), manifest,
-        capture (``capture_hook``), cut, finish. Any failure before the cut resumes everyone and
-        re-raises the original failure."""
-        if self._started:
-            raise RuntimeError("a GymSave runs once; make a new one (with a new checkpoint id)")
-        self._started = True
-        self._run_started = self.client.clock.time()
-        work = asyncio.create_task(self._steps(), name=f"gym-save-{self.checkpoint_id}")
-        aborted = asyncio.create_task(self._aborted.wait())
-        try:
-            await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            if work.done() or self._cut_done:
-                return await work
-            # A prepare still waiting on a participant replies idle once resumed.
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await work
-            report = await self.resume_before_cut()
-            raise GymSaveAborted(self._abort_reason, report.failure if report else None)
-        except asyncio.CancelledError:
-            if not work.done():
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await work
-            if not self._cut_done:
-                await asyncio.shield(self.resume_before_cut())
-            raise
-        finally:
-            aborted.cancel()
-            self.timings.setdefault("total", self.client.clock.time() - self._run_started)
-
-    async def _steps(self) -> SaveResult:
-        await self.prepare()
-        try:
-            await self.commit()
-            pending = self.pending()
-            await self.drain(self.drain_hook(pending) if self.drain_hook and pending else None, pending)
-            manifest = await self.manifest()
-            if self.capture_hook is not None:
-                await self.within_lease(self.capture_hook(manifest))
-            self.cut()
-        except asyncio.CancelledError:
-            await self._stop_renewer(settle=False)  # run() resumes everyone
-            raise
-        except BaseException as exc:
-            report = await self.resume_before_cut()
-            failure = report.failure if report is not None else None
-            if isinstance(exc, GymControlError):
-                if failure is not None:
-                    exc.resume_failure = failure
-                exc.extra.setdefault("timings", dict(self.timings))
-                exc.extra.setdefault("gym_parked_seconds", self.gym_parked_seconds)
-            elif failure is not None:
-                exc.add_note(f"Gym resume after this failure also failed: {failure}")
-                exc.resume_failure = failure  # type: ignore[attr-defined]
-            raise
-        return await self.finish()
 
     def _drain_timeout(self, remaining: dict[str, list[Episode]]) -> GymControlError:
         count = sum(len(eps) for eps in remaining.values())
@@ -479,18 +409,20 @@ class GymSave:
 
 
 async def _race(aw: Awaitable[Any], renewer: LeaseRenewer) -> Any:
-    """Await ``aw`` unless the lease is lost first; then cancel it and raise the loss."""
+    """Await ``aw`` unless the lease is lost first; then cancel it and raise the loss. Cancelled
+    itself, it cancels ``aw`` too: nothing it started outlives it."""
     task = asyncio.ensure_future(aw)
     lost = asyncio.ensure_future(renewer.lost.wait())
     try:
         await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         lost.cancel()
-    if task.done():
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+    if not task.cancelled():
         return task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
     renewer.check()
     raise RuntimeError("lease lost without a recorded failure")  # unreachable: lost implies failure
 

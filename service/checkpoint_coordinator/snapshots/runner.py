@@ -5,27 +5,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..domain.snapshot_state import SnapshotPhase, SnapshotReason
-from ..gym_runtime import GymClients, load_topology
+from ..domain.snapshot_state import SnapshotPhase
+from ..gym.clock import Clock, SystemClock
+from ..gym_runtime import GymClients
 from ..ledger import leases
-from . import store as repo
 from ..ledger.leases import Fence, Fenced
-from ..ledger.runs import get_run
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
-from .pending import Opened, PendingSnapshot, SnapshotContext, outcome_of
+from . import store as repo
+from .pending import Opened, PendingSnapshot, SnapshotContext, end_orphan, take_over
 from .watch import SnapshotWatch
 
 log = logging.getLogger(__name__)
 
 
 class SnapshotRunner:
-    def __init__(self, engine: AsyncEngine, gym: GymClients, outbox: OutboxDeliverer, owner: str, *, poll_s: float = 1.0) -> None:
-        self.ctx = SnapshotContext(engine, gym, outbox, owner, poll_s)
+    def __init__(
+        self, engine: AsyncEngine, gym: GymClients, outbox: OutboxDeliverer, owner: str, *, poll_s: float = 1.0, clock: Clock | None = None
+    ) -> None:
+        self.ctx = SnapshotContext(engine, gym, outbox, owner, poll_s, clock or SystemClock())
         self.engine = engine
         self.gym = gym
         self.owner = owner
@@ -126,7 +127,7 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
     requested snapshots this coordinator owns; every other non-terminal snapshot it owns, or whose
     owner lost the run's lease, is resumed on Gym and ended ``aborted/coordinator_restart``. Every
     write is fenced by the lease this pass took."""
-    engine, gym, owner = runner.engine, runner.gym, runner.owner
+    engine, owner = runner.engine, runner.owner
     await runner.keep_leases(lease_ttl_s)
     ended = []
     for run_id, sid, snap_owner, cid, phase_name, abort_requested in await repo.unfinished(engine):
@@ -141,34 +142,16 @@ async def recover_unfinished(runner: SnapshotRunner, lease_ttl_s: float) -> list
         phase = SnapshotPhase(phase_name)
         try:
             if snap_owner != owner:
-                await repo.take_over(engine, run_id, sid, fence, phase)
+                await take_over(runner.ctx, run_id, sid, fence, phase)
             if phase is SnapshotPhase.requested:
                 runner.start(run_id, sid, epoch)  # nothing happened yet: run it rather than abort it
                 continue
-            detail: dict[str, Any] = {"phase_at_restart": phase.value, "previous_owner": snap_owner}
-            if cid:
-                async with engine.connect() as conn:
-                    run = await get_run(conn, run_id)
-                    topology = await load_topology(conn, run_id)
-                report = await gym.for_run(run_id, run.config).resume(cid, topology, raise_on_failure=False)
-                if report.failure is not None:
-                    detail["resume_failure"] = report.failure.to_dict()
-                    log.warning("resume of %s after restart failed; Gym leases will reopen it: %s", cid, report.failure)
-            # An abort asked for before its owner died says why it ended (a restore, the trainer);
-            # otherwise the owner's death is the reason.
-            reason = SnapshotReason(abort_requested or SnapshotReason.coordinator_restart)
-            outcome = outcome_of(reason)
-            # In data_plane or later every instance's Gym entry was stored: the manifest is kept
-            # (``resume`` may be an abort from before data_plane: not kept).
-            _, streaks = await repo.end(engine, run_id, sid, outcome, reason, fence=fence, expected=phase, detail=detail,
-                                        keep_gym_manifest=phase in (SnapshotPhase.data_plane, SnapshotPhase.publish))
+            await end_orphan(runner.ctx, run_id, sid, fence, phase, previous_owner=snap_owner,
+                             gym_checkpoint_id=cid, abort_requested=abort_requested)
         except Fenced as e:
             metrics.record_fenced_write(metrics.FencedWork.SNAPSHOT)
             log.warning("snapshot %s of run %s: recovery fenced (%s)", sid, run_id, e)
             continue
-        metrics.record_snapshot_outcome(outcome, reason, run_id)
-        metrics.set_snapshot_failures(run_id, streaks.failures)
-        log.warning("snapshot %s of run %s was unfinished at %s; Gym resumed, ended %s/%s", sid, run_id, phase, outcome, reason)
         ended.append(sid)
     return ended
 

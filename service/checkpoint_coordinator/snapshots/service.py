@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..gym.context import checkpoint_id_for
 from ..gym_runtime import load_topology
 from ..ledger import leases
-from . import store as repo
-from ..ledger.leases import Fence
 from ..ledger.runs import get_run, lock_run
-from .pending import Opened
+from . import store as repo
+from .pending import create_in_request
 from .runner import SnapshotRunner
 
 log = logging.getLogger(__name__)
@@ -40,28 +37,23 @@ async def request_snapshot(
     the same transaction closes the gate (and, with nothing owed to Gym, moves on to prepare) and
     reads what the owner starts from (:class:`Opened`): Gym's prepare follows the request's
     commit, not a second flushed transaction and the reads beside it."""
-    requested_at = time.monotonic()
+    clock = runner.ctx.clock
+    requested_at = clock.time()
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
     snapshot_dir = str(Path(run.checkpoint_root) / "snapshots" / snapshot_id)
-    opened: Opened | None = None
     async with engine.begin() as conn:
         # The run before the lease, as every fenced write that locks both takes them.
         run = await lock_run(conn, run_id, for_update=True)
         epoch = await leases.acquire_in(conn, run_id, runner.owner, lease_ttl_s)
         owner = runner.owner if epoch is not None else (await repo.lease_owner(conn, run_id) or runner.owner)
-        row, created = await repo.create_in(conn, run_id, snapshot_id, anchor_step, owner, snapshot_dir, stop=stop, deadline_s=deadline_s)
-        if created and epoch is not None:
-            checkpoint_id = checkpoint_id_for(snapshot_id)
-            gate = await repo.close_gate_in(conn, run_id, snapshot_id, Fence(runner.owner, epoch), prepare_as=checkpoint_id)
-            row = await repo.get(conn, run_id, snapshot_id)
-            topology = await load_topology(conn, run_id)
-            left = await repo.deadline_left_s(conn, run_id, snapshot_id)
-            opened = Opened(run, row, topology, left, time.monotonic(), gate, checkpoint_id, requested_at)
-        elif created and owner != runner.owner:
-            await repo.notify_created(conn, run_id, snapshot_id)
-    if opened is not None and epoch is not None:
-        runner.start(run_id, snapshot_id, epoch, opened=opened)
+        made = await create_in_request(
+            conn, run, snapshot_id, anchor_step, owner=owner, me=runner.owner, epoch=epoch,
+            snapshot_dir=snapshot_dir, stop=stop, deadline_s=deadline_s, requested_at=requested_at, clock=clock,
+        )
+    if made.opened is not None and epoch is not None:
+        runner.start(run_id, snapshot_id, epoch, opened=made.opened)
+    row, created = made.row, made.created
     return row, created
 
 
