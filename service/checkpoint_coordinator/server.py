@@ -2,7 +2,7 @@
 
 uvicorn alone keeps a connection that sends nothing open for ever and accepts connections until
 the process runs out of file descriptors (then ``/readyz`` stops answering and the accept loop
-logs a traceback per attempt). Here (README, "Limits"):
+logs a traceback per attempt). Here (docs/configuration.md#limits):
 
 * at most ``max_connections`` connections are open at once (never more than the descriptors the
   process may open, less a reserve for the database and files); one more is answered 503 and
@@ -13,7 +13,7 @@ logs a traceback per attempt). Here (README, "Limits"):
 * the event loop's "out of system resource" accept errors are logged once per ten seconds.
 
 At SIGTERM (``CoordinatorServer``) the app is told at once, so its background work drains
-(deploy/README.md, "Shutdown") while the requests in flight finish, not after them.
+(deploy/README.md#probes-and-shutdown) while the requests in flight finish, not after them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .config import Settings
+from .api.problems import HttpMiddleware
 from .errors import RequestTimeout
 
 __all__ = [
@@ -107,7 +108,7 @@ def guarded_protocol(limit: int, header_timeout_s: float) -> type[H11Protocol]:
     return GuardedH11Protocol
 
 
-class BodyDeadline:
+class BodyDeadline(HttpMiddleware):
     """A request whose body has not all arrived ``timeout_s`` after the app asked for it first is
     answered 408 ``request_timeout`` (the app's error boundary answers the ``RequestTimeout``
     raised to it) and its connection closed."""
@@ -116,10 +117,7 @@ class BodyDeadline:
         self.app = app
         self.timeout_s = timeout_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         deadline: float | None = None
         body_done = False
 

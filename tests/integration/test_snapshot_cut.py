@@ -14,12 +14,18 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
+from checkpoint_coordinator.api.schemas import SnapshotOut
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
 from checkpoint_coordinator.ledger import leases
 from checkpoint_coordinator.snapshots import store as repo
 from checkpoint_coordinator.ledger.db import make_async_engine
 
 RUN = "run-cut"
+
+
+def api_record(row: repo.SnapshotRow, *, with_manifest: bool = False) -> dict[str, Any]:
+    """The snapshot record the API answers for ``row``."""
+    return SnapshotOut.of(row, with_manifest=with_manifest).model_dump(mode="json", exclude_unset=True)
 
 
 @pytest.fixture
@@ -116,15 +122,15 @@ async def test_cut_copies_live_rows_and_answers_sorted_distinct_keys(engine: Any
     async with engine.connect() as conn:
         got = await repo.get(conn, RUN, "s1")
         full = await repo.get(conn, RUN, "s1", with_manifest=True)
-    assert got.public()["staging_keys"] == expected and "gym_manifest" not in got.public()
-    assert full.public(with_manifest=True)["gym_manifest"] == MANIFEST
+    assert api_record(got)["staging_keys"] == expected and "gym_manifest" not in api_record(got)
+    assert api_record(full, with_manifest=True)["gym_manifest"] == MANIFEST
     done = await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
-    assert done.awaiting is None and "staging_keys" not in done.public()
+    assert done.awaiting is None and "staging_keys" not in api_record(done)
     async with engine.connect() as conn:
         after = await repo.get(conn, RUN, "s1")
         full = await repo.get(conn, RUN, "s1", with_manifest=True)
-    assert after.cut_staging_keys is None and "staging_keys" not in after.public()
-    assert full.public(with_manifest=True)["staging_keys"] == expected
+    assert after.cut_staging_keys is None and "staging_keys" not in api_record(after)
+    assert api_record(full, with_manifest=True)["staging_keys"] == expected
 
 
 _GROUP_VIEW_COLS = (
@@ -284,7 +290,7 @@ async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) 
         await repo.close_gate(engine, RUN, "s1", stale)
     assert await state("s1") == (None, "requested")
 
-    fence = leases.Fence("test", stale.epoch + 1)
+    fence = leases.Fence("test", stale.lease_epoch + 1)
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -295,7 +301,7 @@ async def test_the_gate_closes_with_the_move_to_gate_or_not_at_all(engine: Any) 
             ),
             {"r": RUN},
         )
-    assert await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0000") == repo.GateClosed({("i/0", "retire"), ("i/1", "forget")}, False)
+    assert await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0000") == repo.GateClosure({("i/0", "retire"), ("i/1", "forget")}, False)
     assert await state("s1") == ("s1", "gate")  # owed items first: no move to prepare with the close
 
     async with engine.begin() as conn:  # a run closed under a new snapshot
@@ -322,19 +328,19 @@ async def test_with_nothing_owed_the_close_moves_on_to_prepare_in_its_transactio
 
     # No instance registered: the snapshot cannot reach Gym, the close stops at gate.
     await requested("s0", "/ck/s0")
-    assert await repo.close_gate(engine, RUN, "s0", fence, prepare_as="snap-s0-0001") == repo.GateClosed(set(), False)
+    assert await repo.close_gate(engine, RUN, "s0", fence, prepare_as="snap-s0-0001") == repo.GateClosure(set(), False)
     async with engine.begin() as conn:
         await conn.execute(text("INSERT INTO gym_instances (run_id, instance_id, servers, control_token) VALUES (:r, 'i/0', '{}', 'tok')"), {"r": RUN})
     await requested("s1", "/ck/s1")
     closed = await repo.close_gate(engine, RUN, "s1", fence, prepare_as="snap-s1-0001")
-    assert closed == repo.GateClosed(set(), True)
+    assert closed == repo.GateClosure(set(), True)
     async with engine.connect() as conn:
         row = await repo.get(conn, RUN, "s1")
         gate = (await conn.execute(text("SELECT gate_snapshot_id FROM runs WHERE run_id = :r"), {"r": RUN})).scalar()
     assert (row.phase, row.gym_checkpoint_id, row.snapshot_dir, gate) == ("prepare", "snap-s1-0001", "/ck/s1", "s1")
     # A row without a snapshot_dir stays in gate: its owner writes the directory with the move.
     await requested("s2", None)
-    assert await repo.close_gate(engine, RUN, "s2", fence, prepare_as="snap-s2-0001") == repo.GateClosed(set(), False)
+    assert await repo.close_gate(engine, RUN, "s2", fence, prepare_as="snap-s2-0001") == repo.GateClosure(set(), False)
     async with engine.connect() as conn:
         row = await repo.get(conn, RUN, "s2")
     assert (row.phase, row.gym_checkpoint_id) == ("gate", None)
@@ -418,7 +424,7 @@ async def test_a_capture_is_one_autocommit_statement_and_every_other_case_is_ans
     mine = [(st, a) for st, a in every if "data_plane_ref" in st]
     assert len(mine) == 1 and mine[0][1] is True  # one round trip while Gym is parked
     assert heard == [f"{RUN}/s1"]  # the owner hears of it (a handshake, not a move of its own)
-    assert done.data_plane_ref == {"path": "/d", "digest": "sha256:0"} and done.awaiting is None and "staging_keys" not in done.public()
+    assert done.data_plane_ref == {"path": "/d", "digest": "sha256:0"} and done.awaiting is None and "staging_keys" not in api_record(done)
     # A repeat is answered as stored; another reference is a conflict.
     again = await repo.captured(engine, RUN, "s1", {"path": "/d", "digest": "sha256:0"})
     assert again.data_plane_ref == done.data_plane_ref

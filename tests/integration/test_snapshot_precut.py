@@ -371,7 +371,7 @@ async def test_a_published_snapshot_keeps_its_keys_in_its_row_and_its_key_rows_g
     stored = await _rows(engine, "SELECT cut_staging_keys FROM snapshots WHERE run_id = :r AND snapshot_id = 'p'")
     assert stored[0][0] == row.cut_staging_keys and "model/x" in row.cut_staging_keys
     async with engine.connect() as conn:
-        assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == row.cut_staging_keys
+        assert cut_tests.api_record(await repo.get(conn, RUN, "p", with_manifest=True), with_manifest=True)["staging_keys"] == row.cut_staging_keys
 
 
 async def test_a_snapshot_that_does_not_publish_leaves_no_key_rows(engine: Any) -> None:
@@ -522,7 +522,7 @@ async def test_a_snapshot_that_fails_after_its_cut_answers_no_keys(engine: Any) 
     await repo.end(engine, RUN, "p", "failed", "data_plane_failed", fence=fence, expected=SnapshotPhase.data_plane)
     assert await repo.cut_keys(engine, RUN, "p") == ("cut", "[]")
     async with engine.connect() as conn:
-        assert (await repo.get(conn, RUN, "p", with_manifest=True)).public(with_manifest=True)["staging_keys"] == []
+        assert cut_tests.api_record(await repo.get(conn, RUN, "p", with_manifest=True), with_manifest=True)["staging_keys"] == []
 
 
 async def test_the_pre_cut_commits_without_waiting_for_its_log_flush(engine: Any) -> None:

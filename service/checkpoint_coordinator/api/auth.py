@@ -28,7 +28,7 @@ from .common import RUN_ID_PATTERN
 _bearer = HTTPBearer(auto_error=False, description="Admin token or the run's own token")
 
 # Failures (401, 403) one client may have within the window (``auth_failures_per_minute``)
-# before it is refused 429 until its oldest failure leaves the window (README, "Limits").
+# before it is refused 429 until its oldest failure leaves the window (docs/configuration.md#limits).
 AUTH_FAILURES_PER_WINDOW = 20
 AUTH_WINDOW_S = 60.0
 # Clients remembered at once; the oldest is forgotten first.

@@ -7,7 +7,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import from_json, to_json
@@ -23,43 +25,6 @@ ROLLOUT_ID_PATTERN = NAME_PATTERN
 # not by PostgreSQL halfway through a write.
 BIGINT_MAX = 2**63 - 1
 INT4_MAX = 2**31 - 1
-
-
-class Problem(BaseModel):
-    """An error answer (RFC 9457 problem details) with the coordinator's stable ``code``."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    title: str
-    status: int
-    code: str
-    detail: str
-
-
-_PROBLEM_DESCRIPTIONS = {
-    401: "Missing or malformed bearer token (`unauthorized`).",
-    403: "The token does not grant access to this run (`forbidden`; also for a run that does not exist).",
-    404: "Not found (`not_found` or a more specific code).",
-    409: "Refused by the ledger's state (a typed code, e.g. `gate_closed`, `snapshot_in_progress`).",
-    413: "Request body above `CKPTC_MAX_BODY_BYTES` (`payload_too_large`).",
-    422: "Invalid request (`invalid_request`, each bad field named in `errors`).",
-    429: "This client sent too many refused tokens lately (`too_many_auth_failures`, with `Retry-After`).",
-    502: "A Gym instance could not be reached or refused (`gym_unavailable` and related codes).",
-    503: "The ledger database is not available (`unavailable`, with `Retry-After`); retry.",
-}
-
-
-def problem_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI entries of the error answers a router can give: problem+json, typed."""
-    schema = Problem.model_json_schema()
-    return {
-        status: {"description": _PROBLEM_DESCRIPTIONS[status], "content": {"application/problem+json": {"schema": schema}}}
-        for status in statuses
-    }
-
-
-# What every /v1 route can answer besides its success.
-V1_ERRORS = (401, 403, 404, 409, 413, 422, 429, 503)
 
 
 class Strict(BaseModel):
@@ -79,13 +44,26 @@ class FastJSON(Response):
         return to_json(content, inf_nan_mode="null")
 
 
-def json_with_raw(content: dict[str, Any], name: str, raw: str) -> Response:
-    """``FastJSON`` of ``content`` with one more member, ``name``, whose value is ``raw``: JSON text
-    written by the database (a key list of megabytes), spliced in rather than parsed and encoded
-    again here."""
-    head = to_json(content, inf_nan_mode="null")[:-1]
+def json_with_raw(content: BaseModel | dict[str, Any], name: str, raw: str) -> Response:
+    """The answer ``content`` (of a model: its members that are set) with its member ``name``
+    given by ``raw``: JSON text written by the database (a key list of megabytes), spliced in
+    rather than parsed and encoded again here."""
+    if isinstance(content, BaseModel):
+        head = content.__pydantic_serializer__.to_json(content, exclude_unset=True, exclude={name})[:-1]
+    else:
+        head = to_json({k: v for k, v in content.items() if k != name}, inf_nan_mode="null")[:-1]
     body = head + (b"," if len(head) > 1 else b"") + to_json(name) + b":" + raw.encode() + b"}"
     return Response(body, media_type="application/json")
+
+
+def as_built(content: Any, status_code: int = 200) -> Response:
+    """An answer the stores and services build as plain JSON (a ledger view, a restore's stored
+    answer, an exported document), sent exactly as FastAPI sends a route's value when it runs no
+    response model (``jsonable_encoder``, then ``JSONResponse``). The route's ``response_model``
+    documents it and is not run on it: a stored answer of an older release is answered as it
+    was stored, and a page of 100 000 rows is not validated once more. tests/api checks these
+    answers against their schemas."""
+    return JSONResponse(jsonable_encoder(content), status_code=status_code)
 
 
 class FastJSONRequest(Request):

@@ -1,5 +1,6 @@
 """Gym registration at setup: the instances of a run, what discovery found on them, and the Gym
-``checkpoint:`` settings the run expects (ledger spec section 3, protocol section 3)."""
+``checkpoint:`` settings the run expects (docs/ledger.md#recovery-configuration,
+docs/gym-protocol.md#discover)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import re
 from typing import Any
 
 from fastapi import APIRouter, Depends, Path, Request
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from ..errors import BadRequest
 from ..gym.egress import parse_gym_url
@@ -15,13 +16,15 @@ from ..ledger import gym_registry
 from ..ledger.runs import get_run
 from ..restore import registration
 from .auth import Caller, require_run_access
-from .common import INSTANCE_ID_PATTERN, NAME_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
+from .common import INSTANCE_ID_PATTERN, NAME_PATTERN, FastJSONRoute, Strict
+from .problem_docs import GYM, RUN, WRITE, problems
+from .schemas import Answer, Timestamp, sometimes
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["gym"], route_class=FastJSONRoute)
 
 _NAME = re.compile(NAME_PATTERN)
 _INSTANCE = re.compile(INSTANCE_ID_PATTERN)
-# Per registration (README, "Limits"): discovery probes every server it names.
+# Per registration (docs/configuration.md#limits): discovery probes every server it names.
 MAX_SERVERS = 32
 MAX_INSTANCES = 64
 MAX_SERVERS_IN_ALL = 512
@@ -81,31 +84,37 @@ class RegisterIn(Strict):
         return self
 
 
-class ParticipantOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# The answers are validated against these models when they leave (the routes return the
+# registry's plain JSON): a member that only some answers carry is ``sometimes()``.
+
+
+class ParticipantOut(Answer):
     server_name: str
     base_url: str
     kind: str
     participant_name: str
     mode: str | None
     stage: int
+    phase: str = sometimes("Registration answers: the participant's checkpoint phase found by discovery.")
+    restart_only: bool = sometimes("Registration answers: the participant cannot continue a session after a crash.")
 
 
-class InstanceOut(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class InstanceOut(Answer):
     instance_id: str
     servers: dict[str, str]
     participants: list[ParticipantOut]
     non_participants: list[str]
+    registered_at: Timestamp = sometimes("Listings: when the instance was registered.")
+    discovered_at: Timestamp | None = sometimes("Listings: when discovery last ran on it.")
 
 
-class GymSettingsOut(BaseModel):
+class GymSettingsOut(Answer):
     checkpoint: dict[str, Any] = Field(description="Gym checkpoint settings the run expects (lease_grace_seconds = control_timeout_s).")
     excluded: list[str]
     note: str
 
 
-class RegisteredOut(BaseModel):
+class RegisteredOut(Answer):
     run_id: str
     instances: list[InstanceOut]
     restart_only_servers: list[str]
@@ -113,7 +122,7 @@ class RegisteredOut(BaseModel):
     gym_settings: GymSettingsOut
 
 
-class InstanceListOut(BaseModel):
+class InstanceListOut(Answer):
     run_id: str
     instances: list[InstanceOut]
 
@@ -122,8 +131,11 @@ class RunGymSettingsOut(GymSettingsOut):
     run_id: str
 
 
-@router.post("/gym-instances", operation_id="register_gym_instances", response_model=RegisteredOut)
-async def register_gym_instances(body: RegisterIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.post(
+    "/gym-instances", operation_id="register_gym_instances", response_model=RegisteredOut, response_model_exclude_unset=True,
+    responses=problems(WRITE, GYM, "gym_egress_refused", "restart_only_gym_servers", "snapshot_in_progress"),
+)
+async def register_gym_instances(body: RegisterIn, request: Request, caller: Caller = Depends(require_run_access)) -> RegisteredOut:
     """Discover and register Gym instances (re-registering replaces an instance's servers).
 
     Discovery fails as a whole, naming the servers; restart-only participants under
@@ -132,18 +144,25 @@ async def register_gym_instances(body: RegisterIn, request: Request, caller: Cal
     regs = [
         registration.Registration(i.instance_id, i.control_token.get_secret_value(), dict(i.servers)) for i in body.instances
     ]
-    return await registration.register_instances(
+    registered = await registration.register_instances(
         request.app.state.engine, str(caller.run_id), regs, transport=getattr(request.app.state, "gym_transport", None)
     )
+    return RegisteredOut.model_validate(registered)
 
 
-@router.get("/gym-instances", operation_id="list_gym_instances", response_model=InstanceListOut)
-async def list_gym_instances(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.get(
+    "/gym-instances", operation_id="list_gym_instances", response_model=InstanceListOut, response_model_exclude_unset=True,
+    responses=problems(RUN),
+)
+async def list_gym_instances(request: Request, caller: Caller = Depends(require_run_access)) -> InstanceListOut:
     """Registered instances and their participants (tokens are never returned)."""
-    return await registration.registered(request.app.state.engine, str(caller.run_id))
+    return InstanceListOut.model_validate(await registration.registered(request.app.state.engine, str(caller.run_id)))
 
 
-@router.delete("/gym-instances/{instance_id:path}", operation_id="delete_gym_instance", status_code=204)
+@router.delete(
+    "/gym-instances/{instance_id:path}", operation_id="delete_gym_instance", status_code=204,
+    responses=problems(WRITE, "gym_instance_not_found", "snapshot_in_progress"),
+)
 async def delete_gym_instance(
     request: Request,
     instance_id: str = Path(..., pattern=INSTANCE_ID_PATTERN, max_length=256, description="Instance id, e.g. math/replica-0"),
@@ -158,9 +177,9 @@ async def delete_gym_instance(
     await gym_registry.delete_instance(request.app.state.engine, str(caller.run_id), instance_id)
 
 
-@router.get("/gym-settings", operation_id="get_gym_settings", response_model=RunGymSettingsOut)
-async def get_gym_settings(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.get("/gym-settings", operation_id="get_gym_settings", response_model=RunGymSettingsOut, responses=problems(RUN, "invalid_config"))
+async def get_gym_settings(request: Request, caller: Caller = Depends(require_run_access)) -> RunGymSettingsOut:
     """The Gym ``checkpoint:`` settings this run expects, control token excluded."""
     async with request.app.state.engine.connect() as conn:
         run = await get_run(conn, str(caller.run_id))
-    return {"run_id": run.run_id, **registration.gym_settings(registration.run_config(run.config))}
+    return RunGymSettingsOut(run_id=run.run_id, **registration.gym_settings(registration.run_config(run.config)))

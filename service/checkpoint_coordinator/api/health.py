@@ -3,16 +3,15 @@
 ``/healthz`` is the process alone (the startup and liveness probes): it never touches the
 database, so a slow or absent Postgres never restarts a pod. ``/readyz`` says whether the
 replica belongs in the Service: not while it drains at shutdown, nor while the schema is one its
-release must not run on (deploy/README.md, "Upgrades"). A database outage leaves it ready: the
-replica then answers every ledger call 503 with ``Retry-After`` itself, which trainers retry,
-where an empty Service would give them connection errors.
+release must not run on (deploy/README.md#upgrades-and-rollbacks). A database outage leaves it
+ready: the replica then answers every ledger call 503 with ``Retry-After`` itself, which trainers
+retry, where an empty Service would give them connection errors.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse
 from ..ledger.schema import SchemaStatus, read_status
 from ..observability import metrics
 from .auth import require_metrics_token
+from .schemas import Healthy, NotReady, Ready, SchemaOut
 
 router = APIRouter(tags=["health"])
 log = logging.getLogger(__name__)
@@ -46,35 +46,32 @@ async def refresh_schema(app: FastAPI, *, timeout_s: float = 3.0) -> bool:
     return True
 
 
-@router.get("/healthz", operation_id="healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+@router.get("/healthz", operation_id="healthz", response_model=Healthy)
+async def healthz() -> Healthy:
+    return Healthy(status="ok")
 
 
 @router.get(
     "/readyz",
     operation_id="readyz",
-    responses={503: {"description": "draining for shutdown, or the schema is one this release does not run on"}},
+    response_model=Ready,
+    responses={503: {"model": NotReady, "description": "draining for shutdown, or the schema is one this release does not run on"}},
 )
 async def readyz(request: Request) -> Response:
     app = request.app
     if getattr(app.state, "draining", False):
-        return JSONResponse({"status": "draining"}, status_code=503)
+        return _answer(NotReady(status="draining"), 503)
     reachable = await refresh_schema(app, timeout_s=2.0)
     status: SchemaStatus = app.state.schema
-    body: dict[str, Any] = {
-        "database": "ok" if reachable else "unreachable",
-        "migration": status.revision,
-        "head": status.head,
-        "schema": status.public(),
-    }
+    seen = {"database": "ok" if reachable else "unreachable", "migration": status.revision, "head": status.head, "schema": SchemaOut.of(status)}
     if not status.usable:
-        body.update(status="not_ready", reason=status.message())
-        return JSONResponse(body, status_code=503)
-    body["status"] = "ready"
-    if not reachable:
-        body["reason"] = "the ledger database does not answer: ledger calls answer 503 with Retry-After until it does"
-    return JSONResponse(body, status_code=200)
+        return _answer(NotReady(**seen, status="not_ready", reason=status.message()), 503)
+    unreachable = {} if reachable else {"reason": "the ledger database does not answer: ledger calls answer 503 with Retry-After until it does"}
+    return _answer(Ready(**seen, status="ready", **unreachable), 200)
+
+
+def _answer(body: Ready | NotReady, status_code: int) -> Response:
+    return JSONResponse(body.model_dump(mode="json", by_alias=True, exclude_unset=True), status_code=status_code)
 
 
 @router.get("/metrics", operation_id="metrics", include_in_schema=False)

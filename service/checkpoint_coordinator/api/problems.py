@@ -15,6 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..errors import BadRequest, CoordinatorError, TooLarge, Unavailable
 from ..ledger.db import classify_database_error
 from ..observability.http import CLIENT_GONE_SCOPE_KEY as CLIENT_GONE
+from .schemas import SchemaOut
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +65,30 @@ def install_problem_handlers(app: FastAPI) -> None:
 
 
 
-class BodyLimitMiddleware:
+class HttpMiddleware:
+    """A pure ASGI middleware that acts on HTTP requests only (lifespan and the rest pass through
+    to ``self.app``); a subclass sets ``app`` and implements :meth:`http`."""
+
+    app: ASGIApp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        await self.http(scope, receive, send)
+
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotImplementedError
+
+
+class BodyLimitMiddleware(HttpMiddleware):
     """Refuse bodies above ``max_bytes`` with 413 before the app parses them."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         for name, value in scope.get("headers", []):
             if name == b"content-length":
                 try:
@@ -123,17 +137,14 @@ def problem_for_exception(exc: BaseException) -> CoordinatorError:
     return CoordinatorError("unexpected server error; see the coordinator log")
 
 
-class NoStore:
+class NoStore(HttpMiddleware):
     """``Cache-Control: no-store`` on every answer that does not say otherwise: answers carry run
     tokens (a run's creation, a rotation) and the ledger's state, neither for a cache to keep."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def with_header(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -169,11 +180,11 @@ class SchemaGate:
             await self.app(scope, receive, send)
             return
         err = Unavailable(f"{status.message()}; this replica serves again once it is", code="schema_mismatch",
-                          retry_after_s=SCHEMA_RETRY_AFTER_S, schema=status.public())
+                          retry_after_s=SCHEMA_RETRY_AFTER_S, schema=SchemaOut.of(status).model_dump(mode="json"))
         await problem_response(err, {"Retry-After": str(SCHEMA_RETRY_AFTER_S)})(scope, receive, send)
 
 
-class ErrorBoundary:
+class ErrorBoundary(HttpMiddleware):
     """Answers every exception that escapes the routes with a problem document, here, rather
     than letting it reach the server: Starlette's last-resort handler re-raises after it
     answers, and the server then drops the keep-alive connection the answer went out on."""
@@ -181,10 +192,7 @@ class ErrorBoundary:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def http(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking(message: Message) -> None:

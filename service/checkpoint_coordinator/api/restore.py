@@ -1,27 +1,56 @@
-"""Restore (ledger spec section 6), the Gym manifest export (section 8) and NeMo RL ledger
-import/export (section 9)."""
+"""Restore (docs/ledger.md#restore), the Gym manifest export (docs/ledger.md#the-gym-manifest)
+and NeMo RL ledger import/export (docs/ledger.md#importing-a-nemo-rl-ledger)."""
 
 from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, StringConstraints
 
 from ..domain.errors import ManifestError
 from ..domain.vocabulary import Disposition
-from ..restore.store import reads
-from ..snapshots import store as snapshot_rows
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from ..restore import ledger_import, service
-from ..restore.errors import GymManifestAbsent, InstanceMapInvalid, SnapshotNotFound, SnapshotUnusable
+from ..restore.errors import (
+    GymManifestAbsent,
+    InstanceMapInvalid,
+    SnapshotNotFound,
+    SnapshotUnusable,
+)
 from ..restore.gym_manifest_file import manifest_document
+from ..restore.store import reads
+from ..snapshots import store as snapshot_rows
 from .auth import Caller, require_run_access
-from .common import BIGINT_MAX, INSTANCE_ID_PATTERN, NAME_PATTERN, SNAPSHOT_ID_PATTERN, V1_ERRORS, FastJSONRoute, Strict, problem_responses
+from .common import (
+    BIGINT_MAX,
+    INSTANCE_ID_PATTERN,
+    NAME_PATTERN,
+    SNAPSHOT_ID_PATTERN,
+    FastJSONRoute,
+    Strict,
+    as_built,
+)
+from .problem_docs import GYM, RUN, WRITE, problems
+from .restore_schemas import (
+    GymManifestOut,
+    LedgerExportOut,
+    LedgerImportOut,
+    RestoreOut,
+    RestorePlanOut,
+    RestoreRecordOut,
+    RestoreRowsOut,
+)
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS + (502,)))
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["restore"], route_class=FastJSONRoute)
+
+# Why a snapshot cannot be planned or restored.
+_UNPLANNABLE = (
+    "snapshot_not_found", "no_compatible_snapshot", "snapshot_unusable", "snapshot_not_published", "snapshot_after_step",
+    "gym_manifest_mismatch", "gym_manifest_disagrees_with_ledger", "cut_invalid", "instance_map_invalid", "instance_map_unknown_instance",
+)
 
 Disp = Literal[tuple(d.value for d in Disposition)]  # type: ignore[valid-type]
 InstanceId = Annotated[str, StringConstraints(pattern=INSTANCE_ID_PATTERN, min_length=1, max_length=200)]
@@ -75,7 +104,7 @@ class LedgerImportIn(Strict):
     anchor_step: int | None = Field(default=None, ge=0, le=BIGINT_MAX, description="Default: the newest target step the document names.")
 
 
-@router.get("/restore-plan", operation_id="get_restore_plan")
+@router.get("/restore-plan", operation_id="get_restore_plan", response_model=RestorePlanOut, responses=problems(RUN, _UNPLANNABLE))
 async def get_restore_plan(
     request: Request,
     step: int | None = Query(None, ge=0, le=BIGINT_MAX, description="The trainer's restored step (newest compatible snapshot)."),
@@ -90,27 +119,26 @@ async def get_restore_plan(
         description="Restore into another Gym topology: repeated saved_instance_id=live_instance_id (see POST /restores).",
     ),
     caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+) -> Response:
     """The restore plan of the newest published snapshot compatible with ``step`` (or of
     ``snapshot_id``): counts per disposition and per disposition and reason, and, per row, what to
     send under which rollout id and capture key to which instance, and why. A preview;
     ``POST /restores`` applies it."""
-    return await service.preview_plan(
-        request.app.state.engine,
-        str(caller.run_id),
-        snapshot_id=snapshot_id,
-        step=step,
-        with_gym_state=with_gym_state,
-        include_reused=include_reused,
-        disposition=disposition,
-        cursor=cursor,
-        limit=limit,
+    return as_built(await service.preview_plan(
+        request.app.state.engine, str(caller.run_id), snapshot_id=snapshot_id, step=step, with_gym_state=with_gym_state,
+        include_reused=include_reused, disposition=disposition, cursor=cursor, limit=limit,
         instance_map=_query_instance_map(instance_map),
-    )
+    ))
 
 
-@router.post("/restores", operation_id="create_restore")
-async def create_restore(body: RestoreIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.post(
+    "/restores", operation_id="create_restore", response_model=RestoreOut,
+    responses=problems(
+        WRITE, _UNPLANNABLE, GYM, "fenced", "restore_conflict", "restore_in_progress", "restore_abandoned", "snapshot_in_progress",
+        "snapshot_dir_missing", "gym_participants_missing", "gym_not_fresh", "restore_ledger_conflict", "snapshot_gone",
+    ),
+)
+async def create_restore(body: RestoreIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Restore the run from a published snapshot: checks, Gym restore, one ledger transaction.
 
     Answers the summary and the first 10 000 rows to send (``rows_total`` in all); when there are
@@ -121,7 +149,7 @@ async def create_restore(body: RestoreIn, request: Request, caller: Caller = Dep
     req = service.RestoreRequest(body.restore_id, body.snapshot_id, body.step, body.with_gym_state, imap)
     app = request.app
     runner = getattr(app.state, "snapshots", None)
-    return await service.execute_restore(
+    return as_built(await service.execute_restore(
         app.state.engine,
         str(caller.run_id),
         req,
@@ -130,39 +158,43 @@ async def create_restore(body: RestoreIn, request: Request, caller: Caller = Dep
         # A snapshot of the discarded lineage is aborted first; a dead owner's lease must
         # expire before another replica may end it.
         snapshot_wait_s=2 * app.state.settings.ownership_lease_s,
-    )
+    ))
 
 
-@router.get("/restores/{restore_id}", operation_id="get_restore")
+@router.get("/restores/{restore_id}", operation_id="get_restore", response_model=RestoreRecordOut, responses=problems(RUN, "restore_not_found"))
 async def get_restore(
-    request: Request,
-    restore_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
-    caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+    request: Request, restore_id: str = Path(..., pattern=NAME_PATTERN, max_length=128), caller: Caller = Depends(require_run_access),
+) -> Response:
     """A restore's state, its request and its stored answer (or refusal)."""
-    return await service.restore_record(request.app.state.engine, str(caller.run_id), restore_id)
+    return as_built(await service.restore_record(request.app.state.engine, str(caller.run_id), restore_id))
 
 
-@router.get("/restores/{restore_id}/rows", operation_id="get_restore_rows")
+@router.get(
+    "/restores/{restore_id}/rows", operation_id="get_restore_rows", response_model=RestoreRowsOut,
+    responses=problems(RUN, "restore_not_found", "restore_not_applied"),
+)
 async def get_restore_rows(
     request: Request,
     restore_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
     cursor: int = Query(0, ge=0, description="Rows to skip (next_cursor of the previous page)."),
     limit: int | None = Query(None, ge=1, le=100_000, description="Rows per page (default 10 000)."),
     caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+) -> Response:
     """A page of the rows an applied restore answers (``POST /restores`` answers the first
     ``10 000``, with ``next_cursor`` when there are more). ``409 restore_not_applied`` for a restore
     that is running, refused or failed."""
-    return await service.answer_rows_page(
+    return as_built(await service.answer_rows_page(
         request.app.state.engine, str(caller.run_id), restore_id, cursor, limit or service.ANSWER_PAGE_ROWS
-    )
+    ))
 
 
-@router.get("/snapshots/{snapshot_id}/gym-manifest", operation_id="get_snapshot_gym_manifest")
+@router.get(
+    "/snapshots/{snapshot_id}/gym-manifest", operation_id="get_snapshot_gym_manifest", response_model=GymManifestOut,
+    responses=problems(RUN, "snapshot_not_found", "gym_manifest_absent", "snapshot_unusable"),
+)
 async def get_snapshot_gym_manifest(
     request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)
-) -> dict[str, Any]:
+) -> Response:
     """The snapshot's ``gym_checkpoint.json`` (Gym manifest, schema 2, lists sorted)."""
     async with request.app.state.engine.connect() as conn:
         await get_run(conn, str(caller.run_id))
@@ -176,25 +208,32 @@ async def get_snapshot_gym_manifest(
     if manifest is None:
         raise GymManifestAbsent(f"snapshot {snapshot_id!r} holds no Gym manifest", snapshot_id=snapshot_id)
     try:
-        return manifest_document(manifest)
+        return as_built(manifest_document(manifest))
     except ManifestError as e:
         raise domain_problem(e, prefix="gym_manifest", error=SnapshotUnusable) from e
 
 
-@router.post("/ledger-import", operation_id="import_ledger", status_code=201)
-async def import_ledger(body: LedgerImportIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.post(
+    "/ledger-import", operation_id="import_ledger", status_code=201, response_model=LedgerImportOut,
+    responses=problems(WRITE, "legacy_ledger_invalid", "legacy_ledger_version", "snapshot_exists"),
+)
+async def import_ledger(body: LedgerImportIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Import a NeMo RL rollout-recovery ledger (schema 2, 3 or 4) as a published snapshot.
 
     Schemas 2 and 3 are rewritten as schema 4; refusals name the field. A repeat with the same
     document answers the stored snapshot (``created: false``)."""
-    return await ledger_import.import_document(
+    imported = await ledger_import.import_document(
         request.app.state.engine, str(caller.run_id), body.snapshot_id, body.document, anchor_step=body.anchor_step
     )
+    return as_built(imported, status_code=201)
 
 
-@router.get("/snapshots/{snapshot_id}/ledger-export", operation_id="export_ledger")
+@router.get(
+    "/snapshots/{snapshot_id}/ledger-export", operation_id="export_ledger", response_model=LedgerExportOut,
+    responses=problems(RUN, "snapshot_not_found"),
+)
 async def export_ledger(
     request: Request, snapshot_id: str = SnapshotIdPath, caller: Caller = Depends(require_run_access)
-) -> dict[str, Any]:
+) -> Response:
     """The snapshot's ledger cut as a NeMo RL rollout-recovery ledger, schema 4."""
-    return await ledger_import.export_document(request.app.state.engine, str(caller.run_id), snapshot_id)
+    return as_built(await ledger_import.export_document(request.app.state.engine, str(caller.run_id), snapshot_id))

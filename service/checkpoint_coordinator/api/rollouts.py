@@ -1,4 +1,5 @@
-"""Trainer reports of section 4 (batch calls) and the operator reads of the live ledger."""
+"""Trainer reports of live rollouts (batch calls, docs/ledger.md#live-rollouts) and the operator
+reads of the live ledger."""
 
 from __future__ import annotations
 
@@ -9,26 +10,55 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, field_validator, model_validator
 
 from ..errors import BadRequest
-from ..rollouts import views
 from ..rollouts import store as repo
+from ..rollouts import views
 from .auth import Caller, require_run_access
-from .common import BIGINT_MAX, GROUP_ID_PATTERN, INSTANCE_ID_PATTERN, NAME_PATTERN, ROLLOUT_ID_PATTERN, V1_ERRORS, FastJSON, FastJSONRoute, Strict, problem_responses
+from .common import (
+    BIGINT_MAX,
+    GROUP_ID_PATTERN,
+    INSTANCE_ID_PATTERN,
+    NAME_PATTERN,
+    ROLLOUT_ID_PATTERN,
+    FastJSON,
+    FastJSONRoute,
+    Strict,
+    as_built,
+)
+from .problem_docs import RUN, WRITE, problems
+from .rollout_schemas import (
+    AdmitOut,
+    DispatchOut,
+    FailOut,
+    GroupDetailOut,
+    GroupsOut,
+    LiveCountsOut,
+    OutboxPageOut,
+    PendingOut,
+    RefusedOut,
+    SealOut,
+    StreamEndedOut,
+)
 
-router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"], route_class=FastJSONRoute, responses=problem_responses(*V1_ERRORS))
+router = APIRouter(prefix="/v1/runs/{run_id}", tags=["rollouts"], route_class=FastJSONRoute)
+
+# The refusals of one row (or group) of a batch: one refuses the batch, with that row's code, or
+# ``batch_refused`` when the rows were refused for several reasons.
+_ROW_REFUSED = ("batch_refused", "unknown_rollout", "attempt_not_current")
+_GROUP_REFUSED = ("batch_refused", "unknown_group")
 
 MAX_ROWS = 20_000
 _CAPTURE_SUFFIX = re.compile(r"-a[0-9]+\Z").search
 RolloutId = str
 
 
-class PromptRef(Strict):
+class PromptRefIn(Strict):
     sample_id: str | int = Field(description="Locator of the prompt in the trainer's dataset (never the prompt itself).")
     task_name: str = Field(min_length=1, max_length=256)
 
 
 class AdmitGroupIn(Strict):
     group_id: str = Field(pattern=GROUP_ID_PATTERN, min_length=1, max_length=160)
-    prompt_ref: PromptRef
+    prompt_ref: PromptRefIn
     task_digest: str = Field(min_length=1, max_length=128)
     task_source: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
     agent_name: str | None = Field(default=None, pattern=NAME_PATTERN, max_length=128)
@@ -119,18 +149,16 @@ def _check_ids(ids: list[str], what: str = "rollout_ids", *, validated: bool = F
         raise BadRequest(f"{what} names an id twice", errors=[{"field": what, "message": "duplicate id"}])
 
 
-@router.post("/groups/admit", operation_id="admit_groups")
+@router.post(
+    "/groups/admit", operation_id="admit_groups", response_model=AdmitOut,
+    responses=problems(WRITE, "batch_refused", "duplicate_in_batch", "group_conflict", "run_row_quota"),
+)
 async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Create groups, siblings and one reserved attempt per sibling; answers the rows to send."""
     groups = [
         repo.AdmitGroup(
-            group_id=g.group_id,
-            prompt_ref=g.prompt_ref.model_dump(),
-            task_digest=g.task_digest,
-            task_source=g.task_source,
-            agent_name=g.agent_name,
-            expected_generations=g.expected_generations,
-            target_step=g.target_step,
+            group_id=g.group_id, prompt_ref=g.prompt_ref.model_dump(), task_digest=g.task_digest, task_source=g.task_source,
+            agent_name=g.agent_name, expected_generations=g.expected_generations, target_step=g.target_step,
             weight_version=g.weight_version,
         )
         for g in body.groups
@@ -139,7 +167,13 @@ async def admit_groups(body: AdmitIn, request: Request, caller: Caller = Depends
     return FastJSON({"groups": await repo.admit(request.app.state.engine, caller.run_id, groups, max_run_rows=max_rows)})
 
 
-@router.post("/attempts/dispatch", operation_id="dispatch_attempts")
+@router.post(
+    "/attempts/dispatch", operation_id="dispatch_attempts", response_model=DispatchOut,
+    responses=problems(
+        WRITE, _ROW_REFUSED, "gate_closed", "run_stopped", "unknown_instance", "already_dispatched", "group_not_generating",
+        "instance_required", "wrong_instance",
+    ),
+)
 async def dispatch_attempts(body: DispatchIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Record that reserved attempts are being sent to Gym. 409 `gate_closed` while a snapshot holds the gate."""
     _check_ids(body.rollout_ids)
@@ -153,34 +187,43 @@ async def dispatch_attempts(body: DispatchIn, request: Request, caller: Caller =
     ))
 
 
-@router.post("/attempts/refused", operation_id="report_refused")
+@router.post("/attempts/refused", operation_id="report_refused", response_model=RefusedOut, responses=problems(WRITE, _ROW_REFUSED))
 async def report_refused(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Gym refused these rows at admission: same rollout id, no attempt spent; re-send after the gate reopens."""
     _check_ids(body.rollout_ids)
     return FastJSON(await repo.refused(request.app.state.engine, caller.run_id, body.rollout_ids))
 
 
-@router.post("/attempts/sealed", operation_id="report_sealed")
+@router.post(
+    "/attempts/sealed", operation_id="report_sealed", response_model=SealOut,
+    responses=problems(WRITE, _ROW_REFUSED, "receipt_mismatch", "seal_conflict", "attempt_replaced", "attempt_not_dispatched"),
+)
 async def report_sealed(body: SealIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids([r.rollout_id for r in body.rows], validated=True)
     # The validated rows are handed on as they are (they have SealRow's fields): no copy per row.
     return FastJSON(await repo.seal(request.app.state.engine, caller.run_id, body.rows))
 
 
-@router.post("/attempts/failed", operation_id="report_failed")
+@router.post(
+    "/attempts/failed", operation_id="report_failed", response_model=FailOut,
+    responses=problems(WRITE, _ROW_REFUSED, "attempt_sealed", "attempt_not_dispatched"),
+)
 async def report_failed(body: FailIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids([r.rollout_id for r in body.rows], validated=True)
     rows = [repo.FailRow(r.rollout_id, r.failure_class, r.detail) for r in body.rows]
     return FastJSON(await repo.fail(request.app.state.engine, caller.run_id, rows))
 
 
-@router.post("/dispatches/{dispatch_id}/ended", operation_id="report_stream_ended")
+@router.post(
+    "/dispatches/{dispatch_id}/ended", operation_id="report_stream_ended", response_model=StreamEndedOut,
+    responses=problems(WRITE, "unknown_dispatch"),
+)
 async def report_stream_ended(
     body: StreamEndedIn,
     request: Request,
     dispatch_id: str = Path(..., pattern=NAME_PATTERN, max_length=128),
     caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+) -> Response:
     """The /run stream of a dispatch ended; rows that never came back become transport failures."""
     for name in ("returned", "missing"):
         ids = getattr(body, name)
@@ -189,47 +232,51 @@ async def report_stream_ended(
     return FastJSON(await repo.stream_ended(request.app.state.engine, caller.run_id, dispatch_id, body.returned, missing=body.missing))
 
 
-@router.post("/groups/finalize", operation_id="finalize_groups")
+@router.post(
+    "/groups/finalize", operation_id="finalize_groups", response_model=GroupsOut, responses=problems(WRITE, _GROUP_REFUSED, "group_not_ready")
+)
 async def finalize_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids(body.group_ids, "group_ids")
     return FastJSON(await repo.finalize(request.app.state.engine, caller.run_id, body.group_ids))
 
 
-@router.post("/groups/abandon", operation_id="abandon_groups")
+@router.post(
+    "/groups/abandon", operation_id="abandon_groups", response_model=GroupsOut, responses=problems(WRITE, _GROUP_REFUSED, "group_finalized")
+)
 async def abandon_groups(body: GroupIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids(body.group_ids, "group_ids")
     return FastJSON(await repo.abandon(request.app.state.engine, caller.run_id, body.group_ids))
 
 
-@router.get("/counts", operation_id="live_counts")
-async def live_counts(request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.get("/counts", operation_id="live_counts", response_model=LiveCountsOut, responses=problems(RUN))
+async def live_counts(request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Live groups and attempts by status, and the pending outbox by op."""
-    return await views.live_counts(request.app.state.engine, caller.run_id)
+    return as_built(await views.live_counts(request.app.state.engine, caller.run_id))
 
 
-@router.get("/groups/{group_id}", operation_id="get_group")
+@router.get("/groups/{group_id}", operation_id="get_group", response_model=GroupDetailOut, responses=problems(RUN, "group_not_found"))
 async def get_group(
     request: Request,
     group_id: str = Path(..., pattern=GROUP_ID_PATTERN, max_length=160),
     caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+) -> Response:
     """One group with its siblings and their attempt history."""
-    return await views.group_detail(request.app.state.engine, caller.run_id, group_id)
+    return as_built(await views.group_detail(request.app.state.engine, caller.run_id, group_id))
 
 
-@router.post("/attempts/pending", operation_id="pending_attempts")
-async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> dict[str, Any]:
+@router.post("/attempts/pending", operation_id="pending_attempts", response_model=PendingOut, responses=problems(RUN))
+async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """Which of these rollouts are still dispatched without a result (index lookups only)."""
     _check_ids(body.rollout_ids)
-    return {"pending": await views.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)}
+    return FastJSON({"pending": await views.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)})
 
 
-@router.get("/outbox", operation_id="list_outbox")
+@router.get("/outbox", operation_id="list_outbox", response_model=OutboxPageOut, responses=problems(RUN))
 async def list_outbox(
     request: Request,
     limit: int = Query(100, ge=1, le=1000),
     after: int | None = Query(None, ge=0, le=BIGINT_MAX),
     caller: Caller = Depends(require_run_access),
-) -> dict[str, Any]:
+) -> Response:
     """Pending retire/forget items owed to Gym instances."""
-    return await views.pending_outbox(request.app.state.engine, caller.run_id, limit=limit, after=after)
+    return as_built(await views.pending_outbox(request.app.state.engine, caller.run_id, limit=limit, after=after))

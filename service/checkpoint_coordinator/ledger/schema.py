@@ -6,8 +6,8 @@ before it still runs on it), and each migration run writes the oldest revision w
 the schema it leaves (``runs_on_from``: the floor of the additive revisions above the last
 breaking one) into ``schema_compat``. A replica of an older release then reads a revision it has
 never heard of, and that floor: one of its own revisions means it may serve. That is what lets a rolling upgrade migrate first and replace the
-replicas after, and a rollback run the previous release on the newer schema (deploy/README.md,
-"Upgrades").
+replicas after, and a rollback run the previous release on the newer schema
+(deploy/README.md#upgrades-and-rollbacks).
 """
 
 from __future__ import annotations
@@ -60,9 +60,6 @@ class SchemaStatus:
             return (f"{at}, newer than this release's {self.head}, and runs only releases from revision {self.runs_on_from} on: "
                     "finish the upgrade, or downgrade the schema with the newer release first (deploy/README.md, \"Rolling back\")")
         return "the database schema has not been read yet"
-
-    def public(self) -> dict[str, Any]:
-        return {"state": self.state.value, "revision": self.revision, "head": self.head, "runs_on_from": self.runs_on_from}
 
 
 def runs_on_from_of(scripts: Any, revision: str) -> str:

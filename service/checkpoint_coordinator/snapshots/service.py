@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..gym_runtime import load_topology
 from ..ledger import leases
-from ..ledger.runs import get_run, lock_run
+from ..ledger.runs import RunRow, get_run, lock_run
 from . import store as repo
 from .pending import create_in_request
 from .runner import SnapshotRunner
@@ -19,15 +18,8 @@ log = logging.getLogger(__name__)
 
 
 async def request_snapshot(
-    engine: AsyncEngine,
-    runner: SnapshotRunner,
-    run_id: str,
-    snapshot_id: str,
-    anchor_step: int,
-    *,
-    lease_ttl_s: float,
-    stop: bool = False,
-    deadline_s: float | None = None,
+    engine: AsyncEngine, runner: SnapshotRunner, run_id: str, snapshot_id: str, anchor_step: int, *,
+    lease_ttl_s: float, stop: bool = False, deadline_s: float | None = None,
 ) -> tuple[repo.SnapshotRow, bool]:
     """Create the snapshot (idempotent by id) and have its owner drive it; (row, created).
 
@@ -57,10 +49,10 @@ async def request_snapshot(
     return row, created
 
 
-async def reopen(engine: AsyncEngine, runner: SnapshotRunner, run_id: str) -> dict[str, Any]:
+async def reopen(engine: AsyncEngine, runner: SnapshotRunner, run_id: str) -> RunRow:
     """Lift a stopping snapshot's stop (dispatch accepted again), then resume its Gym checkpoint
-    on the instances it left parked, best effort: their leases reopen them anyway. The run's
-    public record."""
+    on the instances it left parked, best effort: their leases reopen them anyway. The run as it
+    stands after it."""
     stopped = await repo.reopen(engine, run_id)
     if stopped is not None and stopped.gym_checkpoint_id:
         async with engine.connect() as conn:
@@ -73,4 +65,4 @@ async def reopen(engine: AsyncEngine, runner: SnapshotRunner, run_id: str) -> di
                 log.warning("run %s reopened; resuming Gym after stop %s failed, its leases will reopen it: %s", run_id, stopped.snapshot_id, report.failure)
         log.info("run %s reopened after stopping snapshot %s", run_id, stopped.snapshot_id)
     async with engine.connect() as conn:
-        return (await get_run(conn, run_id)).public()
+        return await get_run(conn, run_id)

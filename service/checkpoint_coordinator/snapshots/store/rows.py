@@ -1,5 +1,5 @@
-"""A snapshot's row as read: its columns, the record the API answers, and the reads of one or all
-of a run's snapshots.
+"""A snapshot's row as read: its columns, what it waits for, and the reads of one or all of a
+run's snapshots. The record the API answers is built from it in the API (``api/schemas.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from ...domain.gym_manifest import MANIFEST_SCHEMA_VERSION
 from ...domain.snapshot_state import (
     SnapshotOutcome,
     SnapshotPhase,
-    snapshot_cause,
 )
 from ...errors import Conflict, NotFound
 from ...ledger.db import JsonText, dump_json
@@ -60,7 +59,7 @@ _ENTRIES_MANIFEST = (
 )
 
 # The Gym manifest and the cut's staging keys (megabytes for a big run) are read only when they
-# are answered: the keys while the snapshot awaits its capture (``SnapshotRow.public``), the
+# are answered: the keys while the snapshot awaits its capture (the API's snapshot record), the
 # manifest on request; decoding them on every status read was most of its cost.
 _KEYS_WHEN_AWAITING_CAPTURE = (
     f"CASE WHEN outcome IS NULL AND phase = '{P.data_plane}' AND cut_at IS NOT NULL AND data_plane_ref IS NULL "
@@ -124,43 +123,6 @@ class SnapshotRow:
         pre_cut = 1 if (self.counts or {}).get("cut_pre_cut_keys") is not None else 0
         return f"{self.phase}.{self.outcome or '-'}.{self.awaiting or '-'}.{pre_cut}"
 
-    def public(self, *, with_manifest: bool = False) -> dict[str, Any]:
-        cause, retryable = snapshot_cause(self.reason, self.detail)
-        d: dict[str, Any] = {
-            "snapshot_id": self.snapshot_id,
-            "anchor_step": self.anchor_step,
-            "stop": self.stop,
-            "deadline_at": _iso(self.deadline_at),
-            "phase": self.phase,
-            "outcome": self.outcome,
-            "reason": self.reason,
-            "cause": cause,
-            "retryable": retryable,
-            "detail": self.detail,
-            "awaiting": self.awaiting,
-            "watch_token": self.watch_token,
-            "gym_checkpoint_id": self.gym_checkpoint_id,
-            "snapshot_dir": self.snapshot_dir,
-            "phase_timings": self.phase_timings,
-            "counts": self.counts,
-            "gym_parked_seconds": self.gym_parked_seconds,
-            "gym_restarted_episodes": self.gym_restarted_episodes,
-            "resume_failure": self.resume_failure,
-            "data_plane_ref": self.data_plane_ref,
-            "cut_at": _iso(self.cut_at),
-            "created_at": _iso(self.created_at),
-            "published_at": _iso(self.published_at),
-            "ended_at": _iso(self.ended_at),
-        }
-        if self.awaiting == "capture" or with_manifest:
-            d["staging_keys"] = self.cut_staging_keys or []
-        if with_manifest:
-            d["gym_manifest"] = self.gym_manifest
-        return d
-
-def _iso(t: datetime | None) -> str | None:
-    return t.isoformat() if t else None
-
 def _j(v: Any) -> str | None:
     return None if v is None else v if isinstance(v, JsonText) else dump_json(v)
 
@@ -168,7 +130,7 @@ async def get(
     conn: AsyncConnection, run_id: str, snapshot_id: str, *, for_update: bool = False, with_manifest: bool = False, columns: str | None = None
 ) -> SnapshotRow:
     """The snapshot row; ``gym_manifest`` only ``with_manifest``, ``cut_staging_keys`` only when
-    ``public()`` answers them (awaiting capture, or ``with_manifest``)."""
+    the API's record answers them (awaiting capture, or ``with_manifest``)."""
     cols = columns or (_COLS_FULL if with_manifest else _COLS)
     return SnapshotRow(**await _read_row(conn, run_id, snapshot_id, cols, " FOR UPDATE" if for_update else ""))
 
