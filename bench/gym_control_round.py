@@ -16,8 +16,8 @@ and no bookkeeping. Two settings:
   and response objects remain. ``client - bare`` there is the client's own logic.
 
 Each Gym profile of gymsim is measured (``published``, NeMo Gym as published: no mode for model
-and agent, no ``run_episode_ids``, legacy error spelling; ``strict``, the specification's
-sections 1-11).
+and agent, no ``run_episode_ids``, legacy error spelling; ``strict``, the protocol to the
+letter: docs/gym-protocol.md#the-strict-profile).
 
 Target: under 20 ms of the client's own CPU per round for 8 participants, under both profiles.
 

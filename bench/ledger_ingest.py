@@ -54,7 +54,7 @@ def postgres_processes(pgdata: Path) -> list[psutil.Process]:
 
 def copy_rate(url: str, rows: int, repeats: int = 3) -> float:
     """Rows/s of COPY into a bare table (no key, no index): the median of ``repeats`` runs, since a
-    single COPY lasts a fraction of a second and on a shared machine one run moves by 2-3x."""
+    single COPY lasts a fraction of a second and on a shared machine one run can be far off."""
     import psycopg
 
     buf = io.StringIO()

@@ -1,9 +1,9 @@
 """Benchmark: "which of these attempts are still pending?" against a run with 200 000 live attempts.
 
 The trainer asks it (``POST /v1/runs/{run}/attempts/pending``, ``ledger.rollouts.pending_attempts``)
-and the snapshot drain asks it on every pass (``ledger.snapshots.still_pending``). Spec section 5
-step 6: a drain pass looks up only the pending attempts, so its cost follows the number asked
-about, never the number of live rollouts.
+and the snapshot drain asks it on every pass (``ledger.snapshots.still_pending``). A drain pass
+looks up only the pending attempts, so its cost follows the number asked about, never the number
+of live rollouts (docs/ledger.md#phases).
 
 The run is built straight in an embedded PostgreSQL with set-based SQL (25 000 groups of 8, a third
 each turn, sibling and prompt_group level; sealed, returned, dispatched and never-sent rows, 4 Gym
@@ -313,7 +313,7 @@ async def measure_lookup(pg_url: str, coord_url: str, run_id: str, token: str, a
              "SELECT 1 (floor)": floor, "lookup, lean connection": lean_lookup, "still_pending via read_rows": drain_read_rows},
             reps,
         )
-        # Reading 200 000 rows into Python is two orders of magnitude slower still; a few
+        # Reading 200 000 rows into Python is much slower still; a few
         # repetitions on their own are enough, and keep its garbage out of the other figures.
         times.update(await interleaved({"scan (Python filter)": scan_python}, slow_reps, warmup=1))
         async with engine.connect() as conn:

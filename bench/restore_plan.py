@@ -1,9 +1,9 @@
 """Benchmark: restore plan + ledger rewind of a snapshot holding 1 000 000 siblings.
 
-Target (ledger spec 6, architecture "bulk paths"): plan computation plus the rewind of the live
-ledger for 1M siblings (125 000 groups, mixed levels) in <= 3 s and <= 1 GiB peak RSS of this
-process, growing linearly: the time per 100 000 siblings at 1M is compared with the one at 100k,
-measured in the same run.
+Target (docs/ledger.md#restore; bulk work: docs/architecture.md#conventions): plan computation
+plus the rewind of the live ledger for 1M siblings (125 000 groups, mixed levels) in <= 3 s and
+<= 1 GiB peak RSS of this process, growing linearly: the time per 100 000 siblings at 1M is
+compared with the one at 100k, measured in the same run.
 
 The ledger is built straight in an embedded PostgreSQL with set-based SQL: a run per size, its
 live groups, siblings and attempts (a third each turn, sibling and prompt_group level; sealed,
@@ -171,7 +171,7 @@ async def build(engine: Any, run_id: str, n_groups: int) -> None:
 
 class _Breakdown:
     """Where the time goes (``--breakdown``): the cut's loading and every rewind statement over
-    0.1 s, timed around the driver call (SQLAlchemy events) -- a few microseconds per statement."""
+    0.1 s, timed around the driver call (SQLAlchemy events), which adds little per statement."""
 
     def __init__(self, engine: Any) -> None:
         from sqlalchemy import event
@@ -337,7 +337,7 @@ async def verify(engine: Any, run_id: str, counts: dict[str, int], instance_map:
 
 async def calibrate(engine: Any) -> tuple[float, float]:
     """Seconds for a fixed amount of work in Postgres and in Python on this machine, to read the
-    figures against (a current server core: about 0.5 s and 0.4 s)."""
+    figures against."""
     async with engine.connect() as conn:
         t = time.perf_counter()
         await conn.execute(text("SELECT sum(i) FROM generate_series(1, 10000000) AS i"))

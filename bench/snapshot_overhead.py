@@ -471,8 +471,9 @@ async def admit_and_dispatch(base: str, run_id: str, token: str, gyms: list[Any]
 async def drive_snapshot(
     base: str, run_id: str, token: str, sid: str, capture_dir: Path, timeout: float, delta: bool = True, poll_s: float | None = None
 ) -> dict[str, Any]:
-    """The trainer's side of section 5, timed: request, wait (a long poll, as the client does; a
-    poll every ``poll_s`` if given), barrier (the cut), capture, captured."""
+    """The trainer's side of a snapshot (docs/ledger.md#phases), timed: request, wait (a long
+    poll, as the client does; a poll every ``poll_s`` if given), barrier (the cut), capture,
+    captured."""
     h = {"Authorization": f"Bearer {token}"}
     out: dict[str, Any] = {}
     marks: dict[str, float] = {}

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="published",
         help="how the gymsim deployment behaves: 'published' (default) as NeMo Gym's published control code does, "
         "'pinned' as that code with agents that name their /run sessions among every export (the Gym NeMo RL pins), "
-        "'strict' as the protocol specification's sections 1-11 describe",
+        "'strict' as the protocol describes it (docs/gym-protocol.md#the-strict-profile)",
     )
     p.add_argument(
         "--scenario",

@@ -147,7 +147,7 @@ def check_instance_map(
     continued_by_live: Mapping[str, int],
     reasons: Mapping[str, Mapping[str, int]],
 ) -> Check:
-    """A restore into another topology (ledger section 6.1): every episode a mapped saved instance
+    """A restore into another topology (docs/ledger.md#another-gym-topology): every episode a mapped saved instance
     exported continues on the live instance it is mapped to, none continues anywhere else, and
     every episode of an unmapped saved instance restarts with reason ``instance_not_mapped``."""
     problems = []

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 # The group mix of every step, in order. Each kind reaches its restore level through the run's
-# override maps (spec section 3): turn is the run's target level, sibling comes from the task
+# override maps (docs/ledger.md#recovery-configuration): turn is the run's target level, sibling comes from the task
 # source, prompt_group from the agent name.
 KINDS = ("turn", "sibling", "turn", "prompt_group")
 _TASK_SOURCE = {"turn": "calendar", "sibling": "retrieval", "prompt_group": "calendar"}
@@ -249,7 +249,7 @@ class RestoreReport:
     continued: list[dict[str, Any]]  # {rollout_id, capture_key, instance_id, group_id, generation_index}
     refused_not_fresh: list[list[str]]  # instance lists named by each gym_not_fresh refusal
     reused_missing_from_capture: list[str]
-    # rows per disposition and reason (ledger section 6.2); empty from a coordinator without them
+    # rows per disposition and reason (docs/ledger.md#row-reasons); empty from a coordinator without them
     plan_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -613,7 +613,8 @@ class Trainer:
 
     async def _start_late_snapshot(self, step: int) -> asyncio.Task[None]:
         """A snapshot requested while this step is being trained: its barrier waits for the
-        optimizer, so the train step commits first and the snapshot is aborted (spec 5.7)."""
+        optimizer, so the train step commits first and the snapshot is aborted
+        (docs/ledger.md#outcomes-and-reasons)."""
         rec = self._new_snapshot_record(step, self.last_announced, "late")
         # Requested here, before the announcement, so the coordinator sees it as a live snapshot
         # that loses to the train step (the helper's own request repeats the same id).

@@ -4,7 +4,7 @@ Each step admits prompt groups, dispatches their rows, sends them to Gym's /run 
 comes back; it takes a snapshot while the rows are still in flight, trains on the step's groups,
 checkpoints and announces the train step. Kill it at any point, even during its own recovery,
 and start it again with the same --work-dir: it restores the newest snapshot and finishes, each
-group trained once. The README's "A trainer of your own" walks through it.
+group trained once. docs/trainer.md walks through it.
 """
 
 import argparse, hashlib, json, os, threading

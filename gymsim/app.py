@@ -21,7 +21,8 @@ from .wire import BODY_MODELS, ProtocolError, RolloutId, is_valid_capture_key
 
 _SERVER_PATH = re.compile(r"^/s/([^/]+)/")
 
-# Commit and restore scopes can name hundreds of thousands of episodes (spec 2: at least 64 MiB).
+# Commit and restore scopes can name hundreds of thousands of episodes (at least 64 MiB must be
+# taken; docs/gym-protocol.md#transport).
 MAX_BODY_BYTES = 256 * 1024 * 1024
 
 
@@ -115,7 +116,7 @@ def create_app(instance: Instance, *, on_ready: Callable[[Instance], None] | Non
 
     def authorize(request: Request) -> None:
         header = request.headers.get("authorization")
-        # Constant-time comparison of the whole header (spec 2).
+        # Constant-time comparison of the whole header (docs/gym-protocol.md#transport).
         if header is None or not hmac.compare_digest(header.encode("latin-1", "replace"), expected_auth):
             raise ProtocolError("unauthorized", "missing or wrong bearer token")
 

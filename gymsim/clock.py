@@ -31,7 +31,7 @@ class Notifier:
 
 class Clock:
     # Waits never block longer than this on one wake-up, so every waiter re-checks at least once a
-    # second (prepare must re-check readiness that often, 5.2).
+    # second (prepare must re-check readiness that often, docs/gym-protocol.md#prepare).
     MAX_WAIT = 1.0
 
     def __init__(self, notifier: Notifier) -> None:

@@ -18,14 +18,15 @@ BrokenBehaviour = Literal[
     "ignore_stale_attempt",
 ]
 FaultType = Literal["delay", "slow_reply", "error", "reset", "lost_reply", "refuse"]
-# `published`: how the NeMo Gym control code that is actually public behaves (spec section 13);
+# `published`: how the NeMo Gym control code that is actually public behaves;
 # `pinned`: published, with agents that report `run_episode_ids` for every /run session they
-# export, in the scope or not (the Gym NeMo RL pins, P8); `strict`: sections 1-11 of the spec.
-# README.md lists every difference.
+# export, in the scope or not (the Gym NeMo RL pins, P8); `strict`: the protocol to the letter.
+# docs/gym-protocol.md#gym-variants describes them; README.md lists every difference.
 GymProfile = Literal["published", "pinned", "strict"]
 # Profiles that behave as published Gym in everything but what they name as their own.
 PUBLISHED_PROFILES = frozenset({"published", "pinned"})
-# The error-code spelling each profile emits unless `wire_spelling` says otherwise (spec 10, P6).
+# The error-code spelling each profile emits unless `wire_spelling` says otherwise (P6,
+# docs/gym-protocol.md#error-codes).
 PROFILE_SPELLING: dict[str, Spelling] = {"published": "legacy", "pinned": "legacy", "strict": "current"}
 ServerName = Annotated[str, StringConstraints(pattern=NAME_PATTERN, min_length=1, max_length=128)]
 Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -64,7 +65,8 @@ class FaultSpec(_Strict):
 class ServerKnobs(_Strict):
     """Scenario knobs of one server; all of them can also be changed at runtime (admin API)."""
 
-    # model: responses that become ready while a checkpoint is open wait for resume (5.2).
+    # model: responses that become ready while a checkpoint is open wait for resume
+    # (docs/gym-protocol.md#prepare).
     hold_responses: bool = True
     # model: time to compute a completion before it is ready to deliver.
     model_latency_seconds: Seconds = 0.0

@@ -1,4 +1,5 @@
-"""An async harness for checking a Gym deployment against the participant (P) checklist.
+"""An async harness for checking a Gym deployment against the participant (P) checklist
+(docs/gym-protocol.md#conformance).
 
 `Harness` drives one running `GymsimInstance` over real HTTP: control calls with the instance's
 token, deadlines on the participant's clock (it tracks the admin clock offset), the data plane of
@@ -28,8 +29,8 @@ PARTICIPANTS = (MODEL, AGENT, RESOURCES)
 STAGES = (MODEL, AGENT, RESOURCES)  # prepare order; resume goes the other way
 OPS = ("prepare", "renew", "commit", "resume", "restore", "retire", "forget")
 
-# Section 10, restated here so that checks do not take their expectations from the implementation:
-# legacy code -> (current spelling, HTTP status).
+# The table of docs/gym-protocol.md#error-codes, restated here so that checks do not take their
+# expectations from the implementation: legacy code -> (current spelling, HTTP status).
 SPEC_CODES = {
     "unauthorized": ("checkpoint_unauthorized", 401),
     "stale_checkpoint": ("checkpoint_stale_checkpoint", 409),
@@ -307,7 +308,7 @@ class InstanceCache:
 
     def close(self) -> None:
         # Side by side: each stop waits for its server's shutdown, and a session's worth of
-        # them one after another took most of a minute.
+        # them one after another adds up to a long wait.
         if self._all:
             with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(self._all))) as pool:
                 list(pool.map(GymsimInstance.stop, self._all))

@@ -87,7 +87,8 @@ class Instance:
             self._http = None
 
     async def _check_leases(self) -> None:
-        # Leases also expire while nobody calls: an idle deployment reopens on its own (spec 6).
+        # Leases also expire while nobody calls: an idle deployment reopens on its own
+        # (docs/gym-protocol.md#leases-and-renewals).
         while True:
             await asyncio.sleep(LEASE_CHECK_SECONDS)
             self.check_leases()

@@ -88,7 +88,7 @@ class ModelParticipant(Participant):
         self.served = True
         restored = self.claim((rollout_id, attempt))
         if restored is not None:
-            # Keys carried over from attempt N belong to N+1 as well (5.4).
+            # Keys carried over from attempt N belong to N+1 as well (docs/gym-protocol.md#commit).
             self.ledgers[key] = list(restored.get("staging_keys", []))
         turn = body.get("turn") if isinstance(body, dict) else None
         call = Call(key, rollout_id, attempt, turn if type(turn) is int and turn >= 0 else None)

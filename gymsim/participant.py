@@ -1,4 +1,4 @@
-"""The per-participant phase machine of spec section 4, shared by every kind.
+"""The per-participant phase machine (docs/gym-protocol.md#participant-phases), shared by every kind.
 
 Kind-specific behaviour (what blocks readiness, what is in flight, what an export holds, how a
 record is installed, how work is stopped) lives in the subclasses in `kinds.py`. Sections under
@@ -78,8 +78,9 @@ class InstallJob:
 
 
 class Participant:
-    # What published Gym does differently per kind (spec 13, README "gym_profile"); consulted only
-    # when `self.published`.
+    # What published Gym does differently per kind (rules P1 to P8 of
+    # docs/gym-protocol.md#what-differs-rule-by-rule; README "gym_profile"); consulted only when
+    # `self.published`.
     PUBLISHED_REPORTS_MODE = True  # model and agent status carry no `mode` (P3)
     PUBLISHED_EXPORTS_LIVE_OUTSIDE_SCOPE = False  # agent and resources export every live session (P2)
     PUBLISHED_RESTART_ONLY_STAYS_OPEN = False  # restart_only agent and resources never close admission
@@ -226,7 +227,8 @@ class Participant:
             self.lease_expires_at = candidate
 
     def check_lease(self) -> None:
-        """Expire the lease if it is due: the participant resumes itself (spec 6)."""
+        """Expire the lease if it is due: the participant resumes itself
+        (docs/gym-protocol.md#leases-and-renewals)."""
         if self.phase == "idle" or self.lease_expires_at is None or self.broken("lease_never_expires"):
             return
         if self.clock.now() >= self.lease_expires_at:
@@ -242,7 +244,8 @@ class Participant:
             self._end_checkpoint()
 
     def _end_checkpoint(self) -> None:
-        """Resume and lease expiry: stop the writer, reopen, remember the id (spec 4, 5.5)."""
+        """Resume and lease expiry: stop the writer, reopen, remember the id
+        (docs/gym-protocol.md#participant-phases, docs/gym-protocol.md#resume)."""
         job = self.export_job
         if job is not None:
             job.capture.cancel()
@@ -259,7 +262,8 @@ class Participant:
         self.notifier.notify()
 
     def _precheck(self, checkpoint_id: str, op: str, args: Any) -> dict[str, Any] | None:
-        """Checks 1-3 of section 4; returns a stored reply to replay, or None to go on."""
+        """The first three checks of docs/gym-protocol.md#participant-phases; returns a stored reply
+        to replay, or None to go on."""
         if checkpoint_id in self.resumed:
             raise ProtocolError("stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed or its lease expired")
         if self.active_id is not None and self.active_id != checkpoint_id:
@@ -379,7 +383,8 @@ class Participant:
     # ------------------------------------------------------------------ data plane
 
     def admit(self, rollout_id: str, attempt: int) -> None:
-        """Admission of new data-plane work (spec 7 and 9): marks first, then the checkpoint gate."""
+        """Admission of new data-plane work: marks first, then the checkpoint gate
+        (docs/gym-protocol.md#marks-retire-and-forget, docs/gym-protocol.md#data-plane-refusals)."""
         self.check_lease()
         if self.is_marked(rollout_id, attempt):
             raise ProtocolError(
@@ -742,7 +747,7 @@ class Participant:
         return list(states)
 
     def _idle_or_restored(self, checkpoint_id: str, op: str) -> None:
-        """Retire and forget: phase first, then the id (section 4)."""
+        """Retire and forget: phase first, then the id (docs/gym-protocol.md#participant-phases)."""
         if self.phase in ("preparing", "prepared", "committed"):
             if not self.broken("retire_while_open"):
                 raise ProtocolError("invalid_phase", f"{op} while checkpoint {self.active_id} is open: resume first")

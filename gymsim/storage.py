@@ -1,4 +1,5 @@
-"""Participant state on the shared filesystem (spec 8.1): a records file, then the manifest.
+"""Participant state on the shared filesystem (docs/gym-protocol.md#the-gym-manifest): a records
+file, then the manifest.
 
 The records file is streamed to a temporary name while hashing, fsynced and renamed to its
 content-addressed name; the manifest is published last through a hard link, which fails when a
@@ -179,7 +180,7 @@ class Loaded:
 def read_participant_state(
     checkpoint_dir: str, *, kind: str, name: str, scope: set[tuple[str, int]]
 ) -> Loaded:
-    """Read and verify a participant directory in one streaming pass (spec 8.1, "Reading")."""
+    """Read and verify a participant directory in one streaming pass."""
     base = check_checkpoint_dir(checkpoint_dir)
     directory = participant_dir(base, kind, name)
     manifest = read_manifest(directory)

@@ -103,7 +103,8 @@ class CommitBodyWithoutStop(_Body):
     deadline_ts: DeadlineTs
     checkpoint_dir: Annotated[str, StringConstraints(min_length=1, max_length=4096)]
     # Optional at the schema level so that a model can answer a missing scope with the protocol's
-    # own checkpoint_error (5.4); the other kinds export everything they hold, as older Gym did.
+    # own checkpoint_error (docs/gym-protocol.md#commit); the other kinds export everything they
+    # hold, as older Gym did.
     episode_ids: list[EpisodeRef] | None = None
 
 
@@ -142,8 +143,8 @@ BODY_MODELS: dict[str, type[_Body]] = {
 CONTROL_OPS = ("status", *BODY_MODELS)
 
 # ---------------------------------------------------------------------------------------------
-# Error codes (section 10). Internally every refusal is named by its legacy code; the instance's
-# wire_spelling picks the emitted form.
+# Error codes (docs/gym-protocol.md#error-codes). Internally every refusal is named by its legacy
+# code; the instance's wire_spelling picks the emitted form.
 
 Spelling = Literal["current", "legacy"]
 
@@ -178,7 +179,7 @@ CURRENT_CODES = tuple(_CURRENT.values())
 
 
 def normalize_code(code: str) -> str:
-    """Map any spelling of a section-10 code to its legacy name; unknown codes are returned as is."""
+    """Map any spelling of a protocol error code to its legacy name; unknown codes are returned as is."""
     for legacy, current in _CURRENT.items():
         if code == current:
             return legacy
@@ -201,7 +202,7 @@ def http_status(code: str) -> int:
 
 
 class ProtocolError(Exception):
-    """A refusal with a section-10 code (legacy name), rendered as the error envelope."""
+    """A refusal with a protocol error code (legacy name), rendered as the error envelope."""
 
     def __init__(self, code: str, detail: str, status: int | None = None) -> None:
         super().__init__(f"{code}: {detail}")

@@ -2,7 +2,7 @@
 
 ``serve``, ``migrate`` and ``import-ledger`` are the service's (``checkpoint_coordinator.cli``);
 ``demo`` (``ckpt_demo``) and ``gymsim`` are packages of their own that the service must not import
-(architecture.md, "Direction of imports"), and the operator commands ``restore-plan`` and
+(docs/architecture.md#layering), and the operator commands ``restore-plan`` and
 ``snapshots`` are HTTP clients of a running coordinator (``ckpt_client.ops``). This module is the one place that knows all of them:
 it hands the tools to the service's command line, which lists and dispatches them.
 """

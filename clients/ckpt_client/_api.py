@@ -139,7 +139,7 @@ class Api:
     def close_run(self) -> Flow[Run]:
         return Run.parse((yield from self._call(RequestSpec("POST", self._run_path("/close")))))
 
-    # ---------------------------------------------------------------------------- section 4
+    # ------------------------------------------------- live rollouts (docs/ledger.md#live-rollouts)
 
     def admit_groups(self, groups: Iterable[Any], batch_size: int | None) -> Flow[AdmitResult]:
         docs = [row_json(g, "GroupSpec") for g in groups]
@@ -259,7 +259,7 @@ class Api:
             params["after"] = after
         return OutboxPage.parse((yield from self._call(RequestSpec("GET", self._run_path("/outbox"), params=params))))
 
-    # ---------------------------------------------------------------------------- section 5
+    # --------------------------------------------------------- snapshots (docs/ledger.md#snapshots)
 
     def announce_train_step(self, step: int, checkpoint_ref: str | None) -> Flow[TrainStep]:
         body: dict[str, Any] = {"step": step}
@@ -374,7 +374,7 @@ class Api:
     def stop_snapshot(
         self, step: int, capture: Callable[[list[str]], Any], snapshot_id: str | None, barrier: Callable[[], Any] | None, poll_interval: float, deadline_s: float
     ) -> Flow[Snapshot]:
-        """A stopping snapshot (ledger section 5.1) within ``deadline_s`` seconds."""
+        """A stopping snapshot (docs/ledger.md#stopping-snapshots) within ``deadline_s`` seconds."""
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
         # The client waits a moment longer than the coordinator's deadline, to read its verdict.
@@ -391,7 +391,8 @@ class Api:
         stop: bool = False,
         deadline_s: float | None = None,
     ) -> Flow[Snapshot]:
-        """The trainer's side of spec section 5, from request to a terminal outcome.
+        """The trainer's side of a snapshot (docs/ledger.md#phases), from request to a terminal
+        outcome.
 
         request -> poll until the coordinator awaits the barrier (or the snapshot ended) ->
         [enter ``barrier``] POST barrier -> ``capture(staging_keys)`` [exit ``barrier``] ->
@@ -466,7 +467,7 @@ class Api:
             after = yield from self.get_snapshot(snap.snapshot_id, give_up_at=give_up_at)
         return after
 
-    # ---------------------------------------------------------------------------- section 6
+    # ------------------------------------------------------------- restore (docs/ledger.md#restore)
 
     def register_gym_instances(self, instances: Iterable[Any]) -> Flow[GymRegistration]:
         body = {"instances": [row_json(i, "GymInstance") for i in instances]}
@@ -493,7 +494,7 @@ class Api:
         if include_reused:
             params["include_reused"] = "true"
         # The largest page the server gives: every page recomputes the plan, so fewer, larger
-        # pages are what make a big plan cheap to fetch (bench/README.md, restore_plan).
+        # pages are what make a big plan cheap to fetch (docs/api.md#pages).
         params["limit"] = PLAN_PAGE_ROWS
         path = self._run_path("/restore-plan")
         doc = yield from self._call(RequestSpec("GET", path, params=params))

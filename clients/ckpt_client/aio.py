@@ -177,7 +177,7 @@ class AsyncCoordinatorClient:
     async def close_run(self) -> Run:
         return await self._drive(self._api.close_run())
 
-    # ---------------------------------------------------------------------------- section 4
+    # ------------------------------------------------- live rollouts (docs/ledger.md#live-rollouts)
 
     async def admit_groups(self, groups: Iterable[GroupSpec | Mapping[str, Any]], *, batch_size: int | None = None) -> AdmitResult:
         """Admit prompt groups; answers each group's rows to send (repeats answer the same ids)."""
@@ -238,7 +238,7 @@ class AsyncCoordinatorClient:
     async def outbox(self, *, limit: int = 100, after: int | None = None) -> OutboxPage:
         return await self._drive(self._api.outbox(limit, after))
 
-    # ---------------------------------------------------------------------------- section 5
+    # --------------------------------------------------------- snapshots (docs/ledger.md#snapshots)
 
     async def announce_train_step(self, step: int, checkpoint_ref: str | None = None) -> TrainStep:
         """A trainer checkpoint for ``step`` committed (create-or-return). A snapshot anchored
@@ -264,7 +264,7 @@ class AsyncCoordinatorClient:
 
     async def snapshot_history(self, *, limit: int | None = None, page_size: int = 0) -> list[Snapshot]:
         """The run's snapshots, newest first, with their phase timings, outcome, reason and
-        per-instance Gym figures (ledger section 5.2): ``limit`` of them, or all; the server's
+        per-instance Gym figures (docs/ledger.md#snapshot-history): ``limit`` of them, or all; the server's
         pages (``page_size`` snapshots each, 0: the largest it gives) are joined."""
         return await self._drive(self._api.snapshot_history(limit, page_size))
 
@@ -325,14 +325,14 @@ class AsyncCoordinatorClient:
         poll_interval: float = 0.1,
     ) -> Snapshot:
         """A stopping snapshot, for the signal handler of a trainer whose allocation ends
-        (ledger section 5.1): taken like :meth:`snapshot` but within ``deadline_s`` seconds,
+        (docs/ledger.md#stopping-snapshots): taken like :meth:`snapshot` but within ``deadline_s`` seconds,
         with Gym left parked after the cut and dispatch refused (``run_stopped``) until a
         restore or :meth:`reopen`. Anchor it on the newest announced step. Returns the published
         snapshot; raises :class:`SnapshotFailed` (``deadline_exceeded`` when it could not make
         it: the previous snapshot stays authoritative)."""
         return await self._drive(self._api.stop_snapshot(step, capture, snapshot_id, barrier, poll_interval, deadline_s))
 
-    # ---------------------------------------------------------------------------- section 6
+    # ------------------------------------------------------------- restore (docs/ledger.md#restore)
 
     async def register_gym_instances(self, instances: Iterable[GymInstance | Mapping[str, Any]]) -> GymRegistration:
         return await self._drive(self._api.register_gym_instances(instances))
@@ -354,7 +354,7 @@ class AsyncCoordinatorClient:
         """The plan for the newest published snapshot anchored at or before ``step`` (or the
         named one), every page joined. A preview: :meth:`restore` applies it. ``instance_map``
         ``{saved instance: live instance}`` restores into a deployment of another shape
-        (ledger section 6.1)."""
+        (docs/ledger.md#another-gym-topology)."""
         return await self._drive(self._api.restore_plan(step, snapshot_id, with_gym_state, include_reused, instance_map))
 
     async def restore(

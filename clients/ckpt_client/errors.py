@@ -141,8 +141,9 @@ class RefusedRow:
 
 
 class RunStopped(Conflict):
-    """409 ``run_stopped``: a stopping snapshot ended dispatch for this allocation (ledger
-    section 5.1). It stays refused until a restore or ``reopen()``; waiting does not help."""
+    """409 ``run_stopped``: a stopping snapshot ended dispatch for this allocation
+    (docs/ledger.md#stopping-snapshots). It stays refused until a restore or ``reopen()``;
+    waiting does not help."""
 
     default_code = "run_stopped"
 

@@ -254,7 +254,7 @@ def row_json(row: Any, what: str) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Section 4 results
+# Live rollout results (docs/ledger.md#live-rollouts)
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ class SendRow:
         d = _obj(doc, "row")
         rid = str(_req(d, "rollout_id", "row"))
         gym_attempt = _int(d.get("gym_attempt"))
-        # The capture key is derivable (spec section 1); tolerate an answer that omits it.
+        # The capture key is derivable (docs/ledger.md#identifiers); tolerate an answer that omits it.
         ck = d.get("capture_key") or (rid if gym_attempt == 0 else f"{rid}-a{gym_attempt}")
         return cls(
             group_id=str(d.get("group_id", "")),
@@ -656,7 +656,7 @@ class Run:
 
 
 # --------------------------------------------------------------------------------------------
-# Snapshots (section 5)
+# Snapshots (docs/ledger.md#snapshots)
 
 TERMINAL_OUTCOMES = frozenset({"published", "failed", "aborted"})
 
@@ -815,7 +815,7 @@ class TrainStep:
 
 
 # --------------------------------------------------------------------------------------------
-# Restore (section 6)
+# Restore (docs/ledger.md#restore)
 
 
 @dataclass(frozen=True)
@@ -835,7 +835,7 @@ class PlanRow:
     instance_id: str | None
     replaces_rollout_id: str | None = None
     staging_keys: list[str] | None = None
-    # Why the row does what it does (ledger section 6.2), e.g. ``exported_by_gym``.
+    # Why the row does what it does (docs/ledger.md#row-reasons), e.g. ``exported_by_gym``.
     reason: str | None = None
     raw: Json = field(default_factory=dict, repr=False, compare=False)
 
@@ -881,7 +881,7 @@ class RestorePlan:
 
     @property
     def reasons(self) -> dict[str, dict[str, int]]:
-        """Rows per disposition and reason over the whole plan (ledger section 6.2)."""
+        """Rows per disposition and reason over the whole plan (docs/ledger.md#row-reasons)."""
         return {str(d): {str(r): _int(n) for r, n in _dict(v).items()} for d, v in _dict(self.raw.get("reasons")).items()}
 
     @classmethod

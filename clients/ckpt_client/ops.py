@@ -103,7 +103,7 @@ def _parser(command: str, description: str) -> argparse.ArgumentParser:
 def restore_plan_parser() -> argparse.ArgumentParser:
     p = _parser(
         "restore-plan",
-        "Print the restore plan of a run without applying it (ledger sections 6, 6.1, 6.2): the snapshot "
+        "Print the restore plan of a run without applying it (docs/ledger.md#restore): the snapshot "
         "it would restore, its anchor step and data-plane reference, the rows per disposition and per reason, and "
         "what each row would do.",
     )
@@ -125,7 +125,7 @@ def restore_plan_parser() -> argparse.ArgumentParser:
 def snapshots_parser() -> argparse.ArgumentParser:
     p = _parser(
         "snapshots",
-        "Print a run's snapshot history, newest first (ledger section 5.2): outcome and reason, phase "
+        "Print a run's snapshot history, newest first (docs/ledger.md#snapshot-history): outcome and reason, phase "
         "timings, seconds Gym was parked, and per Gym instance its participants, exported episodes (and those outside "
         "the commit scope), restarts, staging keys and the slowest participant of each phase.",
     )

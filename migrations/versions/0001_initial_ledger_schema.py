@@ -287,7 +287,7 @@ def upgrade() -> None:
         "FOR EACH STATEMENT EXECUTE FUNCTION prompt_groups_drop_children()"
     )
     # The cut's staging keys are written at the barrier while Gym is parked: stored out of line but
-    # not compressed, because compressing them lengthened the park (bench/README.md).
+    # not compressed, because compressing them lengthened the park.
     op.execute("ALTER TABLE snapshots ALTER COLUMN cut_staging_keys SET STORAGE EXTERNAL")
     op.execute(SNAPSHOT_GROUPS_VIEW)
     op.execute(SNAPSHOT_ATTEMPTS_VIEW)

@@ -2,7 +2,7 @@
 
 The rows an applied restore answers move from one JSON document on ``restores.result`` to
 ``restore_row_chunks`` (column arrays of up to 10 000 rows, read back by page): at a million
-siblings the document cost ~9 s to build and store and made a ~120 MB answer.
+siblings the document was slow to build and store, and too large to answer in one piece.
 
 Revision ID: 0002
 Revises: 0001

@@ -1,6 +1,6 @@
 """restore answers say why each row does what it does
 
-Every row a restore answers carries a reason (ledger spec 6.2); the stored answer chunks get a
+Every row a restore answers carries a reason (docs/ledger.md#row-reasons); the stored answer chunks get a
 column of them. Chunks stored before have none (their rows answer a null reason).
 
 Revision ID: 0005

@@ -1,6 +1,6 @@
 """stopping snapshots: a snapshot may stop the run (Gym left parked, dispatch refused) by a deadline
 
-A stopping snapshot (recovery-ledger.md section 5.1) is recorded as such (``stop``) with the
+A stopping snapshot (docs/ledger.md#stopping-snapshots) is recorded as such (``stop``) with the
 moment it must have ended by (``deadline_at``), so that whichever replica drives it, or takes it
 over, applies the same rules.
 

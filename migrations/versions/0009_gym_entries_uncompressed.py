@@ -1,7 +1,7 @@
 """snapshot gym entries stored uncompressed
 
 The last instance's entry is written while Gym is parked and the trainer waits for the barrier;
-compressing a few hundred kilobytes of JSON was about half of that write. The rows live only
+compressing its JSON was a large part of that write. The rows live only
 while their snapshot is pending.
 
 Revision ID: 0009

@@ -2,7 +2,7 @@
 
 The new keys of the last instance's Gym entry (a few thousand) are written while Gym is parked,
 by the move to data_plane. PostgreSQL's compression of such arrays of distinct keys saves
-nothing on such arrays and more than doubled the write (bench/README.md); the barrier's own
+nothing on such arrays and only made the write slower; the barrier's own
 arrays are stored so since 0008.
 
 Revision ID: 0010

@@ -2,10 +2,10 @@
 
 A pre-cut's key rows are written after it commits, beside Gym's commit and the moves that follow
 it; their log (about as much as the rows) was flushed by the next flushed commit, the move to
-data_plane or the barrier, while Gym stood parked (bench/README.md). They are an index the
-barrier counts changed keys against (and a Gym entry's keys when they were not found before it);
-a barrier that needs them and finds none copies the whole run, and the cut's keys are then read
-from its rows. A crash that empties the table (what PostgreSQL does to an unlogged table) loses
+data_plane or the barrier, while Gym stood parked (docs/deviations.md#unflushed-snapshot-writes).
+They are an index the barrier counts changed keys against (and a Gym entry's keys when they were
+not found before it); a barrier that needs them and finds none copies the whole run, and the cut's
+keys are then read from its rows. A crash that empties the table (what PostgreSQL does to an unlogged table) loses
 nothing.
 
 Revision ID: 0011

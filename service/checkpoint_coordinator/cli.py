@@ -49,14 +49,12 @@ def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
         prog="ckpt-coordinator",
         description="Checkpoint coordinator: crash recovery for long multi-turn RL rollouts "
         "(Postgres recovery ledger + NeMo Gym checkpoint control).",
-        epilog="Settings come from CKPTC_* environment variables; see the README's configuration table.",
+        epilog="Settings come from CKPTC_* environment variables; see docs/configuration.md#settings.",
     )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     s = sub.add_parser(
-        "serve",
-        help="run the HTTP service",
-        description="Run the coordinator's HTTP API. Without CKPTC_DATABASE_URL an embedded PostgreSQL "
+        "serve", help="run the HTTP service", description="Run the coordinator's HTTP API. Without CKPTC_DATABASE_URL an embedded PostgreSQL "
         "is started in the data directory, migrated to head, and stopped again on exit.",
     )
     s.add_argument("--host", help="listen address (CKPTC_HOST, default 127.0.0.1)")
@@ -73,9 +71,7 @@ def _parser(commands: Mapping[str, Delegated]) -> argparse.ArgumentParser:
     t.add_argument("--data-dir", type=Path, help="the data directory (CKPTC_DATA_DIR)")
 
     m = sub.add_parser(
-        "migrate",
-        help="upgrade (or downgrade) a database schema",
-        description="Apply the ledger migrations to CKPTC_DATABASE_URL (or --database-url); without either, "
+        "migrate", help="upgrade (or downgrade) a database schema", description="Apply the ledger migrations to CKPTC_DATABASE_URL (or --database-url); without either, "
         "to the embedded database in the data directory.",
     )
     m.add_argument("--database-url", help="PostgreSQL URL; overrides CKPTC_DATABASE_URL")
@@ -190,17 +186,9 @@ def _lock_timed_out(error: BaseException) -> bool:
     """A DDL statement waited for a table lock past the lock timeout (worth another run)."""
     import psycopg
 
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, psycopg.errors.LockNotAvailable):
-            return True
-        stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
-    return False
+    from .ledger.db import error_chain
+
+    return any(isinstance(e, psycopg.errors.LockNotAvailable) for e in error_chain(error))
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:

@@ -1,6 +1,6 @@
 """Service settings, read from the environment with the ``CKPTC_`` prefix.
 
-Every setting is listed in the README's configuration table; keep the two in step.
+Every setting is listed in the table of docs/configuration.md#settings; keep the two in step.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ MIN_ADMIN_TOKEN_CHARS = 32
 # Where ``serve`` with the embedded database keeps the admin token it generated (data_dir).
 ADMIN_TOKEN_FILE = "admin-token"
 
-# A ledger must survive a crash at every committed change (spec section 2).
+# A ledger must survive a crash at every committed change (docs/ledger.md#the-promise).
 _DURABILITY_SETTINGS = frozenset(
     {"fsync", "synchronous_commit", "full_page_writes", "wal_level", "wal_sync_method", "data_sync_retry"}
 )
@@ -83,22 +83,18 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     # Stable across restarts of the process (the pod name in Kubernetes): a restarted coordinator
-    # recognises the snapshots it owned and ends them (ledger section 5, last paragraph).
+    # recognises the snapshots it owned and ends them (docs/ledger.md#outcomes-and-reasons).
     coordinator_id: str = Field(default_factory=lambda: os.uname().nodename, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     ownership_lease_s: float = Field(default=30.0, gt=0)
     outbox_poll_s: float = Field(default=1.0, gt=0)
     snapshot_poll_s: float = Field(
-        default=1.0,
-        gt=0,
-        description="How often a running snapshot reads its own progress when no event came (trainer handshakes "
+        default=1.0, gt=0, description="How often a running snapshot reads its own progress when no event came (trainer handshakes "
         "arrive as PostgreSQL notifications; this is the fallback).",
     )
     outbox_max_backoff_s: float = Field(default=60.0, gt=0)
     gate_retry_after_s: float = Field(default=1.0, gt=0)
     run_token_cache_s: float = Field(
-        default=2.0,
-        ge=0,
-        description="How long an accepted run token's stored hash is reused for later requests (0: read it every time). "
+        default=2.0, ge=0, description="How long an accepted run token's stored hash is reused for later requests (0: read it every time). "
         "A rotation through this process takes effect at once; through another replica within this time.",
     )
     background_workers: bool = Field(default=True, description="Run the outbox and lease workers in this process.")

@@ -32,57 +32,18 @@ class CoordinatorError(Exception):
         return body
 
 
-class BadRequest(CoordinatorError):
-    code, status, title = "invalid_request", 422, "Invalid request"
-
-
-class InvalidConfig(CoordinatorError):
-    code, status, title = "invalid_config", 422, "Invalid recovery configuration"
-
-
-class Unauthorized(CoordinatorError):
-    code, status, title = "unauthorized", 401, "Missing or malformed bearer token"
-
-
-class Forbidden(CoordinatorError):
-    code, status, title = "forbidden", 403, "Token does not grant access to this resource"
-
-
-class RequestTimeout(CoordinatorError):
-    code, status, title = "request_timeout", 408, "Request timeout"
-
-
-class TooManyRequests(CoordinatorError):
-    code, status, title = "too_many_requests", 429, "Too many requests"
-
-
-class NotFound(CoordinatorError):
-    code, status, title = "not_found", 404, "Not found"
-
-
-class Conflict(CoordinatorError):
-    code, status, title = "conflict", 409, "Conflicting request"
-
-
-class RunClosed(Conflict):
-    code, title = "run_closed", "Run is closed"
-
-
-class GateClosed(CoordinatorError):
-    code, status, title = "gate_closed", 409, "Dispatch gate closed by a snapshot"
-
-
-class RunStopped(CoordinatorError):
-    code, status, title = "run_stopped", 409, "Run stopped by a stopping snapshot"
-
-
-class Fenced(CoordinatorError):
-    code, status, title = "fenced", 409, "Run epoch changed under this request"
-
-
-class TooLarge(CoordinatorError):
-    code, status, title = "payload_too_large", 413, "Request body too large"
-
-
-class Unavailable(CoordinatorError):
-    code, status, title = "unavailable", 503, "Service unavailable"
+# The refusals, one a line: the class, its stable code, (HTTP status,) title.
+class BadRequest(CoordinatorError): code, status, title = "invalid_request", 422, "Invalid request"
+class InvalidConfig(CoordinatorError): code, status, title = "invalid_config", 422, "Invalid recovery configuration"
+class Unauthorized(CoordinatorError): code, status, title = "unauthorized", 401, "Missing or malformed bearer token"
+class Forbidden(CoordinatorError): code, status, title = "forbidden", 403, "Token does not grant access to this resource"
+class RequestTimeout(CoordinatorError): code, status, title = "request_timeout", 408, "Request timeout"
+class TooManyRequests(CoordinatorError): code, status, title = "too_many_requests", 429, "Too many requests"
+class NotFound(CoordinatorError): code, status, title = "not_found", 404, "Not found"
+class Conflict(CoordinatorError): code, status, title = "conflict", 409, "Conflicting request"
+class RunClosed(Conflict): code, title = "run_closed", "Run is closed"
+class GateClosed(CoordinatorError): code, status, title = "gate_closed", 409, "Dispatch gate closed by a snapshot"
+class RunStopped(CoordinatorError): code, status, title = "run_stopped", 409, "Run stopped by a stopping snapshot"
+class FencedWrite(CoordinatorError): code, status, title = "fenced", 409, "Run epoch changed under this request"
+class TooLarge(CoordinatorError): code, status, title = "payload_too_large", 413, "Request body too large"
+class Unavailable(CoordinatorError): code, status, title = "unavailable", 503, "Service unavailable"

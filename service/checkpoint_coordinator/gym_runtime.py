@@ -3,8 +3,8 @@
 :func:`make_client` is the one way to build a Gym control client for a run: its budgets come
 from the run's typed recovery config. :class:`GymClients` keeps one per run, since a client
 remembers the checkpoint ids it issued. The topology comes from the ledger, not a fresh
-discovery: discovery runs at registration and before a restore (protocol section 3), not before
-every snapshot.
+discovery: discovery runs at registration and before a restore (docs/gym-protocol.md#discover),
+not before every snapshot.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stopping snapshots (recovery-ledger.md section 5.1) through the real client, against the live
+"""Stopping snapshots (docs/ledger.md#stopping-snapshots) through the real client, against the live
 coordinator and gymsim over HTTP: the snapshot publishes and leaves Gym parked, dispatch is refused
 ``run_stopped`` until a restore or a reopen, a deadline too short aborts it cleanly, and a Gym that
 refuses ``stop`` (published profile) still gets a published snapshot that says so."""

@@ -1,4 +1,4 @@
-"""What a client can hold of the server (README, "Limits"): connections are capped, a request head
+"""What a client can hold of the server (docs/configuration.md#limits): connections are capped, a request head
 and a request body each have a deadline, and health probes answer while idle connections are held."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Fixtures of the conformance checks, and every check run against gymsim under both Gym profiles
-(spec section 13).
+(docs/gym-protocol.md#gym-variants; the checks: docs/gym-protocol.md#conformance).
 
 The profile reaches the checks through `gymsim.testing.DEFAULT_GYM_PROFILE`, which
 `default_instance_config` reads on every call, so each check's instances follow the test's id
@@ -27,7 +27,8 @@ from .recording import RecordingTransport
 
 GYM_PROFILES = ["published", "strict"]
 # Checks marked ``pinned_too`` (items 18, 45 and 46, which read differently for agents that name
-# their /run sessions among every export: protocol section 13 P8) run under `pinned` as well.
+# their /run sessions among every export: P8, docs/gym-protocol.md#what-differs-rule-by-rule) run
+# under `pinned` as well.
 PINNED = "pinned"
 
 

@@ -1,4 +1,5 @@
-"""Conformance item 54: the Gym manifest loader (protocol 8.3, ledger spec section 8).
+"""Conformance item 54: the Gym manifest loader (docs/gym-protocol.md#the-gym-manifest,
+docs/ledger.md#the-gym-manifest).
 
 The loader refuses version 1, unknown versions and a string "2" before looking at any other
 field. It also refuses unknown keys, empty instances, empty ids, duplicate rollouts, a rollout
@@ -15,19 +16,18 @@ import re
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from checkpoint_coordinator.domain.errors import ManifestError, ManifestVersionError
 from checkpoint_coordinator.domain.gym_manifest import (
-    Episode,
     GymManifest,
+    ManifestEpisode,
     build_gym_manifest,
     dump_gym_manifest,
     load_gym_manifest,
     manifest_from_json_bytes,
     manifest_to_json_bytes,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 RID_A = "g41_g0_a5d1e9c0f2b3a4d5e6f708192a3b4c5d"
 RID_B = "g41_g1_a0c9d8e7f6a5b4c3d2e1f00112233445"
@@ -157,8 +157,8 @@ def test_valid_document_loads_sorted() -> None:
     assert m.checkpoint_id == "snap-000123-7f3a9c01"
     assert m.instance_ids == ("math/replica-0", "math/replica-1")
     inst = m.instances["math/replica-0"]
-    assert inst.episodes == (Episode(RID_A, 0),)
-    assert inst.restarts == (Episode(RID_B, 1),)
+    assert inst.episodes == (ManifestEpisode(RID_A, 0),)
+    assert inst.restarts == (ManifestEpisode(RID_B, 1),)
     assert inst.participants == ("calendar_resources", "policy_model", "workplace_agent")
     assert m.episode_count == 2 and m.restart_count == 1
 

@@ -1,4 +1,5 @@
-"""Coordinator conformance, discovery and setup (spec section 3; checklist items 35-38).
+"""Coordinator conformance, discovery and setup (docs/gym-protocol.md#discover; checklist items
+35-38).
 
 The Gym control client runs against in-process gymsim instances over real HTTP.
 """
@@ -68,7 +69,7 @@ async def test_c35_discovery_probes_every_server_with_bearer_and_skips_404(
         ("workplace_agent", "agent", 2),
         ("calendar_resources", "resources", 3),
     ]
-    # Published Gym reports a mode for resources only (section 13 P3).
+    # Published Gym reports a mode for resources only (P3, docs/gym-protocol.md#what-differs-rule-by-rule).
     modes = {p.server_name: p.mode for p in topo.participants}
     if gym_profile == "published":
         assert modes == {"policy_model": None, "workplace_agent": None, "calendar_resources": "exported"}
@@ -212,7 +213,7 @@ async def test_c38_restart_only_policy_after_discovery(start_gym: StartGym, clie
     b = start_gym(server_config(default_instance_config("math/replica-1"), "workplace_agent", mode="restart_only"))
     live = await client.discover_all([spec_of(a), spec_of(b)])
     refused = restart_only_policy(live, allow=False)
-    # A published agent reports no mode (section 13 P3), so only its restarts at each prepare
+    # A published agent reports no mode (P3), so only its restarts at each prepare
     # tell that it cannot continue; discovery can flag the resources server alone.
     flagged = ["math/replica-0:calendar_resources"]
     if gym_profile == "strict":
@@ -237,7 +238,7 @@ async def test_c38_status_without_mode_is_not_flagged_and_warns(
     start_gym: StartGym, client: GymControlClient, caplog: pytest.LogCaptureFixture, gym_profile: str
 ) -> None:
     # Strict: a resources server of an older Gym reports no mode. Published: resources always report
-    # one (restart_only by default), and the policy model never does (section 13 P3).
+    # one (restart_only by default), and the policy model never does (P3).
     silent = "calendar_resources" if gym_profile == "strict" else "policy_model"
     inst = start_gym(resources_mode=None if gym_profile == "strict" else "exported")
     with caplog.at_level(logging.WARNING, logger="checkpoint_coordinator.gym"):

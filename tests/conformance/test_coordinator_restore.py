@@ -1,4 +1,6 @@
-"""Coordinator conformance, restore, retire and forget (spec 5.6-5.8 and 7; checklist 55-61).
+"""Coordinator conformance, restore, retire and forget (checklist items 55-61;
+docs/gym-protocol.md#restore, docs/gym-protocol.md#retire, docs/gym-protocol.md#forget,
+docs/gym-protocol.md#marks-retire-and-forget).
 
 The Gym control client runs against in-process gymsim instances over real HTTP. Snapshots are
 taken with the client's own save against one set of instances, which are then killed; restores
@@ -459,8 +461,8 @@ async def test_c61_restored_rollout_forgotten_after_its_continuation_seals(
     result = await client.restore(snap.manifest, specs(live), snap.snapshot_dir)
     fresh = live["math/replica-0"]
     topo = result.topology[fresh.instance_id]
-    # Strict Gym marks N on every participant at the restore; published Gym marks nothing (section
-    # 13 P5), and its restored binding alone refuses N: the forget is then harmless, never early.
+    # Strict Gym marks N on every participant at the restore; published Gym marks nothing (P5,
+    # docs/gym-protocol.md#what-differs-rule-by-rule), and its restored binding alone refuses N: the forget is then harmless, never early.
     marked = 2 if gym_profile == "strict" else 0
     assert inst_marks(fresh) == marked
     sealed = await asyncio.wait_for(rows.start(fresh, "r1", attempt=1), 15)

@@ -1,8 +1,10 @@
-"""Coordinator conformance, the save side (spec 5.0-5.5 and 6; checklist items 39-53).
+"""Coordinator conformance, the save side (checklist items 39-53;
+docs/gym-protocol.md#the-save-choreography, docs/gym-protocol.md#leases-and-renewals).
 
 The Gym control client runs against in-process gymsim instances over real HTTP. A
 RecordingTransport around the real one observes what was sent and when; where a reply no valid
-participant produces is needed (item 45), it rewrites gymsim's real reply.
+participant produces is needed (item 45), it rewrites gymsim's real reply. P1 to P8 are the
+rules of docs/gym-protocol.md#what-differs-rule-by-rule.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ async def test_c43_stale_checkpoint_on_renew_before_the_commit_is_lease_lost_and
 ) -> None:
     """replica-0 commits at once; replica-1's commit is slow, and the renew round that follows
     replica-0's commit finds replica-1's lease gone: work there moved past a state nothing saved
-    (section 6), so the save fails ``lease_lost`` and every participant is resumed."""
+    (docs/gym-protocol.md#leases-and-renewals), so the save fails ``lease_lost`` and every
+    participant is resumed."""
     fast = start_gym(wire_spelling=spelling)
     slow = start_gym(wire_spelling=spelling, instance_id="math/replica-1", faults=[
         {"server_name": "policy_model", "op": "commit", "type": "delay", "seconds": 2.0, "times": 1},
@@ -454,7 +457,7 @@ def _tamper(kind: str) -> tuple[str, Callable[[int, Any], tuple[int, Any]]]:
         "kind": ("policy_model", manifest_field("kind", "agent")),
         "participant": ("workplace_agent", manifest_field("instance", "someone_else")),
         "checkpoint": ("calendar_resources", manifest_field("checkpoint_id", "snap-other-00000000")),
-        # Section 13 P2: only the model's exports must stay inside the scope.
+        # P2: only the model's exports must stay inside the scope.
         "outside-scope": ("policy_model", outside),
         "staging-mismatch": ("policy_model", staging),
         "stranded": ("workplace_agent", run_outside),
@@ -495,7 +498,7 @@ async def test_c45_invalid_commit_replies_fail_as_protocol_error(
 async def test_c45_agent_and_resources_exports_outside_the_scope_are_counted_not_saved(
     start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
-    """Section 13 P2: published agents and resources export every live session. Those outside
+    """P2: published agents and resources export every live session. Those outside
     the scope are accepted, left out of E and of the staging keys, and counted per kind."""
     inst = start_gym()
     rows.start(inst, "r1")
@@ -533,7 +536,7 @@ async def test_c45_native_sessions_of_an_agent_are_stranded(start_gym: StartGym,
     if gym_profile == "published":
         # Without run_episode_ids every agent session counts as a /run session (environment
         # participants are refused at discovery): one in the scope is saved, one outside it is
-        # no candidate at all, so it is left out and counted (section 13 P1, P2).
+        # no candidate at all, so it is left out and counted (P1, P2).
         result = await save.run()
         ic = result.commit.instances[inst.instance_id]
         assert ic.episodes == (Episode("native-1", 0),)
@@ -552,7 +555,7 @@ async def test_c45_episode_claimed_by_two_agents(
     start_gym: StartGym, rows: Rows, recorder: RecordingTransport, tmp_path: Any, in_scope: bool
 ) -> None:
     """Both agents name r1 as a /run session of theirs: a protocol error, whether the scope holds
-    r1 (it would be saved twice) or not (section 13 P8: a session has one driver)."""
+    r1 (it would be saved twice) or not (P8: a session has one driver)."""
     config = default_instance_config(turn_seconds=0.3)
     config["servers"].append({"server_name": "second_agent", "kind": "agent", "mode": "exported"})
     inst = start_gym(config)
@@ -582,7 +585,7 @@ async def test_c45_episode_claimed_by_two_agents(
 async def test_p8_run_episode_ids_outside_the_scope_are_counted_not_saved(
     start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any, gym_profile: str
 ) -> None:
-    """Section 13 P8: an agent that names its /run sessions among every export (`pinned`) names
+    """P8: an agent that names its /run sessions among every export (`pinned`) names
     r2, which the scope does not hold. The commit is accepted: r2 is counted outside the scope,
     not saved, and none of its staging keys is kept. Published and strict Gym reach the same
     snapshot by P1/P2 and by exporting the scope only."""
@@ -852,7 +855,8 @@ def _stop_config(accepts: bool, instance_id: str = "math/replica-0") -> dict[str
 async def test_c51_stop_commit_carries_stop_and_sends_no_resume(
     start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
-    """Item 51, for participants that accept ``stop`` (section 13: one published branch does)."""
+    """Item 51, for participants that accept ``stop`` (one published branch does:
+    docs/gym-protocol.md#stop-and-park)."""
     inst = start_gym(_stop_config(True))
     topo = await topology(client, inst)
     result = await SequencedGymSave(client, topo, snapshot_dir=str(tmp_path), candidates={}, drain_hook=nothing_hook,
@@ -874,7 +878,7 @@ async def test_c51_stop_commit_carries_stop_and_sends_no_resume(
 async def test_p4_a_participant_refusing_stop_gets_the_commit_again_without_it(
     start_gym: StartGym, rows: Rows, client: GymControlClient, recorder: RecordingTransport, tmp_path: Any
 ) -> None:
-    """Section 13 P4: a Gym that predates ``stop`` answers 422 naming it. The same commit goes
+    """P4: a Gym that predates ``stop`` answers 422 naming it. The same commit goes
     again without it, once, to that participant; the snapshot is kept, the instance resumed, and
     the result says the stop was not honoured."""
     refusing = start_gym(_stop_config(False))
@@ -988,7 +992,7 @@ async def test_c53_recover_orphans_at_discovery(start_gym: StartGym) -> None:
 async def test_p7_a_second_prepare_never_resumes_this_clients_own_open_checkpoint(
     start_gym: StartGym, client: GymControlClient, recorder: RecordingTransport
 ) -> None:
-    """Section 13 P7: the first checkpoint is this client's own and still open, so it is no
+    """P7: the first checkpoint is this client's own and still open, so it is no
     orphan: the second prepare fails as ``conflict`` without a call, and the first stays open."""
     inst = start_gym()
     topo = await topology(client, inst)

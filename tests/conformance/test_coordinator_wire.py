@@ -1,4 +1,6 @@
-"""Coordinator conformance, codes and wire forms (spec 2, 9, 10; checklist items 62-64).
+"""Coordinator conformance, codes and wire forms (checklist items 62-64;
+docs/gym-protocol.md#transport, docs/gym-protocol.md#failure-classes,
+docs/gym-protocol.md#error-codes).
 
 The Gym control client runs against in-process gymsim instances over real HTTP, in both wire
 spellings. Oversized and embellished replies are made by rewriting gymsim's real replies in a

@@ -175,7 +175,8 @@ async def check_p15_commit_replay(h, ckdir) -> None:
     h.assert_error(await h.commit(AGENT, "c1", directory, scope[:2]), "checkpoint_conflict")
     with_stop = await h.commit(AGENT, "c1", directory, scope, stop=True)
     if h.published:
-        assert with_stop.status_code == 422  # published Gym has no `stop` (P4): an unknown field
+        # Published Gym has no `stop` (rule P4, docs/gym-protocol.md#what-differs-rule-by-rule).
+        assert with_stop.status_code == 422  # an unknown field
     else:
         h.assert_error(with_stop, "checkpoint_conflict")
     assert h.state(AGENT)["export_count"] == 1
@@ -254,13 +255,13 @@ async def test_p18_agent_run_episode_ids_are_a_subset_of_its_exports(start, ckdi
     await h.prepare_all("c1")
     reply = (await h.commit(AGENT, "c1", ckdir(), [ep("native"), ep("r1")])).json()
     if gym_profile == "published":
-        # No run_episode_ids (P1), and every live session is exported whatever the scope (P2).
+        # No run_episode_ids (rule P1), and every live session is exported whatever the scope (rule P2).
         assert "run_episode_ids" not in reply
         assert reply["episode_ids"] == ["native", "outside", "r1"]
         return
     if gym_profile == "pinned":
-        # Every live session exported (P2), and the /run sessions among them named, the one
-        # outside the scope too (P8).
+        # Every live session exported (rule P2), and the /run sessions among them named, the one
+        # outside the scope too (rule P8).
         assert reply["episode_ids"] == ["native", "outside", "r1"]
         assert reply["run_episode_ids"] == ["outside", "r1"]
     else:

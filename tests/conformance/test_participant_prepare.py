@@ -180,7 +180,7 @@ async def test_p10_the_last_64_resumed_ids_are_stale_and_the_65th_oldest_is_forg
     h = await start()
     ids = [f"c{i:02d}" for i in range(65)]
     # The oldest and the newest end real checkpoints; the others are resumes while idle, which the
-    # participant remembers the same way (section 4).
+    # participant remembers the same way (docs/gym-protocol.md#participant-phases).
     for index, cid in enumerate(ids):
         if index in (0, 64):
             assert (await h.ok(MODEL, "prepare", h.body(cid)))["phase"] == "prepared"

@@ -144,7 +144,8 @@ async def test_p28_the_n_plus_1_run_claims_the_restored_state_and_n_is_stale(sta
 
     b.assert_error(await b.run("r1", 0, task={"rollout": "r1"}), "stale_attempt")
     if b.published:
-        # Published Gym raises no mark at restore (P5): the agent's restored binding of r1 is what
+        # Published Gym raises no mark at restore (rule P5,
+        # docs/gym-protocol.md#what-differs-rule-by-rule): the agent's restored binding of r1 is what
         # refuses attempt N, and any other attempt but N+1 too. Model and resources hold no mark, so
         # the coordinator's own ledger has to refuse a late seal of N.
         b.assert_error(await b.run("r1", 2, task={"rollout": "r1"}), "stale_attempt")

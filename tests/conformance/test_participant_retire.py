@@ -52,7 +52,8 @@ async def test_p29_in_restored_only_the_restore_id_may_retire_or_forget(start, c
     saved = await a.save("snap-1", ckdir(), ["r1"], turns=8)
     b = await start()
     await b.restore_all("restore-1", saved)
-    restore_marks = {} if b.published else {"r1": 0}  # published Gym raises none at restore (P5)
+    # Published Gym raises none at restore (rule P5, docs/gym-protocol.md#what-differs-rule-by-rule).
+    restore_marks = {} if b.published else {"r1": 0}
     for server in PARTICIPANTS:
         b.assert_error(await b.retire(server, "retire", [ep("r1", 1)]), "checkpoint_conflict")
         b.assert_error(await b.forget(server, "forget", ["r1"]), "checkpoint_conflict")

@@ -79,7 +79,8 @@ async def test_p2_checkpointing_off_means_no_control_routes(start):
 
 
 def assert_status_shape(status: dict, *, with_mode: bool = True) -> None:
-    """Section 5.1's fields; `with_mode=False` for published Gym, whose model and agent report none (P3)."""
+    """The fields of docs/gym-protocol.md#status; `with_mode=False` for published Gym, whose model
+    and agent report none (rule P3, docs/gym-protocol.md#what-differs-rule-by-rule)."""
     fields = {
         "kind": str,
         "instance": str,
@@ -324,7 +325,7 @@ async def test_p34_capture_key_strings_instead_of_episode_objects_get_422(start,
 
 
 async def test_p34_commit_with_stop_true_is_accepted(start, ckdir):
-    """Strict: accepted. Published (section 13): refused 422 by a Gym that predates `stop`."""
+    """Strict: accepted. Published (rule P4): refused 422 by a Gym that predates `stop`."""
     h = await start()
     await h.prepare_all("c-stop")
     directory = ckdir()

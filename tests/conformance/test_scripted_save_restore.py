@@ -138,7 +138,8 @@ async def test_save_kill_restore_continue(tmp_path: Path) -> None:
                     saved = saved_turns[iid].get(rid, 0)
                     assert [h["attempt"] for h in sorted(history, key=lambda h: h["turn"])] == [0] * saved + [1] * (TURNS - saved), (key, history)
             # After the continuation ended only a mark still refuses N: strict Gym keeps one, published
-            # Gym none (section 13 P5: the coordinator's ledger refuses such a seal instead).
+            # Gym none (P5, docs/gym-protocol.md#what-differs-rule-by-rule: the coordinator's ledger
+            # refuses such a seal instead).
             if gymsim.testing.DEFAULT_GYM_PROFILE == "strict":
                 stale = await run(any_iid, rid, exported[any_iid][rid])
                 assert stale.status_code == 409 and "stale_attempt" in stale.text

@@ -106,7 +106,8 @@ class Trainer:
 
 
 async def drive_snapshot(api: Any, snapshot_id: str, step: int, capture_dir: Path, *, timeout: float = 30) -> dict[str, Any]:
-    """The trainer side of section 5: request, barrier, capture, captured; returns the final record."""
+    """The trainer side of a snapshot (docs/ledger.md#phases): request, barrier, capture,
+    captured; returns the final record."""
     r = await api.c.post(f"/v1/runs/{api.run_id}/snapshots", json={"snapshot_id": snapshot_id, "anchor_step": step}, headers=api.h)
     assert r.status_code in (200, 202), r.text
     async with asyncio.timeout(timeout):

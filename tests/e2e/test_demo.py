@@ -67,7 +67,8 @@ def test_demo_survives_the_crash_and_shows_every_disposition(tmp_path: Path) -> 
     assert s["workdir"] and not Path(s["workdir"]).exists()
 
 
-# Needs the coordinator's side of stopping snapshots (ledger 5.1) and instance maps (6.1, 6.2).
+# Needs the coordinator's side of stopping snapshots (docs/ledger.md#stopping-snapshots) and
+# instance maps (docs/ledger.md#another-gym-topology).
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("profile", ["published", "strict"])

@@ -1,5 +1,5 @@
-"""After a restore the old lineage is gone (ledger spec section 6 step 7): the train steps it
-announced after the restored anchor, and a snapshot it left open."""
+"""After a restore the old lineage is gone (docs/ledger.md#the-discarded-lineage): the train
+steps it announced after the restored anchor, and a snapshot it left open."""
 
 from __future__ import annotations
 

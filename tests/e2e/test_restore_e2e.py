@@ -1,6 +1,7 @@
 """Restore end to end: gymsim processes with live multi-turn /run traffic, a snapshot through the
 coordinator's own choreography, a crash of the trainer and of one Gym instance, fresh Gym
-processes registered again, and the restore (ledger spec section 6, protocol 5.6)."""
+processes registered again, and the restore (docs/ledger.md#restore,
+docs/gym-protocol.md#restore)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
             agent_target_level_overrides={"sib_agent": "sibling"},
         )
         reg = await api.post("/gym-instances", _registration(*gyms.values()))
-        # Published Gym: the model and the agent report no mode (protocol section 13 P3).
+        # Published Gym: the model and the agent report no mode (P3,
+        # docs/gym-protocol.md#what-differs-rule-by-rule).
         assert all("reports no checkpoint mode" in w for w in reg["warnings"])
         assert len(reg["warnings"]) == (0 if profile == "strict" else 4)
         assert all(len(i["participants"]) == 3 for i in reg["instances"])
@@ -139,7 +141,7 @@ async def test_restore_after_trainer_and_gym_crash(client, admin, app, tmp_path:
                 assert [h["attempt"] for h in hist] == [0] * k + [1] * (TURNS - k)
         counts = await api.get("/counts")
         assert set(counts["live_attempts"]) == {"sealed"}, counts
-        # The restored rollouts are forgotten on their instance once sealed (section 7).
+        # The restored rollouts are forgotten on their instance once sealed (docs/ledger.md#the-outbox).
         rows = await fetch(app.state.engine, "SELECT rollout_id, retirement FROM attempts WHERE rollout_id = ANY(:ids)", ids=[r["rollout_id"] for r in cont])
         assert len(rows) == len(cont) and {r["retirement"] for r in rows} <= {"forget_pending", "forgotten"}, rows
     finally:

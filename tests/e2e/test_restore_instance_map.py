@@ -1,7 +1,8 @@
-"""Restore into another Gym topology (ledger spec 6.1) end to end: three gymsim instances with live
-multi-turn traffic, a snapshot, the allocation ends (trainer and every Gym process die), and the
-next allocation brings two fresh instances named differently. The trainer restores through the
-real client with an instance map; every plan row says why it does what it does (6.2)."""
+"""Restore into another Gym topology (docs/ledger.md#another-gym-topology) end to end: three
+gymsim instances with live multi-turn traffic, a snapshot, the allocation ends (trainer and every
+Gym process die), and the next allocation brings two fresh instances named differently. The
+trainer restores through the real client with an instance map; every plan row says why it does
+what it does (docs/ledger.md#row-reasons)."""
 
 from __future__ import annotations
 

@@ -471,9 +471,10 @@ LEVELS = {
 @pytest.mark.parametrize("profile", ["published", "pinned", "strict"])
 @pytest.mark.parametrize("level", list(LEVELS))
 async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(client, admin, app, tmp_path: Path, level: str, profile: str) -> None:  # type: ignore[no-untyped-def]
-    """Protocol section 13: against Gym as published (agents and resources export every live
-    session whatever the scope, no run_episode_ids), as NeMo RL pins it (the same, with
-    run_episode_ids naming the /run sessions among every export, P8) and as strict Gym."""
+    """Every Gym variant (docs/gym-protocol.md#gym-variants): Gym as published (agents and
+    resources export every live session whatever the scope, no run_episode_ids), as NeMo RL pins
+    it (the same, with run_episode_ids naming the /run sessions among every export, P8 in
+    docs/gym-protocol.md#what-differs-rule-by-rule) and strict Gym."""
     gym = GymsimInstance.start(default_instance_config("math/replica-0", token="tok-a", turn_seconds=0.05, gym_profile=profile))
     try:
         iid = gym.instance_id
@@ -504,8 +505,8 @@ async def test_a_snapshot_with_rollouts_in_flight_publishes_at_every_level(clien
             assert saved, full["gym_manifest"]
         else:
             assert saved == set()
-        # The slowest participant of each control call (ledger 5.2): one of this instance's
-        # participants, with a duration, for every operation the snapshot sent.
+        # The slowest participant of each control call (docs/ledger.md#snapshot-history): one of
+        # this instance's participants, with a duration, for every operation the snapshot sent.
         participants = set(full["gym_manifest"]["instances"][iid]["participants"])
         assert {"prepare", "commit", "resume"} <= set(figures["slowest"]), figures
         assert all(v["participant"] in participants and v["seconds"] > 0 for v in figures["slowest"].values()), figures

@@ -1,4 +1,5 @@
-"""`gym_profile`: each published-Gym behaviour of README's audit table, checked against the strict one.
+"""`gym_profile`: each published-Gym behaviour of the audit table in gymsim/README.md, checked
+against the strict one (rules P1 to P8: docs/gym-protocol.md#what-differs-rule-by-rule).
 
 Every test here fails if its published behaviour is taken away (or leaks into the strict profile).
 """

@@ -93,7 +93,8 @@ def group_body(gid: str, n: int = 4, **kw: Any) -> dict[str, Any]:
 
 
 async def new_run(client: Any, admin: dict[str, str], run_id: str = "run-1", **recovery: Any) -> RunApi:
-    # A fresh checkpoint root per run: snapshot directories never change once written (protocol 8.1).
+    # A fresh checkpoint root per run: snapshot directories never change once written
+    # (docs/gym-protocol.md#the-gym-manifest).
     root = checkpoint_root()
     body = {"run_id": run_id, "checkpoint_root": root, "recovery": {"target_level": "sibling", **recovery}}
     r = await client.post("/v1/runs", json=body, headers=admin)

@@ -1,4 +1,4 @@
-"""Gym egress (README, "Gym egress"): a registration names only servers where Gym may be, checked
+"""Gym egress (docs/configuration.md#gym-egress): a registration names only servers where Gym may be, checked
 before any connection is made, and a control connection checks the resolved address again."""
 
 from __future__ import annotations

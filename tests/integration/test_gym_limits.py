@@ -1,5 +1,5 @@
 """Gym replies are read within a cap per call: servers that stream far more than that cannot grow
-the coordinator, and the registration that names them is refused, typed (README, "Limits")."""
+the coordinator, and the registration that names them is refused, typed (docs/configuration.md#limits)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ async def test_servers_streaming_huge_replies_are_refused_typed_within_a_memory_
     assert refused["code"] == "gym_protocol_error"
     assert sorted(refused["servers"]) == [f"math/replica-0/s{i}" for i in range(3)]
     assert "exceeds the 65536-byte limit" in refused["detail"], refused["detail"]
-    # Three status replies of at most 64 KiB each: the bound stated in the README is tens of
+    # Three status replies of at most 64 KiB each: the bound in docs/configuration.md#limits is tens of
     # MiB for the whole process; a few MiB is what the request itself costs.
     assert rss.growth_mib < 32, f"RSS grew {rss.growth_mib:.1f} MiB"
     assert (await api.get("/gym-instances"))["instances"] == []

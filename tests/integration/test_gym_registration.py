@@ -1,4 +1,5 @@
-"""Gym registration at setup (ledger spec section 3, protocol section 3) against gymsim."""
+"""Gym registration at setup against gymsim (docs/ledger.md#recovery-configuration,
+docs/gym-protocol.md#discover)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ def gym() -> Iterator[GymsimInstance]:
     g.stop()
 
 
-# Published Gym reports a mode for resources only (protocol section 13 P3): each of its model and
-# agent servers earns this warning, once, at registration.
+# Published Gym reports a mode for resources only (P3,
+# docs/gym-protocol.md#what-differs-rule-by-rule): each of its model and agent servers earns this
+# warning, once, at registration.
 NO_MODE = "reports no checkpoint mode"
 
 

@@ -1,4 +1,5 @@
-"""What the ingest schema relies on since it lost its per-row checks (bench/README.md, ledger_ingest):
+"""What the ingest schema relies on since it lost its per-row checks (a large part of the
+ingest's cost):
 
 - no foreign keys ``siblings -> prompt_groups`` and ``attempts -> siblings``: a deleted group takes
   its siblings and attempts with it through the statement-level trigger
@@ -236,7 +237,7 @@ async def test_a_wrong_guess_releases_its_locks_and_locks_the_real_group(client,
 async def test_ingest_statements_are_never_prepared(client, admin, app) -> None:  # type: ignore[no-untyped-def]
     """psycopg prepares a statement on its fifth run on a connection, and PostgreSQL may then keep
     a generic plan in which a ``= ANY($n)`` array is neither known in size nor hashed (the ready
-    check over 1 000 groups: ~700 ms instead of ~7 ms). The batch statements of admit, dispatch and
+    check over 1 000 groups then becomes many times slower). The batch statements of admit, dispatch and
     seal are therefore planned on every call: after more rounds than the threshold, no pooled
     connection holds one of them prepared."""
     run = await new_run(client, admin)

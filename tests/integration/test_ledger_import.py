@@ -1,4 +1,4 @@
-"""NeMo RL ledger import and export (ledger spec section 9), over the API and the CLI."""
+"""NeMo RL ledger import and export (docs/ledger.md#importing-a-nemo-rl-ledger), over the API and the CLI."""
 
 from __future__ import annotations
 

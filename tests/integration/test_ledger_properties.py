@@ -1,6 +1,6 @@
-"""Random sequences of trainer reports against the real ledger keep the promise of section 0:
-no sibling sealed twice, every abandoned dispatched attempt has exactly one retire item, and a
-rollout id is never reused."""
+"""Random sequences of trainer reports against the real ledger keep its promise
+(docs/ledger.md#the-promise): no sibling sealed twice, every abandoned dispatched attempt has
+exactly one retire item, and a rollout id is never reused."""
 
 from __future__ import annotations
 

@@ -15,16 +15,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from sqlalchemy import text
-from sqlalchemy.exc import DBAPIError
-
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
+from checkpoint_coordinator.gym.clock import SystemClock
 from checkpoint_coordinator.ledger import leases
-from checkpoint_coordinator.outbox import store as outbox
-from checkpoint_coordinator.snapshots import store as repo
 from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.ledger.runs import lock_run
+from checkpoint_coordinator.outbox import store as outbox
 from checkpoint_coordinator.snapshots import service as snapshot_service
+from checkpoint_coordinator.snapshots import store as repo
+from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 
 from ..gym_placeholders import register_placeholders
 
@@ -70,7 +70,7 @@ async def _row_waited_for(engine: Any, timeout: float = 10) -> str:
             await asyncio.sleep(0.01)
 
 
-async def _claimed_retire(engine: Any, fence: leases.Fence) -> list[outbox.OutboxItem]:
+async def _claimed_retire(engine: Any, fence: leases.Fence) -> list[outbox.DueOutboxItem]:
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -84,7 +84,7 @@ async def _claimed_retire(engine: Any, fence: leases.Fence) -> list[outbox.Outbo
     return items
 
 
-async def _acknowledge_retire(conn: Any, items: list[outbox.OutboxItem], fence: leases.Fence) -> None:
+async def _acknowledge_retire(conn: Any, items: list[outbox.DueOutboxItem], fence: leases.Fence) -> None:
     """What the outbox worker writes once a retire was acknowledged: delivered, and its forget queued."""
     await outbox.mark_delivered(conn, RUN, items, fence)
     await outbox.enqueue_forgets(conn, RUN, "i/0", [(it.rollout_id, it.gym_attempt, it.attempt_id) for it in items])
@@ -96,7 +96,7 @@ async def test_a_snapshot_request_waits_for_an_outbox_acknowledgement_before_the
     run row, holding nothing, and the forget's foreign key finds the run row already locked."""
     fence = await _fence(engine)
     items = await _claimed_retire(engine, fence)
-    runner = SimpleNamespace(owner=OWNER, start=lambda *args, **kwargs: None)
+    runner = SimpleNamespace(owner=OWNER, start=lambda *args, **kwargs: None, ctx=SimpleNamespace(clock=SystemClock()))
     async with outbox.acknowledging(engine, RUN) as ack:
         await outbox.mark_delivered(ack, RUN, items, fence)
         request = asyncio.ensure_future(snapshot_service.request_snapshot(engine, runner, RUN, "s1", 0, lease_ttl_s=600))
@@ -124,7 +124,7 @@ async def test_an_outbox_acknowledgement_waits_for_a_snapshot_request_before_the
         await lock_run(req, RUN, for_update=True)
         acked = asyncio.ensure_future(acknowledge())
         assert await _row_waited_for(engine) == "runs"
-        assert await asyncio.wait_for(leases.acquire_in(req, RUN, OWNER, 600), 5) == fence.epoch
+        assert await asyncio.wait_for(leases.acquire_in(req, RUN, OWNER, 600), 5) == fence.lease_epoch
         await repo.create_in(req, RUN, "s1", 0, OWNER, "/tmp/ckptc-locks/s1")
     await asyncio.wait_for(acked, 10)
 
@@ -143,7 +143,7 @@ async def test_the_publish_move_takes_the_run_row_before_the_lease(engine: Any) 
         await lock_run(req, RUN, for_update=True)
         published = asyncio.ensure_future(repo.publish_phase(engine, RUN, "s1", fence))
         assert await _row_waited_for(engine) == "runs"
-        assert await asyncio.wait_for(leases.acquire_in(req, RUN, OWNER, 600), 5) == fence.epoch
+        assert await asyncio.wait_for(leases.acquire_in(req, RUN, OWNER, 600), 5) == fence.lease_epoch
     await asyncio.wait_for(published, 10)
     async with engine.connect() as conn:
         gate = (await conn.execute(text("SELECT gate_snapshot_id FROM runs WHERE run_id = :r"), {"r": RUN})).scalar()
@@ -166,7 +166,7 @@ async def test_the_gates_close_takes_the_run_row_before_the_lease(engine: Any) -
             with pytest.raises(DBAPIError) as e:
                 await probe.execute(text("SELECT 1 FROM runs WHERE run_id = :r FOR UPDATE NOWAIT"), {"r": RUN})
             assert getattr(e.value.orig, "sqlstate", None) == "55P03"  # lock_not_available: the close holds it
-    assert await asyncio.wait_for(closed, 10) == repo.GateClosed(set(), False)
+    assert await asyncio.wait_for(closed, 10) == repo.GateClosure(set(), False)
 
 
 async def test_a_capture_in_one_statement_takes_the_run_row_before_the_snapshot_row(engine: Any) -> None:

@@ -1,5 +1,6 @@
-"""Restore with Gym state (ledger spec 6.2-6.6, protocol 5.6) against in-process gymsim: a real
-Gym save through the control client, a crash, fresh instances, then the restore."""
+"""Restore with Gym state (docs/ledger.md#restore, docs/gym-protocol.md#restore) against
+in-process gymsim: a real Gym save through the control client, a crash, fresh instances, then the
+restore."""
 
 from __future__ import annotations
 
@@ -109,7 +110,8 @@ async def test_restore_continues_exported_episodes_on_their_instance(client, adm
         assert {r["rollout_id"] for r in cont} == saved
         assert all(r["gym_attempt"] == 1 and r["instance_id"] == iid and r["capture_key"] == r["rollout_id"] + "-a1" for r in cont)
         # Gym holds the N+1 state unclaimed and was resumed; strict Gym also marks N, published Gym
-        # does not (protocol section 13 P5): its restored binding refuses N while it waits.
+        # does not (P5, docs/gym-protocol.md#what-differs-rule-by-rule): its restored binding
+        # refuses N while it waits.
         agent = await asyncio.to_thread(gym.state, "workplace_agent")
         assert agent["phase"] == "idle" and agent["admission_open"] is True
         assert set(agent["unclaimed"]) == {r["capture_key"] for r in cont}

@@ -1,5 +1,6 @@
-"""Restore plans (ledger spec 6.1): every row of the disposition table, snapshot selection, and
-the rewind of the live ledger without Gym state (6.6), on a real Postgres."""
+"""Restore plans (docs/ledger.md#restore-plans-and-dispositions): every row of the disposition
+table, snapshot selection, and the rewind of the live ledger without Gym state
+(docs/ledger.md#without-gym-state), on a real Postgres."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ NEW_ID = re.compile(r"^(?P<g>.+)_g(?P<i>\d+)_a[0-9a-f]{32}$")
 
 
 async def _table_run(client: Any, admin: dict[str, str]) -> tuple[RunApi, dict[str, list[dict[str, Any]]]]:
-    """One run holding every state of the section-6 table, at every level."""
+    """One run holding every state of the table in docs/ledger.md#restore-plans-and-dispositions, at
+    every level."""
     api = await new_run(
         client,
         admin,

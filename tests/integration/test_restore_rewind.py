@@ -1,6 +1,6 @@
-"""The ledger rewind of a restore (ledger spec 6.4) at the level of ``ledger.rewind.apply_restore``:
-all or nothing, and looking only at what changed since the cut gives the same ledger as comparing
-every row of the cut."""
+"""The ledger rewind of a restore (docs/ledger.md#rewind) at the level of
+``ledger.rewind.apply_restore``: all or nothing, and looking only at what changed since the cut
+gives the same ledger as comparing every row of the cut."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from checkpoint_coordinator.errors import Conflict
 from checkpoint_coordinator.restore.store import records
 from checkpoint_coordinator.restore.store import rewind
 from checkpoint_coordinator.restore.planning import rollout_minter
-from checkpoint_coordinator.restore.service import _rewind_of, load_and_plan
+from checkpoint_coordinator.restore.answer import rewind_of
+from checkpoint_coordinator.restore.service import load_and_plan
 
 from .ledger_helpers import RunApi, group_body, new_run
 from .test_restore_support import fetch, manifest_doc, publish_snapshot
@@ -90,7 +91,7 @@ async def _edge_rows_before_cut(app: Any, api: RunApi, rows: dict[str, list[dict
 async def _rewind(app: Any, run_id: str, snapshot_id: str = "s1", **kw: Any) -> rewind.RewindReport:
     engine = app.state.engine
     planned = await load_and_plan(engine, run_id, snapshot_id=snapshot_id, step=None, with_gym_state=True)
-    rw = _rewind_of(planned, planned.plan, planned.retire, installed=True)
+    rw = rewind_of(planned, planned.plan, planned.retire, installed=True)
     tamper = kw.pop("tamper", None)
     if tamper is not None:
         tamper(rw)

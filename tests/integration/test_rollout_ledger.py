@@ -1,4 +1,4 @@
-"""Section 4 over HTTP, for sibling and prompt_group recovery."""
+"""Live rollouts (docs/ledger.md#live-rollouts) over HTTP, for sibling and prompt_group recovery."""
 
 from __future__ import annotations
 

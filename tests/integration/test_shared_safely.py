@@ -1,5 +1,5 @@
 """One run's token (or none) cannot probe or break the coordinator: the small findings of the
-review, each as a user meets it (README, "Limits")."""
+review, each as a user meets it (docs/configuration.md#limits)."""
 
 from __future__ import annotations
 

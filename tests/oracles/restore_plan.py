@@ -1,6 +1,6 @@
-"""The restore plan (recovery-ledger.md section 6.1) as a pure function of a snapshot's cut: the
-test oracle of the planner the service runs (``ledger.restore_plan_sql``), which the
-differential property tests compare with it on generated ledgers.
+"""The restore plan (docs/ledger.md#restore-plans-and-dispositions) as a pure function of a
+snapshot's cut: the test oracle of the planner the service runs (``ledger.restore_plan_sql``),
+which the differential property tests compare with it on generated ledgers.
 
 Inputs: a :class:`Cut`, the snapshot's :class:`GymManifest` (or ``None``) and an injected
 ``new_rollout_id(group_id, generation_index) -> str``. The dispositions are the table in
@@ -27,23 +27,25 @@ from checkpoint_coordinator.domain.restore_plan import (
     _raise_collision,
     mint_needs_check,
 )
-from checkpoint_coordinator.domain.restore_plan import (
+from checkpoint_coordinator.domain.plan_rows import (
     _CODE_BY_DISP,
     _CONTINUED,
     _DISPATCH,
+    _GYM_RESTARTED,
+    _RERUN,
+    _RESTARTED,
+    _REUSED,
+    REASON_CODES,
+)
+from checkpoint_coordinator.domain.restore_plan import (
     _G_DISPATCH,
     _G_RERUN,
     _G_REUSED,
     _G_SKIPPED,
-    _GYM_RESTARTED,
     _LIVE_GROUP,
-    _RERUN,
-    _RESTARTED,
-    _REUSED,
     _ROLLOUT_ID_OF,
     Disposition,
 )
-from checkpoint_coordinator.domain.restore_plan import REASON_CODES
 from checkpoint_coordinator.domain.vocabulary import GroupStatus, RowReason
 
 # Attempt status and level codes for the hot loop.
@@ -71,7 +73,8 @@ def plan_restore(
     verify_unique_rollout_ids: bool = True,
     mapped: frozenset[str] | None = None,
 ) -> RestorePlan:
-    """The restore plan of a snapshot (section 6.1) with Gym state from ``manifest``.
+    """The restore plan of a snapshot with Gym state from ``manifest``
+    (docs/ledger.md#restore-plans-and-dispositions).
 
     ``manifest`` may be ``None`` for a snapshot without Gym state (every turn-level attempt
     that is not sealed or unsent then restarts).
@@ -87,7 +90,8 @@ def plan_restore(
 def restore_without_gym_state(
     cut: Cut, new_rollout_id: NewRolloutId, *, verify_unique_rollout_ids: bool = True
 ) -> RestorePlan:
-    """The plan when Gym survived the crash and nothing is installed on it (section 6.6).
+    """The plan when Gym survived the crash and nothing is installed on it
+    (docs/ledger.md#without-gym-state).
 
     Every continuation becomes ``restarted``; ``plan.retire`` lists every attempt the cut
     knows as running in Gym (``dispatched``, and reserved Gym-owned continuations, which hold
@@ -360,7 +364,7 @@ def _plan_fast(
 
 
 def _reason(disposition: int, level: str, status: str, bumped: bool, with_gym_state: bool, unmapped: bool) -> RowReason:
-    """Why a row does what it does (ledger spec 6.2), read off the row as the spec words it."""
+    """Why a row does what it does, read off the row as docs/ledger.md#row-reasons words it."""
     failed = status in ("failed", "abandoned")
     if disposition == _REUSED:
         return RowReason.sealed_at_cut

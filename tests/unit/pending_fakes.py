@@ -106,7 +106,7 @@ class FakeLedger:
             raise errors.pop(0)
 
     def _fenced(self, fence: Fence, expected: SnapshotPhase | None = None) -> None:
-        if fence.epoch != self.epoch or self.outcome is not None or (expected is not None and expected != self.phase):
+        if fence.lease_epoch != self.epoch or self.outcome is not None or (expected is not None and expected != self.phase):
             raise Fenced(RUN, "fake write", fence)
 
     async def run(self, run_id: str) -> Any:
@@ -136,12 +136,12 @@ class FakeLedger:
     async def saved_episodes_ended(self, run_id: str, snapshot_id: str, saved: list[tuple[str, str, int]]) -> list[str]:
         return []
 
-    async def close_gate(self, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str) -> repo.GateClosed:
+    async def close_gate(self, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str) -> repo.GateClosure:
         self._maybe_fail("close_gate")
         self._fenced(fence, P.requested)
         self.phase = P.prepare if self.prepared else P.gate
         self.writes.append(("close_gate", self.phase))
-        return repo.GateClosed({("math", "r0")} if self.owed else set(), self.prepared)
+        return repo.GateClosure({("math", "r0")} if self.owed else set(), self.prepared)
 
     async def move(self, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any) -> None:
         await asyncio.sleep(0)

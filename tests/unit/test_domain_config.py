@@ -1,4 +1,4 @@
-"""The run's recovery config (ledger spec section 3): every refusal names its key."""
+"""The run's recovery config (docs/ledger.md#recovery-configuration): every refusal names its key."""
 
 from __future__ import annotations
 

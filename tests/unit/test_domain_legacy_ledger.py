@@ -1,4 +1,4 @@
-"""NeMo RL ledger import/export, schemas 2, 3 and 4 (ledger spec section 9)."""
+"""NeMo RL ledger import/export, schemas 2, 3 and 4 (docs/ledger.md#importing-a-nemo-rl-ledger)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The domain is pure: it imports nothing that does I/O, reads clocks or draws randomness
-(architecture.md, "Direction of imports"). That it imports nothing of the project outside
+(docs/architecture.md#layering). That it imports nothing of the project outside
 ``domain/`` is one of the edges test_layering.py checks, relative imports resolved."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The restore plan (ledger spec 6.1), its checks (6.2) and the Gym-less variant (6.6)."""
+"""The restore plan (docs/ledger.md#restore-plans-and-dispositions), its checks
+(docs/ledger.md#checks-before-gym) and the Gym-less variant (docs/ledger.md#without-gym-state)."""
 
 from __future__ import annotations
 
@@ -426,7 +427,7 @@ def cuts_with_manifest(draw: st.DrawFn) -> tuple[Cut, GymManifest | None]:
 
 
 def expected_disposition(cut: Cut, m: GymManifest | None, gym: bool) -> dict[tuple[str, int], Disposition]:
-    """The table of section 6.1, written as plainly as possible."""
+    """The table of docs/ledger.md#restore-plans-and-dispositions, written as plainly as possible."""
     levels = {g.group_id: g.restore_level for g in cut.groups}
     live = {g.group_id for g in cut.groups if g.status in ("generating", "ready")}
     by_group: dict[str, list[CutAttempt]] = {}
@@ -695,7 +696,7 @@ def _same_ids(minter: Callable[[str, int], str]) -> Callable[[str, int], str]:
     return mint
 
 
-# -- reasons (section 6.2) --------------------------------------------------------------------
+# -- reasons (docs/ledger.md#row-reasons) -----------------------------------------------------
 
 
 @given(cuts_with_manifest(), st.booleans(), st.data())

@@ -1,4 +1,5 @@
-"""One control call on the wire: retries, timeouts, reply cap and error parsing (spec 2, 10).
+"""One control call on the wire: retries, timeouts, reply cap and error parsing
+(docs/gym-protocol.md#transport, docs/gym-protocol.md#error-codes).
 
 These use httpx.MockTransport in place of a participant: the behaviours under test (a refused
 connection, a reply lost on the wire, a proxy's bare 502) are transport events, not protocol

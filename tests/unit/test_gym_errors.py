@@ -1,4 +1,5 @@
-"""Code normalisation and failure classification of the Gym control client (spec 9, 10)."""
+"""Code normalisation and failure classification of the Gym control client
+(docs/gym-protocol.md#error-codes, docs/gym-protocol.md#failure-classes)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from checkpoint_coordinator.gym.errors import (
     truncate_detail,
 )
 
-# (legacy, current, also accepted) exactly as the table of section 10 lists them.
+# (legacy, current, also accepted) exactly as the table of docs/gym-protocol.md#error-codes lists them.
 TABLE = [
     ("checkpoint_error", "checkpoint_error", []),
     ("stale_checkpoint", "checkpoint_stale_checkpoint", ["checkpoint_stale"]),
@@ -140,7 +141,7 @@ def test_c64_failure_serialises_to_plain_data_and_pickles() -> None:
     )
     err.resume_failure = resume
     data = err.to_dict()
-    # Plain JSON data, in the shape of section 9.
+    # Plain JSON data, in the shape docs/gym-protocol.md#failure-classes gives.
     assert json.loads(json.dumps(data)) == data
     assert data["class"] == "not_ready" and data["transient"] is True
     assert data["instances"]["a/0"]["agent"]["op"] == "prepare"

@@ -1,4 +1,4 @@
-"""Every import edge of architecture.md ("Direction of imports"), read from the source.
+"""Every import edge of docs/architecture.md#layering, read from the source.
 
 ``api -> snapshots/restore/outbox -> domain, ledger, gym``; ``domain`` imports nothing of the
 project; ``ledger`` and ``gym`` import neither each other nor anything above them; ``clients`` and
@@ -209,7 +209,7 @@ def test_every_area_has_rules() -> None:
 def test_every_import_follows_the_direction_of_imports() -> None:
     found = violations(package_trees())
     unexpected = [str(e) for e in found if (e.path, e.target_area) not in KNOWN_VIOLATIONS]
-    assert unexpected == [], "imports against architecture.md's direction of imports:\n" + "\n".join(unexpected)
+    assert unexpected == [], "imports against docs/architecture.md#layering:\n" + "\n".join(unexpected)
 
 
 def test_known_violations_still_occur() -> None:

@@ -185,7 +185,8 @@ def service_scan() -> ScanResult:
 
 
 def exposed_families() -> dict[str, str]:
-    """Family name as the spec writes it (counters with ``_total``) -> type."""
+    """Family name as the metrics table writes it (docs/ledger.md#metrics; counters with
+    ``_total``) -> type."""
     out = {}
     for family in m.REGISTRY.collect():
         name = family.name + "_total" if family.type == "counter" else family.name

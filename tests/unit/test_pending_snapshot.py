@@ -243,7 +243,7 @@ async def test_a_wait_within_the_gym_lease_takes_its_inner_wait_with_it() -> Non
     left behind used to fail, unretrieved, long after its snapshot ended."""
     from types import SimpleNamespace
 
-    from checkpoint_coordinator.gym.save import _race
+    from checkpoint_coordinator.gym.save import _race  # noqa: PLC0415
 
     renewer = SimpleNamespace(lost=asyncio.Event(), check=lambda: None)
     inner_cancelled = asyncio.Event()

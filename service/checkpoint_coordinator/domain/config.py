@@ -1,4 +1,4 @@
-"""The run's recovery configuration (ledger spec section 3) and the rules that validate it.
+"""The run's recovery configuration (docs/ledger.md#recovery-configuration) and the rules that validate it.
 
 Every key, its default and its bounds:
 
@@ -32,9 +32,9 @@ key                                 default   rule
 
 The ``max_*_attempts`` budgets count every attempt, the first one included.
 
-Longest possible Gym park (protocol section 6, "stall budget"). With
+Longest possible Gym park (docs/ledger.md#recovery-configuration). With
 ``reply_grace = min(control_timeout_s, 5)`` (the time a reply may take to come back after its
-deadline, protocol section 2)::
+deadline, docs/gym-protocol.md#transport)::
 
     park_max = (prepare_timeout_s + reply_grace)        # prepare, every stage, one deadline
              + (control_timeout_s + reply_grace)        # commit fan-out
@@ -224,21 +224,11 @@ class RecoveryConfig(BaseModel):
 
     # -- derived values -----------------------------------------------------------------------
 
-    @property
-    def reply_grace_s(self) -> float:
-        return reply_grace_s(self)
-
-    @property
-    def resume_budget_s(self) -> float:
-        return resume_budget_s(self)
-
-    @property
-    def min_stall_timeout_s(self) -> float:
-        return min_stall_timeout_s(self)
-
-    @property
-    def renew_interval_s(self) -> float:
-        return renew_interval_s(self)
+    # The module's functions, as properties of the config they are computed from.
+    reply_grace_s = property(lambda self: reply_grace_s(self))
+    resume_budget_s = property(lambda self: resume_budget_s(self))
+    min_stall_timeout_s = property(lambda self: min_stall_timeout_s(self))
+    renew_interval_s = property(lambda self: renew_interval_s(self))
 
     def public_dict(self) -> dict[str, Any]:
         """JSON-ready form, every key present (what a run's GET shows)."""
@@ -348,9 +338,10 @@ def renew_interval_s(cfg: RecoveryConfig) -> float:
 def gym_checkpoint_settings(cfg: RecoveryConfig) -> dict[str, Any]:
     """The Gym ``checkpoint:`` settings the coordinator expects for this run, token excluded.
 
-    ``lease_grace_seconds = control_timeout_s`` (protocol section 6): a lease then outlives its
-    last renewal by ``2 * control_timeout_s`` and a crashed coordinator keeps Gym parked at most
-    that long. ``control_auth_token`` is deliberately absent: it is a secret per instance.
+    ``lease_grace_seconds = control_timeout_s`` (docs/gym-protocol.md#leases-and-renewals): a
+    lease then outlives its last renewal by ``2 * control_timeout_s`` and a crashed coordinator
+    keeps Gym parked at most that long. ``control_auth_token`` is deliberately absent: it is a
+    secret per instance.
     """
     return {"lease_grace_seconds": cfg.control_timeout_s}
 
@@ -372,7 +363,7 @@ def lease_grace_verdict(
     return "ok"
 
 
-# -- restart-only policy (section 3, applied at setup after discovery) ------------------------
+# -- restart-only policy (applied at setup after discovery; docs/ledger.md#recovery-configuration)
 
 
 class RestartOnlyVerdict(BaseModel):

@@ -1,6 +1,6 @@
 """The ledger cut a snapshot holds: groups and the current attempt of every sibling.
 
-These mirror the ledger tables (ledger spec section 1) closely enough for the restore plan and
+These mirror the ledger tables (docs/ledger.md#prompt-groups-siblings-and-attempts) closely enough for the restore plan and
 the NeMo RL ledger import/export, and no further:
 
 * :class:`CutGroup` is a prompt group row (a frozen dataclass; one per group).

@@ -8,7 +8,7 @@ where. A NeMo RL ledger being imported is checked the same way.
 from __future__ import annotations
 
 from .cut import Cut, CutAttempt
-from .errors import CutError, FieldIssue
+from .errors import CutError, FieldIssue, IssueList
 from .gym_manifest import GymManifest
 from .identity import MAX_GENERATIONS
 from .restore_plan import may_run_in_gym
@@ -37,36 +37,34 @@ def validate_cut(cut: Cut) -> None:
         raise CutError(issues)
 
 
-class _Issues:
-    __slots__ = ("items", "extra")
-
-    def __init__(self) -> None:
-        self.items: list[FieldIssue] = []
-        self.extra = 0
-
-    def add(self, loc: tuple, message: str) -> None:
-        if len(self.items) < _MAX_ISSUES:
-            self.items.append(FieldIssue(loc, message))
-        else:
-            self.extra += 1
-
-    def done(self) -> list[FieldIssue]:
-        items = list(self.items)
-        if self.extra:
-            items.append(FieldIssue((), f"... and {self.extra} more issues"))
-        return items
-
-
 def cut_issues(cut: Cut) -> list[FieldIssue]:
     """Every broken invariant of a cut (at most 50, then a count), in input order.
 
     This is the careful, slow path; the plan's fast path only detects that something is wrong
     and then asks this function what."""
-    issues = _Issues()
-    gsize: dict[str, int] = {}
-    glevel: dict[str, int] = {}
-    gatt: dict[str, object] = {}
-    gslot: dict[str, bytearray] = {}
+    issues = IssueList(_MAX_ISSUES)
+    groups = _check_groups(cut, issues)
+    _check_attempts(cut, groups, issues)
+    _check_every_sibling_has_an_attempt(cut, groups, issues)
+    return issues.done()
+
+
+class _Groups:
+    """What the attempts are checked against, by group id: the expected generations, the level
+    code, the group attempt, and which siblings have a current attempt so far."""
+
+    __slots__ = ("size", "level", "attempt", "slots")
+
+    def __init__(self) -> None:
+        self.size: dict[str, int] = {}
+        self.level: dict[str, int] = {}
+        self.attempt: dict[str, object] = {}
+        self.slots: dict[str, bytearray] = {}
+
+
+def _check_groups(cut: Cut, issues: IssueList) -> _Groups:
+    out = _Groups()
+    gsize, glevel, gatt, gslot = out.size, out.level, out.attempt, out.slots
     for k, g in enumerate(cut.groups):
         gid = g.group_id
         if not isinstance(gid, str) or not gid:
@@ -93,6 +91,11 @@ def cut_issues(cut: Cut) -> list[FieldIssue]:
         glevel[gid] = _L_SIBLING if lvl is None else lvl
         gatt[gid] = ga
         gslot[gid] = bytearray(n)
+    return out
+
+
+def _check_attempts(cut: Cut, groups: _Groups, issues: IssueList) -> None:
+    gsize, glevel, gatt, gslot = groups.size, groups.level, groups.attempt, groups.slots
     rids: set[str] = set()
     for pos, a in enumerate(cut.attempts):
         if not isinstance(a, tuple) or len(a) != _ATTEMPT_FIELDS:
@@ -152,6 +155,10 @@ def cut_issues(cut: Cut) -> list[FieldIssue]:
                 f"'returned' exists only under prompt_group recovery; group {gid!r} is "
                 f"{_level_name(lvl)}-level",
             )
+
+
+def _check_every_sibling_has_an_attempt(cut: Cut, groups: _Groups, issues: IssueList) -> None:
+    gslot = groups.slots
     for k, g in enumerate(cut.groups):
         slots = gslot.get(g.group_id)
         if slots is None or not isinstance(g.group_id, str):
@@ -164,7 +171,6 @@ def cut_issues(cut: Cut) -> list[FieldIssue]:
                 f"group {g.group_id!r} lacks the current attempt of {len(missing)} sibling(s) "
                 f"(generation index {sample}{', ...' if len(missing) > 10 else ''})",
             )
-    return issues.done()
 
 
 def manifest_disagreements(

@@ -64,6 +64,31 @@ class FieldIssue:
         return f"{where}: {self.message}"
 
 
+class IssueList:
+    """The issues found so far: the first ``limit`` of them, then only a count of the others,
+    which :meth:`done` reports as one last issue (``... and N more <what>``)."""
+
+    __slots__ = ("items", "more", "_limit", "_what")
+
+    def __init__(self, limit: int = 50, what: str = "issues") -> None:
+        self.items: list[FieldIssue] = []
+        self.more = 0
+        self._limit = limit
+        self._what = what
+
+    def add(self, loc: Loc, message: str) -> None:
+        if len(self.items) < self._limit:
+            self.items.append(FieldIssue(loc, message))
+        else:
+            self.more += 1
+
+    def done(self) -> list[FieldIssue]:
+        items = list(self.items)
+        if self.more:
+            items.append(FieldIssue((), f"... and {self.more} more {self._what}"))
+        return items
+
+
 class DomainError(Exception):
     """Base of every refusal raised by ``checkpoint_coordinator.domain``.
 
@@ -104,53 +129,28 @@ class DomainError(Exception):
         return (self.__class__, (self.issues,))
 
 
-class ConfigError(DomainError):
-    """The run's recovery configuration is refused; one issue per offending key."""
-
-    code = "invalid_recovery_config"
-
-
-class LevelError(DomainError, ValueError):
-    """A restore level that does not exist or is refused (``prefix``).
-
-    Also a ``ValueError`` so that pydantic validators report it as a field error.
-    """
-
-    code = "invalid_restore_level"
-
-
-class IdentityError(DomainError, ValueError):
-    """An identifier breaks its pattern or length limit."""
-
-    code = "invalid_identifier"
-
-
-class ManifestError(DomainError):
-    """A Gym manifest (schema 2) is refused; the first failing rule is reported."""
-
-    code = "gym_manifest_invalid"
-
-
-class ManifestVersionError(ManifestError):
-    """A Gym manifest of another schema version, refused before any other field is read."""
-
-    code = "gym_manifest_version"
-
-
-class LegacyLedgerError(DomainError):
-    """A NeMo RL rollout-recovery ledger document is refused."""
-
-    code = "legacy_ledger_invalid"
-
-
-class LegacyLedgerVersionError(LegacyLedgerError):
-    code = "legacy_ledger_version"
-
-
-class CutError(DomainError):
-    """A ledger cut is internally inconsistent, so no restore plan can be made from it."""
-
-    code = "ledger_cut_invalid"
+# The domain's refusals, one a line: the class and its stable code (what it refuses above it).
+#: The run's recovery configuration is refused; one issue per offending key.
+class ConfigError(DomainError): code = "invalid_recovery_config"
+#: A restore level that does not exist or is refused (``prefix``); also a ``ValueError`` so that
+#: pydantic validators report it as a field error.
+class LevelError(DomainError, ValueError): code = "invalid_restore_level"
+#: An identifier breaks its pattern or length limit.
+class IdentityError(DomainError, ValueError): code = "invalid_identifier"
+#: A Gym manifest (schema 2) is refused; the first failing rule is reported.
+class ManifestError(DomainError): code = "gym_manifest_invalid"
+#: A Gym manifest of another schema version, refused before any other field is read.
+class ManifestVersionError(ManifestError): code = "gym_manifest_version"
+#: A NeMo RL rollout-recovery ledger document is refused.
+class LegacyLedgerError(DomainError): code = "legacy_ledger_invalid"
+#: ... of a schema version the importer does not read.
+class LegacyLedgerVersionError(LegacyLedgerError): code = "legacy_ledger_version"
+#: A ledger cut is internally inconsistent, so no restore plan can be made from it.
+class CutError(DomainError): code = "ledger_cut_invalid"
+#: Live Gym instances or participants differ from what the manifest needs.
+class TopologyMismatch(DomainError): code = "topology_mismatch"
+#: The injected rollout-id generator produced an id that is already taken.
+class PlanError(DomainError): code = "restore_plan_rollout_id_collision"
 
 
 class ManifestLedgerMismatch(DomainError):
@@ -164,18 +164,6 @@ class ManifestLedgerMismatch(DomainError):
 
     def __reduce__(self):
         return (self.__class__, (self.issues, self.instance_ids))
-
-
-class TopologyMismatch(DomainError):
-    """Live Gym instances or participants differ from what the manifest needs."""
-
-    code = "topology_mismatch"
-
-
-class PlanError(DomainError):
-    """The injected rollout-id generator produced an id that is already taken."""
-
-    code = "restore_plan_rollout_id_collision"
 
 
 class TransitionError(DomainError):

@@ -1,4 +1,5 @@
-"""The Gym manifest of a snapshot, schema version 2 (ledger spec section 8, protocol 8.3).
+"""The Gym manifest of a snapshot, schema version 2 (docs/ledger.md#the-gym-manifest,
+docs/gym-protocol.md#the-gym-manifest).
 
 Document shape::
 
@@ -20,7 +21,7 @@ candidates left out of the commit scope because a participant reported them as r
 ``staging_keys`` the token-store keys of the exported episodes only; ``participants`` the server
 names that committed the instance.
 
-:func:`load_gym_manifest` applies the rules of protocol 8.3 in order and refuses on the first
+:func:`load_gym_manifest` applies these rules in order and refuses on the first
 failure with a :class:`~.errors.ManifestError` naming the field (``ManifestVersionError`` for
 rule 1, checked before any other field is even looked at):
 
@@ -51,10 +52,11 @@ from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 from .errors import FieldIssue, ManifestError, ManifestVersionError
 from .identity import CHECKPOINT_ID, INSTANCE_ID, SERVER_NAME, is_valid_rollout_id, ROLLOUT_ID
+from .json_kinds import json_kind
 
 __all__ = [
     "MANIFEST_SCHEMA_VERSION",
-    "Episode",
+    "ManifestEpisode",
     "ManifestInstance",
     "GymManifest",
     "EpisodeOwnership",
@@ -72,7 +74,7 @@ _INSTANCE_KEYS = frozenset({"episodes", "restarts", "staging_keys", "participant
 _EPISODE_KEYS = frozenset({"rollout_id", "attempt"})
 
 
-class Episode(NamedTuple):
+class ManifestEpisode(NamedTuple):
     """One attempt of one rollout inside Gym."""
 
     rollout_id: str
@@ -84,8 +86,8 @@ class Episode(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class ManifestInstance:
-    episodes: tuple[Episode, ...]
-    restarts: tuple[Episode, ...]
+    episodes: tuple[ManifestEpisode, ...]
+    restarts: tuple[ManifestEpisode, ...]
     staging_keys: tuple[str, ...]
     participants: tuple[str, ...]
 
@@ -142,68 +144,26 @@ def _fail(loc: Iterable[str | int], message: str) -> ManifestError:
     return ManifestError([FieldIssue(tuple(loc), message)])
 
 
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, (list, tuple)):
-        return "array"
-    if isinstance(value, Mapping):
-        return "object"
-    return type(value).__name__
-
-
 def _check_version(obj: Any) -> None:
     if not isinstance(obj, Mapping):
-        raise ManifestVersionError(
-            [FieldIssue((), f"a Gym manifest must be a JSON object, got {_type_name(obj)}")]
-        )
+        raise ManifestVersionError.at((), f"a Gym manifest must be a JSON object, got {json_kind(obj)}")
+    loc = ("schema_version",)
     if "schema_version" not in obj:
-        raise ManifestVersionError(
-            [
-                FieldIssue(
-                    ("schema_version",),
-                    "missing; a Gym manifest must declare schema_version 2",
-                )
-            ]
-        )
+        raise ManifestVersionError.at(loc, "missing; a Gym manifest must declare schema_version 2")
     version = obj["schema_version"]
     if type(version) is not int:
-        raise ManifestVersionError(
-            [
-                FieldIssue(
-                    ("schema_version",),
-                    f"must be the integer {MANIFEST_SCHEMA_VERSION}, got the "
-                    f"{_type_name(version)} {version!r}",
-                )
-            ]
+        raise ManifestVersionError.at(
+            loc, f"must be the integer {MANIFEST_SCHEMA_VERSION}, got the {json_kind(version)} {version!r}"
         )
     if version == 1:
-        raise ManifestVersionError(
-            [
-                FieldIssue(
-                    ("schema_version",),
-                    "schema version 1 predates recorded participants and cannot be restored "
-                    "safely; only schema version 2 is accepted",
-                )
-            ]
+        raise ManifestVersionError.at(
+            loc,
+            "schema version 1 predates recorded participants and cannot be restored safely; only schema "
+            "version 2 is accepted",
         )
     if version != MANIFEST_SCHEMA_VERSION:
-        raise ManifestVersionError(
-            [
-                FieldIssue(
-                    ("schema_version",),
-                    f"unknown schema version {version}; only schema version "
-                    f"{MANIFEST_SCHEMA_VERSION} is accepted",
-                )
-            ]
+        raise ManifestVersionError.at(
+            loc, f"unknown schema version {version}; only schema version {MANIFEST_SCHEMA_VERSION} is accepted"
         )
 
 
@@ -220,14 +180,14 @@ def _exact_keys(value: Mapping[str, Any], expected: frozenset[str], loc: tuple, 
         )
 
 
-def _episodes(raw: Any, loc: tuple) -> list[Episode]:
+def _episodes(raw: Any, loc: tuple) -> list[ManifestEpisode]:
     if not isinstance(raw, (list, tuple)):
-        raise _fail(loc, f"must be an array of episode objects, got {_type_name(raw)}")
-    out: list[Episode] = []
+        raise _fail(loc, f"must be an array of episode objects, got {json_kind(raw)}")
+    out: list[ManifestEpisode] = []
     append = out.append
     for i, entry in enumerate(raw):
         if type(entry) is not dict and not isinstance(entry, Mapping):
-            raise _fail(loc + (i,), f"an episode must be an object, got {_type_name(entry)}")
+            raise _fail(loc + (i,), f"an episode must be an object, got {json_kind(entry)}")
         if len(entry) != 2 or "rollout_id" not in entry or "attempt" not in entry:
             _exact_keys(entry, _EPISODE_KEYS, loc + (i,), "an episode")
         rid = entry["rollout_id"]
@@ -237,9 +197,9 @@ def _episodes(raw: Any, loc: tuple) -> list[Episode]:
         if type(attempt) is not int or attempt < 0:
             raise _fail(
                 loc + (i, "attempt"),
-                f"must be an integer >= 0, got the {_type_name(attempt)} {attempt!r}",
+                f"must be an integer >= 0, got the {json_kind(attempt)} {attempt!r}",
             )
-        append(Episode(rid, attempt))
+        append(ManifestEpisode(rid, attempt))
     return out
 
 
@@ -257,20 +217,10 @@ def load_gym_manifest(obj: Any) -> GymManifest:
 
     # Rule 3: instances and their topology.
     instances = obj["instances"]
-    if not isinstance(instances, Mapping):
-        raise _fail(("instances",), f"must be an object, got {_type_name(instances)}")
-    if not instances:
-        raise _fail(("instances",), "must name at least one instance")
-    for iid, inst in instances.items():
-        reason = INSTANCE_ID.problem(iid)
-        if reason is not None:
-            raise _fail(("instances", str(iid)), reason)
-        if not isinstance(inst, Mapping):
-            raise _fail(("instances", iid), f"must be an object, got {_type_name(inst)}")
-        _exact_keys(inst, _INSTANCE_KEYS, ("instances", iid), f"instance {iid!r}")
+    _check_instances(instances)
 
     # Rule 4: episode entries.
-    parsed: dict[str, tuple[list[Episode], list[Episode]]] = {}
+    parsed: dict[str, tuple[list[ManifestEpisode], list[ManifestEpisode]]] = {}
     for iid, inst in instances.items():
         parsed[iid] = (
             _episodes(inst["episodes"], ("instances", iid, "episodes")),
@@ -278,6 +228,29 @@ def load_gym_manifest(obj: Any) -> GymManifest:
         )
 
     # Rule 5: a rollout id at most once across the whole document.
+    _check_unique_rollouts(parsed)
+
+    # Rule 6: staging keys and participants.
+    out = {iid: _instance(iid, inst, *parsed[iid]) for iid, inst in instances.items()}
+    ordered = {iid: out[iid] for iid in sorted(out)}
+    return GymManifest(checkpoint_id=cid, instances=MappingProxyType(ordered))
+
+
+def _check_instances(instances: Any) -> None:
+    if not isinstance(instances, Mapping):
+        raise _fail(("instances",), f"must be an object, got {json_kind(instances)}")
+    if not instances:
+        raise _fail(("instances",), "must name at least one instance")
+    for iid, inst in instances.items():
+        reason = INSTANCE_ID.problem(iid)
+        if reason is not None:
+            raise _fail(("instances", str(iid)), reason)
+        if not isinstance(inst, Mapping):
+            raise _fail(("instances", iid), f"must be an object, got {json_kind(inst)}")
+        _exact_keys(inst, _INSTANCE_KEYS, ("instances", iid), f"instance {iid!r}")
+
+
+def _check_unique_rollouts(parsed: Mapping[str, tuple[list[ManifestEpisode], list[ManifestEpisode]]]) -> None:
     seen: dict[str, tuple[str, str, int]] = {}
     for iid, (episodes, restarts) in parsed.items():
         for field_name, entries in (("episodes", episodes), ("restarts", restarts)):
@@ -298,45 +271,41 @@ def load_gym_manifest(obj: Any) -> GymManifest:
                     f"rollout id {e.rollout_id!r} appears twice: {why}",
                 )
 
-    # Rule 6: staging keys and participants.
-    out: dict[str, ManifestInstance] = {}
-    for iid, inst in instances.items():
-        keys = inst["staging_keys"]
-        loc = ("instances", iid, "staging_keys")
-        if not isinstance(keys, (list, tuple)):
-            raise _fail(loc, f"must be an array of strings, got {_type_name(keys)}")
-        key_set: set[str] = set()
-        for i, k in enumerate(keys):
-            if type(k) is not str or not k:
-                raise _fail(loc + (i,), f"a staging key must be a non-empty string, got {k!r}")
-            if k in key_set:
-                raise _fail(loc + (i,), f"duplicate staging key {k!r}")
-            key_set.add(k)
-        parts = inst["participants"]
-        loc = ("instances", iid, "participants")
-        if not isinstance(parts, (list, tuple)):
-            raise _fail(loc, f"must be an array of server names, got {_type_name(parts)}")
-        if not parts:
-            raise _fail(loc, "must name at least one participant that committed the instance")
-        part_set: set[str] = set()
-        for i, p in enumerate(parts):
-            reason = SERVER_NAME.problem(p)
-            if reason is not None:
-                raise _fail(loc + (i,), reason)
-            if p in part_set:
-                raise _fail(loc + (i,), f"duplicate participant {p!r}")
-            part_set.add(p)
-        episodes, restarts = parsed[iid]
-        episodes.sort()
-        restarts.sort()
-        out[iid] = ManifestInstance(
-            episodes=tuple(episodes),
-            restarts=tuple(restarts),
-            staging_keys=tuple(sorted(key_set)),
-            participants=tuple(sorted(part_set)),
-        )
-    ordered = {iid: out[iid] for iid in sorted(out)}
-    return GymManifest(checkpoint_id=cid, instances=MappingProxyType(ordered))
+
+def _instance(iid: str, inst: Mapping[str, Any], episodes: list[ManifestEpisode], restarts: list[ManifestEpisode]) -> ManifestInstance:
+    keys = inst["staging_keys"]
+    loc = ("instances", iid, "staging_keys")
+    if not isinstance(keys, (list, tuple)):
+        raise _fail(loc, f"must be an array of strings, got {json_kind(keys)}")
+    key_set: set[str] = set()
+    for i, k in enumerate(keys):
+        if type(k) is not str or not k:
+            raise _fail(loc + (i,), f"a staging key must be a non-empty string, got {k!r}")
+        if k in key_set:
+            raise _fail(loc + (i,), f"duplicate staging key {k!r}")
+        key_set.add(k)
+    parts = inst["participants"]
+    loc = ("instances", iid, "participants")
+    if not isinstance(parts, (list, tuple)):
+        raise _fail(loc, f"must be an array of server names, got {json_kind(parts)}")
+    if not parts:
+        raise _fail(loc, "must name at least one participant that committed the instance")
+    part_set: set[str] = set()
+    for i, p in enumerate(parts):
+        reason = SERVER_NAME.problem(p)
+        if reason is not None:
+            raise _fail(loc + (i,), reason)
+        if p in part_set:
+            raise _fail(loc + (i,), f"duplicate participant {p!r}")
+        part_set.add(p)
+    episodes.sort()
+    restarts.sort()
+    return ManifestInstance(
+        episodes=tuple(episodes),
+        restarts=tuple(restarts),
+        staging_keys=tuple(sorted(key_set)),
+        participants=tuple(sorted(part_set)),
+    )
 
 
 def build_gym_manifest(
@@ -344,7 +313,7 @@ def build_gym_manifest(
     instances: Mapping[str, Mapping[str, Iterable[Any]]],
 ) -> GymManifest:
     """Assemble a manifest from a commit's results (``episodes``/``restarts`` as
-    :class:`Episode` or ``(rollout_id, attempt)`` pairs or episode objects) and validate it
+    :class:`ManifestEpisode` or ``(rollout_id, attempt)`` pairs or episode objects) and validate it
     exactly as loading would."""
     doc: dict[str, Any] = {
         "schema_version": MANIFEST_SCHEMA_VERSION,
@@ -369,7 +338,7 @@ def _episode_obj(e: Any) -> Any:
 
 
 def dump_gym_manifest(manifest: GymManifest) -> dict[str, Any]:
-    """The JSON-ready document, every list sorted as protocol 8.3 requires."""
+    """The JSON-ready document, every list sorted (docs/gym-protocol.md#the-gym-manifest)."""
     return {
         "schema_version": MANIFEST_SCHEMA_VERSION,
         "checkpoint_id": manifest.checkpoint_id,

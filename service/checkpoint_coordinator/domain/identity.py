@@ -1,6 +1,6 @@
 """Identifiers: their patterns, limits, formats and parsers.
 
-``NAME`` is ``^[A-Za-z0-9][A-Za-z0-9._-]*$`` (protocol section 1). Rules per identifier:
+``NAME`` is ``^[A-Za-z0-9][A-Za-z0-9._-]*$`` (docs/gym-protocol.md#identifiers). Rules per identifier:
 
 =================  =========================================  ==========  =========================
 identifier         pattern                                    max length  note
@@ -19,7 +19,7 @@ task source        NAME segments joined by ``/``              256
 rollout id         NAME, never ending in ``-a<digits>``       256
 =================  =========================================  ==========  =========================
 
-Formats (ledger section 1, protocol section 1):
+Formats (docs/ledger.md#identifiers, docs/gym-protocol.md#identifiers):
 
 * sibling id ``"<group_id>_g<i>"``;
 * rollout id ``"<group_id>_g<i>_a<32 lowercase hex>"``, the hex drawn fresh for every attempt from
@@ -288,7 +288,7 @@ def capture_key(rollout_id: str, gym_attempt: int) -> str:
 
 
 def parse_capture_key(key: str) -> tuple[str, int]:
-    """``(rollout_id, attempt)`` of a capture key (protocol section 1)."""
+    """``(rollout_id, attempt)`` of a capture key (docs/gym-protocol.md#identifiers)."""
     if not isinstance(key, str) or not key:
         raise IdentityError([FieldIssue((), f"a capture key must be a non-empty string: {key!r}")])
     m = _CAPTURE.fullmatch(key)

@@ -18,10 +18,10 @@ and its plain string are interchangeable as dict keys.
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Mapping, Protocol
 
 from .errors import FieldIssue, LevelError
+from .vocabulary import StrEnum
 
 __all__ = [
     "RestoreLevel",
@@ -40,7 +40,7 @@ PREFIX_REFUSAL = (
 )
 
 
-class RestoreLevel(str, Enum):
+class RestoreLevel(StrEnum):
     turn = "turn"
     sibling = "sibling"
     prompt_group = "prompt_group"
@@ -82,7 +82,7 @@ class RestoreLevel(str, Enum):
 _RANK = {RestoreLevel.turn: 0, RestoreLevel.sibling: 1, RestoreLevel.prompt_group: 2}
 
 
-class LiveGranularity(str, Enum):
+class LiveGranularity(StrEnum):
     """How live failures are recovered: one sibling at a time, or the whole cohort."""
 
     sibling = "sibling"

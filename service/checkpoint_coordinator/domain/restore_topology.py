@@ -1,4 +1,4 @@
-"""Whether a live Gym deployment can take a snapshot's Gym state (recovery-ledger.md section 6):
+"""Whether a live Gym deployment can take a snapshot's Gym state (docs/ledger.md#checks-before-gym):
 the instances and the participants each instance committed."""
 
 from __future__ import annotations

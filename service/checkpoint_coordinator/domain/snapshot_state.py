@@ -5,7 +5,7 @@ Each machine is a :class:`TransitionTable`; :func:`check_transition` raises
 listed: an idempotent repeat (the same seal twice) is recognised by the ledger before it asks
 for a transition.
 
-Snapshot phases (ledger section 5). Each phase is persisted before its side effects::
+Snapshot phases (docs/ledger.md#phases). Each phase is persisted before its side effects::
 
     requested -> gate -> retire -> prepare -> commit -> drain -> data_plane -> resume -> publish
               -> published
@@ -23,12 +23,12 @@ Snapshot phases (ledger section 5). Each phase is persisted before its side effe
   was taken: that fact is held by the snapshot record, and :func:`check_snapshot_transition`
   takes it as ``cut_taken``.
 * Any non-terminal phase may go straight to ``aborted`` with reason ``coordinator_restart``
-  once the restarted coordinator has resumed the Gym phase (ledger section 5, last paragraph),
+  once the restarted coordinator has resumed the Gym phase (docs/ledger.md#outcomes-and-reasons),
   or to ``failed`` when the failure happened after the resume was sent.
 
 Reasons form a closed enum; each belongs to one outcome (:data:`REASON_OUTCOME`).
 
-Attempt status (ledger section 1)::
+Attempt status (docs/ledger.md#attempt-status)::
 
     reserved -> dispatched -> sealed | failed | abandoned
     dispatched -> reserved              (refused at admission: same rollout id, no attempt spent)
@@ -217,7 +217,7 @@ TRANSIENT_REASONS = frozenset(
 )
 
 class FailureClass(_StrEnum):
-    """The control failure class of a Gym call (gym-control-protocol.md section 9)."""
+    """The control failure class of a Gym call (docs/gym-protocol.md#failure-classes)."""
 
     NOT_READY = "not_ready"
     UNAVAILABLE = "unavailable"
@@ -230,7 +230,7 @@ class FailureClass(_StrEnum):
     CHECKPOINT_STATE = "checkpoint_state"
 
 
-#: Control failure class of the protocol (section 9) -> snapshot reason.
+#: Control failure class of the protocol (docs/gym-protocol.md#failure-classes) -> snapshot reason.
 GYM_FAILURE_CLASS_REASON: Mapping[FailureClass, SnapshotReason] = MappingProxyType(
     {
         FailureClass.NOT_READY: SnapshotReason.gym_not_ready,

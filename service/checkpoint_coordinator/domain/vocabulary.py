@@ -1,4 +1,5 @@
-"""The ledger's vocabularies (recovery-ledger.md sections 1, 4 and 6), one enum each.
+"""The ledger's vocabularies (docs/ledger.md#prompt-groups-siblings-and-attempts,
+docs/ledger.md#live-rollouts, docs/ledger.md#restore), one enum each.
 
 Metrics labels, the ORM models' check constraints, the SQL the ledger sends and the API all take
 their words from here, so a word is added or renamed in one place.
@@ -14,12 +15,18 @@ __all__ = [
     "AttemptStatus",
     "GroupStatus",
     "RetirementState",
-    "FailureClass",
+    "AttemptFailureClass",
     "Disposition",
     "GroupDisposition",
     "LedgerTransition",
     "RowReason",
     "SchemaState",
+    "RunState",
+    "OutboxState",
+    "OutboxOp",
+    "RestoreRecordState",
+    "ParticipantKind",
+    "GymOperation",
     "REASON_DISPOSITIONS",
     "sql_list",
 ]
@@ -58,16 +65,16 @@ class GroupStatus(StrEnum):
     abandoned = "abandoned"
 
 
-class FailureClass(StrEnum):
-    """Why a trainer reported an attempt as failed (section 4): Gym answered with bad data, or
-    the answer never came."""
+class AttemptFailureClass(StrEnum):
+    """Why a trainer reported an attempt as failed (docs/ledger.md#failure): Gym answered with
+    bad data, or the answer never came."""
 
     data = "data"
     transport = "transport"
 
 
 class Disposition(StrEnum):
-    """What a restore does with one sibling (section 6.1)."""
+    """What a restore does with one sibling (docs/ledger.md#restore-plans-and-dispositions)."""
 
     reused = "reused"
     continued = "continued"
@@ -96,7 +103,7 @@ class GroupDisposition(StrEnum):
 
 
 class RowReason(StrEnum):
-    """Why a restore plan row does what it does (section 6.2)."""
+    """Why a restore plan row does what it does (docs/ledger.md#row-reasons)."""
 
     sealed_at_cut = "sealed_at_cut"  # the attempt was sealed when the cut was taken
     exported_by_gym = "exported_by_gym"  # Gym exported the episode: it continues at N+1
@@ -138,6 +145,64 @@ LedgerTransition = StrEnum(  # type: ignore[misc]
     + [(s.name if s is not GroupStatus.abandoned else "group_abandoned", s.value if s is not GroupStatus.abandoned else "group_abandoned") for s in GroupStatus]
     + [(s.name, s.value) for s in RetirementState if s is not RetirementState.none],
 )
+
+class RunState(StrEnum):
+    """A run accepts work while ``open``; ``closed`` is final."""
+
+    open = "open"
+    closed = "closed"
+
+
+class OutboxState(StrEnum):
+    """An outbox item waits (``pending``), was acknowledged by Gym (``delivered``), or was made
+    moot by a restore or a later item (``superseded``)."""
+
+    pending = "pending"
+    delivered = "delivered"
+    superseded = "superseded"
+
+
+class OutboxOp(StrEnum):
+    """What an outbox item asks of Gym's participants for one rollout attempt."""
+
+    retire = "retire"
+    forget = "forget"
+
+
+class RestoreRecordState(StrEnum):
+    """A restore's record: in progress, applied, refused before any change, failed (its Gym
+    side undone), or abandoned by its caller."""
+
+    running = "running"
+    applied = "applied"
+    refused = "refused"
+    failed = "failed"
+    abandoned = "abandoned"
+
+
+class ParticipantKind(StrEnum):
+    """The kind of a Gym participant server (``unknown``: a status probe before it said)."""
+
+    environment = "environment"
+    model = "model"
+    agent = "agent"
+    resources = "resources"
+    unknown = "unknown"
+
+
+class GymOperation(StrEnum):
+    """The Gym control operations the coordinator calls (docs/gym-protocol.md)."""
+
+    discover = "discover"
+    status = "status"
+    prepare = "prepare"
+    renew = "renew"
+    commit = "commit"
+    resume = "resume"
+    restore = "restore"
+    retire = "retire"
+    forget = "forget"
+
 
 class SchemaState(StrEnum):
     """What the database's schema is to a release (its readiness, its metric, its log)."""

@@ -1,13 +1,15 @@
-"""The coordinator's NeMo Gym control client (spec: gym-control-protocol.md, Gen B).
+"""The coordinator's NeMo Gym control client (Gen B, docs/gym-protocol.md).
 
 A library for the snapshot and restore choreographies: httpx, pydantic and the domain's
 identifier rules, with its own control connection pool and an injectable clock. One module per
 operation (discovery, prepare, renew, commit, resume, restore, retire) behind the
 :class:`GymControlClient` facade. Failures leave it as
-:class:`GymControlError`, whose ``to_dict()`` is the plain data of spec section 9.
+:class:`GymControlError`, whose ``to_dict()`` is the plain data of its failure
+(docs/gym-protocol.md#failure-classes).
 """
 
-from .client import GymControlClient, RestoreCleanup, Topology, callers_first
+from . import results
+from .client import GymControlClient, Topology, callers_first
 from .clock import Clock, ManualClock, SystemClock
 from .errors import FailureClass, GymControlError, classify, normalize_code
 from .lease import LeaseRenewer
@@ -22,42 +24,22 @@ from .models import (
     parse_capture_key,
 )
 from .policy import compute_scope
-from .results import (
-    BatchResult,
-    CommitResult,
-    ForgetSettlement,
-    InstanceCommit,
-    PrepareResult,
-    RenewResult,
-    RestoreResult,
-    ResumeReport,
-    SaveResult,
-)
+from .results import *  # noqa: F403 (what each operation hands back: results.__all__)
 from .save import GymSave, GymSaveAborted
 
 __all__ = [
-    "BatchResult",
     "Clock",
-    "CommitResult",
     "Episode",
     "FailureClass",
-    "ForgetSettlement",
     "GymControlClient",
     "GymControlError",
     "GymSave",
     "GymSaveAborted",
-    "InstanceCommit",
     "InstanceSpec",
     "InstanceTopology",
     "LeaseRenewer",
     "ManualClock",
     "Participant",
-    "PrepareResult",
-    "RenewResult",
-    "RestoreCleanup",
-    "RestoreResult",
-    "ResumeReport",
-    "SaveResult",
     "SystemClock",
     "Topology",
     "build_gym_manifest",
@@ -70,3 +52,4 @@ __all__ = [
     "parse_capture_key",
     "write_gym_manifest",
 ]
+__all__ += results.__all__

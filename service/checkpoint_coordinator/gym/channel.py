@@ -1,7 +1,7 @@
 """One control call on the wire: deadline, timeout, bounded retries, reply cap, error parsing.
 
 Everything above this module works with parsed replies or with :class:`CallFailed`, whose
-``part`` is already the plain-data failure part of section 9.
+``part`` is already the plain-data failure part (docs/gym-protocol.md#failure-classes).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ log = logging.getLogger("checkpoint_coordinator.gym")
 
 CONTROL_PREFIX = "/ng-control/v1/checkpoint/"
 MAX_TRIES = 3
-# How much of a reply is read (README, "Limits"): a reply is read into one buffer, never past
+# How much of a reply is read (docs/configuration.md#limits): a reply is read into one buffer, never past
 # its cap, so the memory a Gym server can make the coordinator hold is the sum of the caps of the
 # calls in flight. Status, renew and resume replies are small; prepare lists restarts (never
 # capped by Gym), retire and forget name at most 1 024 ids; a commit or restore reply lists the
@@ -93,7 +93,8 @@ RETRY_BACKOFF_S = (0.05, 0.2)
 
 R = TypeVar("R", bound=_Reply)
 
-# Errors raised before any byte of a reply arrived: the call may be sent again (section 2).
+# Errors raised before any byte of a reply arrived: the call may be sent again
+# (docs/gym-protocol.md#transport).
 _NO_REPLY_ERRORS = (
     httpx.ConnectError,
     httpx.ConnectTimeout,
@@ -152,7 +153,8 @@ class ControlChannel:
         self.http = http
         self.run_id = run_id
         self.clock = clock
-        # Section 2: the grace only covers the reply's trip back after the participant's deadline.
+        # The grace only covers the reply's trip back after the participant's deadline
+        # (docs/gym-protocol.md#transport).
         self.reply_grace_s = min(control_timeout_s, 5.0)
         self.max_reply_bytes = max_reply_bytes
         self.reply_memory = reply_memory or PROCESS_REPLY_MEMORY
@@ -360,10 +362,11 @@ _DETAIL_CHARS = 200
 
 def error_part(op: str, status: int, content: bytes) -> ServerFailure:
     """Failure part of a non-200 reply. Only what a Gym participant says in the protocol's own
-    words is kept: the section-2 envelope's code and, for a code of section 10, its detail (short,
-    printable); the field names of a framework validation refusal. Any other body is named by
-    its size alone, never echoed: the URL may have reached a service that is not Gym, and its
-    answer must not travel back to whoever registered it (its digest goes to the log)."""
+    words is kept: the envelope's code (docs/gym-protocol.md#transport) and, for a code of
+    docs/gym-protocol.md#error-codes, its detail (short, printable); the field names of a
+    framework validation refusal. Any other body is named by its size alone, never echoed: the
+    URL may have reached a service that is not Gym, and its answer must not travel back to
+    whoever registered it (its digest goes to the log)."""
     try:
         body = json.loads(content) if content else None
     except ValueError:

@@ -1,5 +1,5 @@
-"""The coordinator's Gym control client (spec sections 3 to 7): a facade over one module per
-operation.
+"""The coordinator's Gym control client (docs/gym-protocol.md#operations): a facade over one
+module per operation.
 
 One :class:`GymControlClient` owns one httpx connection pool used for nothing but control
 calls, so a control call never queues behind a long data-plane ``/run``. Every operation takes
@@ -27,7 +27,7 @@ from . import resume as _resume
 from . import retire as _retire
 from .channel import ControlChannel
 from .clock import Clock, SystemClock
-from .context import Budgets, CheckpointBook, Control
+from .context import ControlBudgets, CheckpointBook, Control
 from .egress import EgressPolicy, guarded_transport
 from .models import Episode, InstanceSpec, InstanceTopology, Participant, Topology
 from .results import (
@@ -45,7 +45,7 @@ from .retire import callers_first
 
 __all__ = ["GymControlClient", "RestoreCleanup", "Topology", "callers_first", "tls_context"]
 
-# The ceiling of any one reply (README, "Limits"); each operation has its own, lower cap.
+# The ceiling of any one reply (docs/configuration.md#limits); each operation has its own, lower cap.
 DEFAULT_MAX_CONTROL_REPLY_BYTES = 64 * 1024 * 1024
 
 
@@ -114,7 +114,7 @@ class GymControlClient:
                 run_id=run_id,
             ),
             clock=self.clock,
-            budgets=Budgets(self.control_timeout_s, self.prepare_timeout_s, self.discovery_timeout_s),
+            budgets=ControlBudgets(self.control_timeout_s, self.prepare_timeout_s, self.discovery_timeout_s),
             book=CheckpointBook(owns_checkpoint_id),
         )
 
@@ -154,7 +154,7 @@ class GymControlClient:
         snapshot leaves Gym parked); from now on it counts as an orphan of this coordinator."""
         self._ctl.book.release(checkpoint_id, topology)
 
-    # --- discovery (section 3) -----------------------------------------------------------------
+    # --- discovery (docs/gym-protocol.md#discover) ---------------------------------------------
 
     async def discover(self, spec: InstanceSpec) -> list[Participant]:
         """The participants of one instance, sorted by ``(stage, server_name)``; all or nothing."""
@@ -186,7 +186,7 @@ class GymControlClient:
         A foreign id raises ``conflict`` naming its holders, before anything is resumed."""
         return await _discovery.recover_orphans(self._ctl, topology)
 
-    # --- save: prepare, renew, commit, resume (5.2-5.5) ----------------------------------------
+    # --- save: prepare, renew, commit, resume (docs/gym-protocol.md#the-save-choreography) -----
 
     async def prepare(self, checkpoint_id: str, topology: Topology) -> PrepareResult:
         """Prepare every instance stage by stage, instances in parallel.
@@ -211,16 +211,9 @@ class GymControlClient:
         return await _renew.renew_round(self._ctl, checkpoint_id, topology)
 
     async def commit(
-        self,
-        checkpoint_id: str,
-        topology: Topology,
-        checkpoint_dirs: Mapping[str, str],
-        scopes: Mapping[str, Iterable[Episode]],
-        stop: bool = False,
-        restarts: Mapping[str, Iterable[Episode]] | None = None,
-        on_instance: Callable[[str, InstanceCommit], None] | None = None,
-        *,
-        make_directories: bool = True,
+        self, checkpoint_id: str, topology: Topology, checkpoint_dirs: Mapping[str, str], scopes: Mapping[str, Iterable[Episode]],
+        stop: bool = False, restarts: Mapping[str, Iterable[Episode]] | None = None,
+        on_instance: Callable[[str, InstanceCommit], None] | None = None, *, make_directories: bool = True,
     ) -> CommitResult:
         """Commit every participant of every instance and validate the replies.
 
@@ -245,16 +238,11 @@ class GymControlClient:
             report.raise_for_failure()
         return report
 
-    # --- restore (5.6) -------------------------------------------------------------------------
+    # --- restore (docs/gym-protocol.md#restore) ------------------------------------------------
 
     async def restore(
-        self,
-        manifest: Mapping[str, Any],
-        topology: Mapping[str, InstanceSpec | InstanceTopology],
-        snapshot_dir: str,
-        *,
-        resume: bool = True,
-        instance_dirs: Mapping[str, str] | None = None,
+        self, manifest: Mapping[str, Any], topology: Mapping[str, InstanceSpec | InstanceTopology], snapshot_dir: str, *,
+        resume: bool = True, instance_dirs: Mapping[str, str] | None = None,
     ) -> RestoreResult:
         """Restore a snapshot's Gym state into fresh instances, all or nothing.
 
@@ -276,14 +264,10 @@ class GymControlClient:
         resume, so none of those continuations can run. The caller restarts the rollouts."""
         return await _restore.discard_restore(self._ctl, result)
 
-    # --- retire and forget (5.7, 5.8, 7) -------------------------------------------------------
+    # --- retire and forget (docs/gym-protocol.md#marks-retire-and-forget) ----------------------
 
     async def retire(
-        self,
-        instance: InstanceTopology,
-        episodes: Iterable[Episode],
-        checkpoint_id: str = "retire",
-        *,
+        self, instance: InstanceTopology, episodes: Iterable[Episode], checkpoint_id: str = _retire.RETIRE_CHECKPOINT_ID, *,
         deadline_ts: float | None = None,
     ) -> list[BatchResult]:
         """Retire episodes on every participant, callers before callees, in batches of 1024.
@@ -294,11 +278,7 @@ class GymControlClient:
         return await _retire.retire(self._ctl, instance, episodes, checkpoint_id, deadline_ts=deadline_ts)
 
     async def forget(
-        self,
-        instance: InstanceTopology,
-        rollout_ids: Iterable[str],
-        checkpoint_id: str = "forget",
-        *,
+        self, instance: InstanceTopology, rollout_ids: Iterable[str], checkpoint_id: str = _retire.FORGET_CHECKPOINT_ID, *,
         deadline_ts: float | None = None,
     ) -> list[BatchResult]:
         """Drop the marks of rollouts that can no longer send anything; same order as retire."""

@@ -1,5 +1,6 @@
-"""Commit (spec 5.4): one fan-out to every participant of every instance, then the two second
-tries published Gym needs (section 13), then the validation of each instance's replies.
+"""Commit (docs/gym-protocol.md#commit): one fan-out to every participant of every instance,
+then the two second tries published Gym needs (docs/gym-protocol.md#the-published-profile), then
+the validation of each instance's replies.
 
 The caller resumes on failure; commit itself never does.
 """
@@ -15,13 +16,21 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, Target, encode_body
-from .context import Control, catch
 from .commit_check import validate_commit
+from .context import Control, catch
 from .errors import GymControlError, ServerFailure, parts_summary, sample
 from .files import make_dirs
 from .manifest import encode_instance_entry
-from .models import CommitReply, Episode, InstanceTopology, Participant, StatusReply, Topology
+from .models import (
+    CommitReply,
+    Episode,
+    InstanceTopology,
+    Participant,
+    StatusReply,
+    Topology,
+)
 from .results import CommitResult, InstanceCommit
 
 __all__ = ["commit"]
@@ -161,7 +170,7 @@ class _Fanout:
             # Encoded in the call's own task: the first calls go on the wire while later bodies
             # are still being encoded.
             return await self.ctl.call(
-                self.pairs[i][1], self.pairs[i][2], "commit", self.body(i), self.deadline, CommitReply, len(self.sent_scope[i])
+                self.pairs[i][1], self.pairs[i][2], GymOperation.commit, self.body(i), self.deadline, CommitReply, len(self.sent_scope[i])
             )
 
         answers = await asyncio.gather(*(one(i) for i in indices))
@@ -189,9 +198,9 @@ class _Fanout:
 
 
 async def _retry_without_stop(fan: _Fanout) -> dict[str, list[str]]:
-    """Published Gym (section 13 P4): a version that predates `stop` refuses it as an unknown
-    field. That participant gets the same commit without it, once; its instance then resumes as
-    usual. Returns the refusing servers per instance."""
+    """Published Gym (P4 of docs/gym-protocol.md#what-differs-rule-by-rule): a version that
+    predates `stop` refuses it as an unknown field. That participant gets the same commit without
+    it, once; its instance then resumes as usual. Returns the refusing servers per instance."""
     retry = [i for i, r in enumerate(fan.replies) if isinstance(r, CallFailed) and _refuses_stop(r.part)]
     refused: dict[str, list[str]] = {}
     for i in retry:

@@ -1,4 +1,5 @@
-"""The coordinator's validation of one instance's commit replies (spec 5.4, section 13 P1/P2/P8).
+"""The coordinator's validation of one instance's commit replies (docs/gym-protocol.md#commit;
+rules P1, P2 and P8 of docs/gym-protocol.md#what-differs-rule-by-rule).
 
 Pure: it turns the replies into the instance's saved episodes ``E``, their staging keys and the
 drain set, or into the ``protocol_error`` parts that name each offending server.
@@ -9,8 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed
-from .errors import INSTANCE_WIDE, SAMPLE, FailureClass, ServerFailure, sample, server_failure
+from .errors import (
+    INSTANCE_WIDE,
+    SAMPLE,
+    FailureClass,
+    ServerFailure,
+    sample,
+    server_failure,
+)
 from .models import AGENT, MODEL, CommitReply, Episode, InstanceTopology, Participant
 from .renew import lease_lost_if_stale
 from .results import InstanceCommit
@@ -88,7 +97,7 @@ class _Check:
         sent_keys = self.sent.get(name, self.scope_keys)
         if p.kind == MODEL and exported - sent_keys:
             # Staging keys come from the model: an export outside the scope cannot be told apart
-            # from keys of the wrong episodes, so it stays a protocol error (section 13 P2).
+            # from keys of the wrong episodes, so it stays a protocol error (P2).
             foreign = exported - sent_keys
             self.refuse(name, f"exported {len(foreign)} episode(s) outside the scope", sample(foreign))
         elif beyond:
@@ -110,7 +119,7 @@ class _Check:
             not_exported = run - exported
             if not_exported:
                 self.refuse(name, f"{len(not_exported)} run_episode_ids not among its episode_ids", sample(not_exported))
-            # Those outside the scope (section 13 P8: an agent that exports every live session
+            # Those outside the scope (P8: an agent that exports every live session
             # names its /run sessions among all of them) are exports outside the scope: already
             # counted in ``outside`` above, never saved.
             native = (exported & self.scope_keys) - run
@@ -161,7 +170,7 @@ class _Check:
         return {
             server: server_failure(
                 FailureClass.PROTOCOL_ERROR,
-                "commit",
+                GymOperation.commit,
                 "; ".join(whys),
                 http_status=200 if server != INSTANCE_WIDE else None,
                 samples=sorted(set(self.samples.get(server, [])))[:SAMPLE],

@@ -19,7 +19,7 @@ from .clock import Clock
 from .errors import FailureClass, GymControlError, classify_status
 from .models import Episode, InstanceTopology, Participant, StatusReply, _Reply, is_valid_checkpoint_id
 
-__all__ = ["Budgets", "CheckpointBook", "Control", "catch"]
+__all__ = ["ControlBudgets", "CheckpointBook", "Control", "catch"]
 
 log = logging.getLogger("checkpoint_coordinator.gym")
 
@@ -28,7 +28,7 @@ R = TypeVar("R", bound=_Reply)
 
 
 @dataclass(frozen=True, slots=True)
-class Budgets:
+class ControlBudgets:
     control_s: float
     # Prepare falls back to the control budget when its own is unset.
     prepare_s: float
@@ -36,7 +36,7 @@ class Budgets:
 
     @property
     def renew_interval_s(self) -> float:
-        """Section 6 cadence: ``max(0.01, min(T/3, 10))``."""
+        """Renew cadence (docs/gym-protocol.md#leases-and-renewals): ``max(0.01, min(T/3, 10))``."""
         return max(0.01, min(self.control_s / 3.0, 10.0))
 
 
@@ -126,7 +126,7 @@ class CheckpointBook:
 class Control:
     channel: ControlChannel
     clock: Clock
-    budgets: Budgets
+    budgets: ControlBudgets
     book: CheckpointBook
 
     def deadline(self) -> float:
@@ -160,7 +160,7 @@ class Control:
 
     async def read_status(self, target: Target) -> StatusReply | None:
         """Status with the discovery budget: the reply, ``None`` for a non-participant (404), or
-        :class:`CallFailed` classified as section 3's table says."""
+        :class:`CallFailed` classified as docs/gym-protocol.md#discover says."""
         status, content = await self.channel.get_status(target, self.budgets.discovery_s)
         if status == 404:
             return None

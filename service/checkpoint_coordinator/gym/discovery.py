@@ -1,5 +1,5 @@
-"""Discovery (spec section 3): who takes part in an instance, all or nothing, and the resume of
-checkpoints this coordinator left open (its orphans)."""
+"""Discovery (docs/gym-protocol.md#discover): who takes part in an instance, all or nothing, and
+the resume of checkpoints this coordinator left open (its orphans)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..domain.vocabulary import ParticipantKind
 from .channel import CallFailed, Target
 from .context import Control, catch
-from .errors import INSTANCE_WIDE, FailureClass, GymControlError, ServerFailure, server_failure
+from .errors import (
+    INSTANCE_WIDE,
+    FailureClass,
+    GymControlError,
+    ServerFailure,
+    server_failure,
+)
 from .models import (
     ENVIRONMENT,
     KINDS,
@@ -33,7 +40,7 @@ __all__ = ["build_topology", "discover_all", "discover_instance", "recover_orpha
 log = logging.getLogger("checkpoint_coordinator.gym")
 
 
-# Status probes in flight at once, across every instance of one discovery (README, "Limits"): a
+# Status probes in flight at once, across every instance of one discovery (docs/configuration.md#limits): a
 # registration of many servers neither opens a connection to each at once nor reads each reply
 # at once.
 DISCOVERY_CONCURRENCY = 32
@@ -97,7 +104,8 @@ class _Findings:
 
 def build_topology(spec: InstanceSpec, statuses: Mapping[str, StatusReply], skipped: Sequence[str]) -> InstanceTopology:
     """The instance's topology from its status replies, or ``config_error`` naming every server
-    that section 3 refuses (``protocol_error`` for a status no participant may send)."""
+    that discovery refuses (docs/gym-protocol.md#discover; ``protocol_error`` for a status no
+    participant may send)."""
     iid = spec.instance_id
     found = _Findings()
     participants = [_participant(spec, name, st, found) for name, st in statuses.items()]
@@ -108,7 +116,7 @@ def build_topology(spec: InstanceSpec, statuses: Mapping[str, StatusReply], skip
     }
     if not any(p.kind == MODEL for p in participants):
         parts[INSTANCE_WIDE] = server_failure(
-            FailureClass.CONFIG_ERROR, "discover", "no policy model takes part (no participant of kind 'model')"
+            FailureClass.CONFIG_ERROR, "discover", f"no policy model takes part (no participant of kind '{ParticipantKind.model}')"
         )
     for name, part in found.protocol.items():
         parts.setdefault(name, part)

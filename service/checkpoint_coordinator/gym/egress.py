@@ -1,4 +1,5 @@
-"""Where Gym servers may live: the egress the coordinator allows itself (README, "Gym egress").
+"""Where Gym servers may live: the egress the coordinator allows itself
+(docs/configuration.md#gym-egress).
 
 Registration accepts a Gym server's URL only when its host is written in a canonical form and
 every address it names or resolves to is allowed; every control connection checks the resolved

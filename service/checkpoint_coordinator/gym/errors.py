@@ -1,4 +1,5 @@
-"""Error codes and failure classes of the Gym control protocol (spec sections 9 and 10).
+"""Error codes and failure classes of the Gym control protocol (docs/gym-protocol.md#error-codes,
+docs/gym-protocol.md#failure-classes).
 
 Every control failure leaves this package as one exception, :class:`GymControlError`, whose
 payload is plain data (``to_dict()``) so the snapshot and restore choreographies can persist it
@@ -8,7 +9,6 @@ or send it across a process boundary without pickling live objects.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from enum import StrEnum
 from typing import Any
 
 from ..domain.snapshot_state import FailureClass
@@ -30,7 +30,7 @@ __all__ = [
     "truncate_detail",
 ]
 
-# Section 2: the coordinator truncates what it logs or propagates to 4 KiB.
+# The coordinator truncates what it logs or propagates to 4 KiB (docs/gym-protocol.md#transport).
 DETAIL_LIMIT_BYTES = 4096
 # How many sample ids a failure or a warning names at most.
 SAMPLE = 10
@@ -60,7 +60,8 @@ _SEVERITY = (
     FailureClass.UNAVAILABLE,
 )
 
-# Section 10, legacy code -> (current spelling, also-accepted spellings, HTTP status).
+# docs/gym-protocol.md#error-codes: legacy code -> (current spelling, also-accepted spellings,
+# HTTP status).
 LEGACY_CODES: dict[str, tuple[str, tuple[str, ...], int]] = {
     "checkpoint_error": ("checkpoint_error", (), 409),
     "stale_checkpoint": ("checkpoint_stale_checkpoint", ("checkpoint_stale",), 409),
@@ -94,10 +95,12 @@ _PREFIX = "checkpoint_"
 
 
 def normalize_code(code: str) -> str:
-    """Map any spelling of a section-10 code to its legacy name; keep unknown codes as they are.
+    """Map any spelling of a protocol error code to its legacy name; keep unknown codes as they
+    are.
 
-    The order is the spec's: the current and also-accepted columns first, then the
-    ``checkpoint_`` prefix rule, so a future prefixed spelling of a legacy code still matches.
+    The order is that of docs/gym-protocol.md#error-codes: the current and also-accepted columns
+    first, then the ``checkpoint_`` prefix rule, so a future prefixed spelling of a legacy code
+    still matches.
     """
     mapped = _ALIASES.get(code)
     if mapped is not None:
@@ -110,7 +113,7 @@ def normalize_code(code: str) -> str:
 
 
 def classify_status(http_status: int) -> FailureClass:
-    """Class of a refusal whose code is unknown or absent (section 10)."""
+    """Class of a refusal whose code is unknown or absent (docs/gym-protocol.md#error-codes)."""
     if http_status == 401:
         # Every control route is authenticated, so a 401 means the token is wrong however the
         # body is spelled (a proxy may strip the envelope).
@@ -121,7 +124,8 @@ def classify_status(http_status: int) -> FailureClass:
 
 
 # Classes of known codes on a control call. stale_checkpoint is protocol_error here; the client
-# turns it into lease_lost itself where section 6 says so (renew or commit before the cut).
+# turns it into lease_lost itself where docs/gym-protocol.md#error-codes says so (renew or commit
+# before the cut).
 _CODE_CLASS: dict[str, FailureClass] = {
     "stale_checkpoint": FailureClass.PROTOCOL_ERROR,
     "checkpoint_conflict": FailureClass.CONFLICT,
@@ -302,7 +306,8 @@ class GymControlError(Exception):
         *,
         extra: Mapping[str, Any] | None = None,
     ) -> GymControlError:
-        """One failure from per-server parts: transient only if every part is (section 9)."""
+        """One failure from per-server parts: transient only if every part is
+        (docs/gym-protocol.md#failure-classes)."""
         classes = [FailureClass(p["class"]) for servers in parts.values() for p in servers.values()]
         if not classes:
             raise ValueError("a failure needs at least one part")

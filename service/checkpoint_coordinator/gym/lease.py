@@ -1,4 +1,5 @@
-"""Keeping a prepared checkpoint's leases alive until resume (spec section 6)."""
+"""Keeping a prepared checkpoint's leases alive until resume
+(docs/gym-protocol.md#leases-and-renewals)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from ..domain.vocabulary import GymOperation
 from .errors import FailureClass, GymControlError, ServerFailure, server_failure
 from .results import PrepareResult
 
@@ -29,7 +31,7 @@ class LeaseRenewer:
     """Renews once when started, then every ``max(0.01, min(T/3, 10))`` s until stopped.
 
     Nobody waits for the first round: a save starts it once the commit that follows prepare is
-    answered (that commit set every participant's lease as a renew does, spec 6), so the round
+    answered (that commit set every participant's lease as a renew does), so the round
     checks the grace and starts the cadence; waiting for it would only keep Gym parked longer.
     Its answers are never lost: :meth:`halt` sends no further round, and :meth:`settle` waits
     for the one in flight (``SETTLE_S`` at most). A save halts it, resumes Gym, then settles it:
@@ -38,7 +40,8 @@ class LeaseRenewer:
 
     A lapsed lease (a renew answered ``stale_checkpoint``, or the clock past a participant's
     ``lease_expires_at``: Gym resumed that participant on its own) means one of two things
-    (section 6, as the README's "Leases" says this coordinator reads it):
+    (docs/gym-protocol.md#leases-and-renewals; why:
+    docs/deviations.md#a-lease-lapse-after-commit-is-a-warning):
 
     * before the participant's instance committed (:meth:`committed`), work moved past a state
       nothing saved: ``lost`` is set and ``failure`` holds the ``lease_lost`` reason;
@@ -49,7 +52,7 @@ class LeaseRenewer:
     logged: the lease is still valid until its known expiry, which is checked on every round
     and by :meth:`check`.
 
-    The observed lease grace (section 6) is checked once per run and participant: ``client``
+    The observed lease grace (docs/gym-protocol.md#leases-and-renewals) is checked once per run and participant: ``client``
     remembers the participants it checked, and a grace out of range gives one warning per
     instance.
 
@@ -220,7 +223,7 @@ class LeaseRenewer:
         self._check_expiry()
 
     def _check_grace(self, leases: dict[str, dict[str, float]] | Any) -> None:
-        """Warn, once per run and instance, of a Gym lease grace out of ``[T, 4T]`` (section 6)."""
+        """Warn, once per run and instance, of a Gym lease grace out of ``[T, 4T]``."""
         T = self.client.control_timeout_s
         checked = self.client.grace_checked
         off: dict[str, list[str]] = {}
@@ -290,7 +293,7 @@ class LeaseRenewer:
                 self._lapse(iid, server, f"lease expired at {t:.3f}, now {now:.3f}")
                 continue
             parts.setdefault(iid, {})[server] = server_failure(
-                FailureClass.LEASE_LOST, "renew", f"lease expired at {t:.3f}, now {now:.3f}"
+                FailureClass.LEASE_LOST, GymOperation.renew, f"lease expired at {t:.3f}, now {now:.3f}"
             )
         if parts:
             count = sum(len(v) for v in parts.values())

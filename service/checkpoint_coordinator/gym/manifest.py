@@ -1,4 +1,5 @@
-"""The Gym manifest of a snapshot, schema version 2 (spec 8.3), as the save writes it.
+"""The Gym manifest of a snapshot, schema version 2 (docs/gym-protocol.md#the-gym-manifest), as the save
+writes it.
 
 Loading and validating a manifest belongs to the domain layer; this module only produces one.
 """

@@ -1,8 +1,9 @@
 """Value objects and wire models of the Gym control protocol.
 
-Requests name episodes as objects; replies name them as capture keys (spec section 1). Reply
-models ignore unknown fields, since participants may add some, and are strict about the types
-of the fields the coordinator reads, since a wrong type is a participant bug worth surfacing.
+Requests name episodes as objects; replies name them as capture keys
+(docs/gym-protocol.md#identifiers). Reply models ignore unknown fields, since participants may
+add some, and are strict about the types of the fields the coordinator reads, since a wrong type
+is a participant bug worth surfacing.
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from ..domain.identity import CHECKPOINT_ID, INSTANCE_ID, SERVER_NAME, is_valid_rollout_id
+from ..domain.identity import (
+    CHECKPOINT_ID,
+    INSTANCE_ID,
+    SERVER_NAME,
+    is_valid_rollout_id,
+)
+from ..domain.vocabulary import ParticipantKind
 
 __all__ = [
     "AGENT",
@@ -52,10 +59,10 @@ __all__ = [
 
 _CAPTURE_KEY_RE = re.compile(r"^(.+)-a([1-9][0-9]*)$")
 
-ENVIRONMENT = "environment"
-MODEL = "model"
-AGENT = "agent"
-RESOURCES = "resources"
+ENVIRONMENT = ParticipantKind.environment
+MODEL = ParticipantKind.model
+AGENT = ParticipantKind.agent
+RESOURCES = ParticipantKind.resources
 STAGE_OF_KIND: dict[str, int] = {ENVIRONMENT: 0, MODEL: 1, AGENT: 2, RESOURCES: 3}
 KINDS = frozenset(STAGE_OF_KIND)
 MODES = frozenset({"exported", "stateless", "restart_only"})
@@ -126,7 +133,8 @@ def episodes_to_wire(episodes: Iterable[Episode]) -> list[dict[str, Any]]:
 
 
 def instance_checkpoint_dir(snapshot_dir: str, instance_id: str) -> str:
-    """``<snapshot_dir>/gym-instances/<instance_id>`` (spec 5.4); the instance id keeps its slashes."""
+    """``<snapshot_dir>/gym-instances/<instance_id>`` (docs/gym-protocol.md#commit); the instance id
+    keeps its slashes."""
     return f"{snapshot_dir.rstrip('/')}/gym-instances/{instance_id}"
 
 

@@ -1,10 +1,11 @@
-"""The commit scope rule of spec 5.4 (pure)."""
+"""The commit scope rule (pure; docs/gym-protocol.md#commit-scopes)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
 
+from ..domain.vocabulary import GymOperation
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
 from .models import Episode
 
@@ -19,7 +20,7 @@ def compute_scope(
     """Commit scope of one instance: candidates minus every rollout named in its restarts.
 
     Returns ``(scope, restarted_candidates)``, both sorted. A restart naming another attempt
-    than the candidate's is a ``protocol_error`` (spec 5.4); restarts that are not candidates
+    than the candidate's is a ``protocol_error`` (docs/gym-protocol.md#commit-scopes); restarts that are not candidates
     are logged and ignored.
     """
     by_rollout: dict[str, Episode] = {}
@@ -50,7 +51,7 @@ def compute_scope(
                 instance_id: {
                     INSTANCE_WIDE: server_failure(
                         FailureClass.PROTOCOL_ERROR,
-                        "prepare",
+                        GymOperation.prepare,
                         f"{len(mismatched)} restart(s) at a non-candidate attempt",
                         samples=mismatched[:10],
                     )

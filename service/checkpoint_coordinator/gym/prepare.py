@@ -1,5 +1,5 @@
-"""Prepare (spec 5.2): every instance stage by stage, instances in parallel; on any failure,
-everyone is resumed before the failure is raised."""
+"""Prepare (docs/gym-protocol.md#prepare): every instance stage by stage, instances in parallel;
+on any failure, everyone is resumed before the failure is raised."""
 
 from __future__ import annotations
 
@@ -9,10 +9,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
-from .errors import INSTANCE_WIDE, SAMPLE, FailureClass, GymControlError, ServerFailure, parts_summary, server_failure
-from .models import Episode, InstanceTopology, Participant, PrepareReply, PrepareReport, Topology
+from .errors import (
+    INSTANCE_WIDE,
+    SAMPLE,
+    FailureClass,
+    GymControlError,
+    ServerFailure,
+    parts_summary,
+    server_failure,
+)
+from .models import (
+    Episode,
+    InstanceTopology,
+    Participant,
+    PrepareReply,
+    PrepareReport,
+    Topology,
+)
 from .results import PrepareResult
 from .resume import resume_all
 
@@ -31,11 +47,11 @@ class _Outcome:
 async def prepare(ctl: Control, checkpoint_id: str, topology: Topology) -> PrepareResult:
     held = ctl.book.held_by_others(checkpoint_id, topology)
     if held:
-        # Published Gym (section 13 P7): this client's own open checkpoint is no orphan. Refuse
-        # the second prepare instead of letting the participant's conflict resume the first.
+        # Published Gym (P7 of docs/gym-protocol.md#what-differs-rule-by-rule): this client's own
+        # open checkpoint is no orphan. Refuse the second prepare instead of letting the participant's conflict resume the first.
         raise GymControlError.from_parts(
             {
-                iid: {INSTANCE_WIDE: server_failure(FailureClass.CONFLICT, "prepare", f"checkpoint {cid} of this coordinator is still open")}
+                iid: {INSTANCE_WIDE: server_failure(FailureClass.CONFLICT, GymOperation.prepare, f"checkpoint {cid} of this coordinator is still open")}
                 for iid, cid in held.items()
             },
             f"prepare of {checkpoint_id} refused: this coordinator still has "
@@ -67,7 +83,7 @@ async def _prepare_instance(ctl: Control, cid: str, inst: InstanceTopology) -> _
     for stage in inst.stages():
         deadline = ctl.clock.time() + ctl.budgets.prepare_s
         body = encode_body({"checkpoint_id": cid, "deadline_ts": deadline})
-        replies = await ctl.post_each([(inst, p) for p in stage], "prepare", body, deadline, PrepareReply)
+        replies = await ctl.post_each([(inst, p) for p in stage], GymOperation.prepare, body, deadline, PrepareReply)
         for p, reply in zip(stage, replies):
             out.deadlines[p.server_name] = deadline
             if isinstance(reply, CallFailed):
@@ -94,13 +110,13 @@ def _not_prepared(reply: PrepareReply) -> ServerFailure | None:
         # The checkpoint ended under us (a resume or lease expiry): work moved on.
         return server_failure(
             FailureClass.LEASE_LOST,
-            "prepare",
+            GymOperation.prepare,
             "prepare replied idle: the checkpoint was ended on the participant",
             http_status=200,
         )
     return server_failure(
         FailureClass.NOT_READY,
-        "prepare",
+        GymOperation.prepare,
         f"not ready by the deadline: {report.blocker_count} blocker(s)",
         http_status=200,
         blocker_count=max(report.blocker_count, len(report.blockers)),
@@ -113,7 +129,7 @@ async def _conflict(ctl: Control, cid: str, inst: InstanceTopology, p: Participa
 
     def part(cls: FailureClass, detail: str, **extra: Any) -> ServerFailure:
         return server_failure(
-            cls, "prepare", detail, http_status=refusal.part["http_status"], code="checkpoint_conflict", **extra
+            cls, GymOperation.prepare, detail, http_status=refusal.part["http_status"], code="checkpoint_conflict", **extra
         )
 
     try:

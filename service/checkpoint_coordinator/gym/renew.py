@@ -1,7 +1,9 @@
-"""Renew (spec 5.3 and 6): one round over every participant of a prepared checkpoint."""
+"""Renew (docs/gym-protocol.md#renew, docs/gym-protocol.md#leases-and-renewals): one round over
+every participant of a prepared checkpoint."""
 
 from __future__ import annotations
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
 from .errors import FailureClass, GymControlError, ServerFailure
@@ -16,7 +18,7 @@ async def renew_round(ctl: Control, checkpoint_id: str, topology: Topology) -> R
     deadline = ctl.deadline()
     body = encode_body({"checkpoint_id": checkpoint_id, "deadline_ts": deadline})
     calls = [(iid, inst, p) for iid, inst in topology.items() for p in inst.participants]
-    replies = await ctl.post_each([(inst, p) for _, inst, p in calls], "renew", body, deadline, RenewReply)
+    replies = await ctl.post_each([(inst, p) for _, inst, p in calls], GymOperation.renew, body, deadline, RenewReply)
     leases: dict[str, dict[str, float]] = {iid: {} for iid in topology}
     parts: dict[str, dict[str, ServerFailure]] = {}
     for (iid, _, p), reply in zip(calls, replies):
@@ -30,6 +32,7 @@ async def renew_round(ctl: Control, checkpoint_id: str, topology: Topology) -> R
 
 def lease_lost_if_stale(part: ServerFailure) -> ServerFailure:
     if part.get("code") == "stale_checkpoint":
-        # Section 6: the participant already ended this checkpoint, so work moved past the cut.
+        # The participant already ended this checkpoint, so work moved past the cut
+        # (docs/gym-protocol.md#leases-and-renewals).
         return {**part, "class": str(FailureClass.LEASE_LOST), "transient": True}
     return part

@@ -1,5 +1,6 @@
-"""Restore (spec 5.6), all or nothing across instances: checks that refuse before any restore
-call, the fan-out, and the cleanup (retire every N+1, resume) after any failure or a discard."""
+"""Restore (docs/gym-protocol.md#restore), all or nothing across instances: checks that refuse
+before any restore call, the fan-out, and the cleanup (retire every N+1, resume) after any
+failure or a discard."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
 from .discovery import discover_all, recover_orphans
-from .errors import INSTANCE_WIDE, FailureClass, GymControlError, ServerFailure, parts_summary, sample, server_failure
+from .errors import (
+    INSTANCE_WIDE,
+    FailureClass,
+    GymControlError,
+    ServerFailure,
+    parts_summary,
+    sample,
+    server_failure,
+)
 from .models import (
     Episode,
     InstanceSpec,
@@ -134,7 +144,7 @@ def _require_instances(plan: _RestorePlan, specs: Mapping[str, InstanceSpec], ev
     if not (missing or unknown):
         return
     parts = {
-        iid: {INSTANCE_WIDE: server_failure(FailureClass.TOPOLOGY_MISMATCH, "restore", why)}
+        iid: {INSTANCE_WIDE: server_failure(FailureClass.TOPOLOGY_MISMATCH, GymOperation.restore, why)}
         for ids, why in ((missing, "instance in the snapshot but not live"), (unknown, "live instance not in the snapshot"))
         for iid in ids
     }
@@ -156,7 +166,7 @@ def _require_participants(
             if server not in names:
                 absent.setdefault(iid, {})[server] = server_failure(
                     FailureClass.TOPOLOGY_MISMATCH,
-                    "restore",
+                    GymOperation.restore,
                     "committed this instance in the snapshot but is not a live participant",
                 )
     if absent:
@@ -179,7 +189,7 @@ async def _require_idle(ctl: Control, live: Mapping[str, InstanceTopology], ever
         iid: {
             s: server_failure(
                 FailureClass.UNAVAILABLE if ctl.book.is_orphan_of_ours(c) else FailureClass.CONFLICT,
-                "restore",
+                GymOperation.restore,
                 f"not idle: holds checkpoint {c!r}",
             )
             for s, c in inst.active_ids.items()
@@ -217,7 +227,7 @@ async def _restore_everywhere(
         named = set(inst_plan.participants)
         # Extra live participants have no directory: they get no restore, only the resume.
         calls.extend((iid, inst, p, body, len(inst_plan.episodes)) for p in inst.participants if p.server_name in named)
-    replies = await asyncio.gather(*(ctl.call(inst, p, "restore", body, deadline, RestoreReply, n) for _, inst, p, body, n in calls))
+    replies = await asyncio.gather(*(ctl.call(inst, p, GymOperation.restore, body, deadline, RestoreReply, n) for _, inst, p, body, n in calls))
     per_instance: dict[str, dict[str, RestoreReply | CallFailed]] = {iid: {} for iid in live}
     for (iid, _, p, _, _), reply in zip(calls, replies):
         per_instance[iid][p.server_name] = reply
@@ -248,13 +258,13 @@ def _validate_replies(
             problems.append(f"{len(unexpected)} restored key(s) are not the N+1 of a saved episode, e.g. {sample(unexpected)}")
         seen |= got
         if problems:
-            parts[server] = server_failure(FailureClass.PROTOCOL_ERROR, "restore", "; ".join(problems), http_status=200)
+            parts[server] = server_failure(FailureClass.PROTOCOL_ERROR, GymOperation.restore, "; ".join(problems), http_status=200)
     if not parts:
         never = expected - seen
         if never:
             parts[INSTANCE_WIDE] = server_failure(
                 FailureClass.PROTOCOL_ERROR,
-                "restore",
+                GymOperation.restore,
                 f"{len(never)} saved episode(s) restored by no participant",
                 samples=sample(never),
             )

@@ -29,7 +29,8 @@ class PrepareResult:
     # Per instance, the union of every reply's restarts: a rollout restarts if any part does.
     restarts: Mapping[str, frozenset[Episode]]
     # The deadline_ts each participant was sent, per instance and server. The lease a
-    # participant reports afterwards is at least this plus its grace (section 6).
+    # participant reports afterwards is at least this plus its grace
+    # (docs/gym-protocol.md#leases-and-renewals).
     deadlines: Mapping[str, Mapping[str, float]]
     first_sent_at: float
     finished_at: float
@@ -54,8 +55,8 @@ class InstanceCommit:
     instance_id: str
     checkpoint_dir: str
     scope: tuple[Episode, ...]
-    # E of spec 5.4: the agents' run_episode_ids, or without them (section 13 P1) the agents'
-    # exports inside the scope; sorted.
+    # E (docs/gym-protocol.md#commit): the agents' run_episode_ids, or without them (P1 of
+    # docs/gym-protocol.md#what-differs-rule-by-rule) the agents' exports inside the scope; sorted.
     episodes: tuple[Episode, ...]
     restarts: tuple[Episode, ...]
     # Staging keys of E only, sorted and unique.
@@ -67,7 +68,7 @@ class InstanceCommit:
     # The participant manifests as replied, per server (plain dicts).
     manifests: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     # Exports outside the scope (published Gym's agents and resources export every live session,
-    # protocol section 13 P2): accepted, left out of E, counted per kind of the exporter.
+    # P2): accepted, left out of E, counted per kind of the exporter.
     outside_scope: Mapping[str, int] = field(default_factory=dict)
     # Agent exports that are no candidate of this instance at all (no dispatched attempt here).
     stranded: int = 0
@@ -83,7 +84,7 @@ class InstanceCommit:
         return sum(self.outside_scope.values())
 
     def figures(self) -> dict[str, Any]:
-        """The per-instance Gym figures a snapshot keeps for operators (ledger section 5.2)."""
+        """The per-instance Gym figures a snapshot keeps for operators (docs/ledger.md#snapshot-history)."""
         out: dict[str, Any] = {
             "participants": len(self.participants),
             "scope": len(self.scope),
@@ -163,7 +164,8 @@ class BatchResult:
 
 @dataclass(frozen=True, slots=True)
 class ForgetSettlement:
-    """Outcome of forget with the section-7 refusal rule (re-retire, then forget again)."""
+    """Outcome of forget with its refusal rule (re-retire, then forget again;
+    docs/gym-protocol.md#forget)."""
 
     instance_id: str
     forgotten: tuple[str, ...]

@@ -1,11 +1,13 @@
-"""Resume (spec 5.5): reverse stage order on every instance, transient failures retried on the
-failed instances only. Resume is also the abort, so every other operation ends here on failure."""
+"""Resume (docs/gym-protocol.md#resume): reverse stage order on every instance, transient
+failures retried on the failed instances only. Resume is also the abort, so every other operation
+ends here on failure."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
 from .errors import GymControlError, ServerFailure, parts_summary
@@ -64,7 +66,7 @@ async def _resume_instance(
     for stage in inst.stages(reverse=True):
         deadline = ctl.deadline()
         body = encode_body({"checkpoint_id": cid, "deadline_ts": deadline})
-        replies = await ctl.post_each([(inst, p) for p in stage], "resume", body, deadline, ResumeReply)
+        replies = await ctl.post_each([(inst, p) for p in stage], GymOperation.resume, body, deadline, ResumeReply)
         # Keep going through every stage: a participant left parked blocks its callers.
         for p, reply in zip(stage, replies):
             if isinstance(reply, CallFailed):

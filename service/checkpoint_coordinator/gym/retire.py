@@ -1,4 +1,5 @@
-"""Retire and forget (spec 5.7, 5.8 and 7): callers before callees, in batches of at most 1024,
+"""Retire and forget (docs/gym-protocol.md#retire, docs/gym-protocol.md#forget,
+docs/gym-protocol.md#marks-retire-and-forget): callers before callees, in batches of at most 1024,
 each batch reporting its own outcome so that a durable outbox keeps exactly the failed ones."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, ServerFailure, parts_summary, sample, server_failure
@@ -27,6 +29,10 @@ from .results import BatchResult, ForgetSettlement
 __all__ = ["MAX_BATCH", "callers_first", "forget", "forget_settling_refusals", "retire", "retire_then_forget"]
 
 MAX_BATCH = 1024
+# The checkpoint id a retire or forget names when it belongs to no checkpoint: the operation's
+# own name (docs/gym-protocol.md#retire).
+RETIRE_CHECKPOINT_ID: str = GymOperation.retire.value
+FORGET_CHECKPOINT_ID: str = GymOperation.forget.value
 
 
 def callers_first(inst: InstanceTopology) -> list[list[Participant]]:
@@ -42,28 +48,20 @@ def callers_first(inst: InstanceTopology) -> list[list[Participant]]:
 
 
 async def retire(
-    ctl: Control,
-    instance: InstanceTopology,
-    episodes: Iterable[Episode],
-    checkpoint_id: str = "retire",
-    *,
+    ctl: Control, instance: InstanceTopology, episodes: Iterable[Episode], checkpoint_id: str = RETIRE_CHECKPOINT_ID, *,
     deadline_ts: float | None = None,
 ) -> list[BatchResult]:
     eps = sorted(set(episodes))
     for ep in eps:
         Episode.checked(ep.rollout_id, ep.attempt)
     return await _batched(
-        ctl, instance, "retire", checkpoint_id, eps,
+        ctl, instance, GymOperation.retire, checkpoint_id, eps,
         lambda batch: {"episode_ids": [e.to_wire() for e in batch]}, RetireReply, _check_retired, deadline_ts,
     )
 
 
 async def forget(
-    ctl: Control,
-    instance: InstanceTopology,
-    rollout_ids: Iterable[str],
-    checkpoint_id: str = "forget",
-    *,
+    ctl: Control, instance: InstanceTopology, rollout_ids: Iterable[str], checkpoint_id: str = FORGET_CHECKPOINT_ID, *,
     deadline_ts: float | None = None,
 ) -> list[BatchResult]:
     ids = sorted(set(rollout_ids))
@@ -71,7 +69,7 @@ async def forget(
         if not is_valid_rollout_id(rid):
             raise ValueError(f"invalid rollout id {rid!r}")
     return await _batched(
-        ctl, instance, "forget", checkpoint_id, ids,
+        ctl, instance, GymOperation.forget, checkpoint_id, ids,
         lambda batch: {"rollout_ids": list(batch)}, ForgetReply, _check_forgotten, deadline_ts,
     )
 
@@ -152,8 +150,8 @@ async def _batched(
                 instance_id=iid,
                 op=op,
                 checkpoint_id=checkpoint_id,
-                episodes=tuple(batch) if op == "retire" else (),
-                rollout_ids=tuple(batch) if op == "forget" else (),
+                episodes=tuple(batch) if op == GymOperation.retire else (),
+                rollout_ids=tuple(batch) if op == GymOperation.forget else (),
                 servers_ok=tuple(sorted(ok)),
                 failure=failure,
             )
@@ -210,7 +208,7 @@ def _check_forgotten(batch: Sequence[str], reply: ForgetReply) -> str | None:
 
 
 def _refused(failure: GymControlError | None) -> bool:
-    """A forget refusal in the sense of section 5.8: an HTTP reply, not a lost connection."""
+    """A forget refusal in the sense of docs/gym-protocol.md#forget: an HTTP reply, not a lost connection."""
     if failure is None:
         return False
     return any(

@@ -1,4 +1,5 @@
-"""The Gym side of the save choreography (spec 5.0), as steps a caller sequences.
+"""The Gym side of the save choreography (docs/gym-protocol.md#the-save-choreography), as steps a
+caller sequences.
 
 prepare -> (leases renewed) -> commit -> drain -> Gym manifest -> cut -> finish (resume, or leave
 parked when stopping). Before the cut, ``resume_before_cut`` is the abort; ``abandon`` stops
@@ -12,18 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
+from ..domain.vocabulary import GymOperation
+from ..domain.vocabulary import StrEnum
 from .client import GymControlClient, Topology
 from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
-from .lease import LeaseRenewer
 from .files import make_dirs
+from .lease import LeaseRenewer
 from .manifest import build_gym_manifest, encode_gym_manifest_of, write_gym_manifest
 from .models import Episode, instance_checkpoint_dir
 from .policy import compute_scope
+from .races import unless_set
 from .results import CommitResult, InstanceCommit, ResumeReport, SaveResult
 
 __all__ = ["GymSave", "GymSaveAborted", "GymSaveState"]
@@ -51,7 +54,7 @@ class GymSaveAborted(Exception):
         return (GymSaveAborted, (self.reason, self.resume_failure))
 
 
-class GymSaveState(enum.Enum):
+class GymSaveState(StrEnum):
     """Where Gym stands in one save: nothing sent yet; parked (a prepare was sent); cut (the
     caller's capture taken, Gym still parked); ended after or before the cut (resumed, released,
     or abandoned to another coordinator)."""
@@ -144,7 +147,7 @@ class GymSave:
             self._note_parked(clock.time())
             exc.extra.setdefault("timings", dict(self.timings))
             raise
-        self._lap("prepare")
+        self._lap(GymOperation.prepare)
         # Started by the commit (``_start_renewing``): a commit sets every lease as a renew does.
         self._renewer = LeaseRenewer(self.client, self.checkpoint_id, self.topology, prepare=prepared)
         self._prepared = prepared
@@ -173,8 +176,8 @@ class GymSave:
         def validated(iid: str, ic: InstanceCommit) -> None:
             # The first renew round goes out once Gym answers the commit, not between prepare
             # and commit: its calls would hold the event loop while the commit is being sent,
-            # and the commit itself renews every lease (spec 6). The round still comes early
-            # enough to check the lease grace Gym was configured with.
+            # and the commit itself renews every lease (docs/gym-protocol.md#leases-and-renewals).
+            # The round still comes early enough to check the lease grace Gym was configured with.
             assert self._renewer is not None
             self._renewer.committed(iid)
             self._start_renewing()
@@ -196,7 +199,7 @@ class GymSave:
         for iid in self.commit_result.instances:  # those validated only at a second try
             self._renewer.committed(iid)
         self._start_renewing()  # when no instance validated at its first try
-        self._lap("commit")
+        self._lap(GymOperation.commit)
         return self.commit_result
 
     def plan_commit(self) -> tuple[dict[str, list[Episode]], dict[str, list[Episode]]]:
@@ -302,7 +305,8 @@ class GymSave:
 
     async def finish(self) -> SaveResult:
         """After the cut: resume Gym, or, when stopping, leave parked every instance that honoured
-        ``stop`` (section 13 P4; one that refused it, or whose lease lapsed, is resumed as usual).
+        ``stop`` (docs/gym-protocol.md#stop-and-park; one that refused it, or whose lease lapsed, is
+        resumed as usual).
         A resume failure is reported, not raised: the snapshot is kept and the leases reopen Gym.
         Every answer of the renew round in flight is in before this returns."""
         assert self.state is GymSaveState.cut and self.commit_result is not None and self._renewer is not None
@@ -352,7 +356,7 @@ class GymSave:
     async def _resume_after_cut(self, topology: Topology) -> ResumeReport:
         report = await self.client.resume(self.checkpoint_id, topology, raise_on_failure=False)
         self._note_parked(report.answered_at)
-        self._lap("resume")
+        self._lap(GymOperation.resume)
         return report
 
     @property
@@ -411,16 +415,7 @@ class GymSave:
 async def _race(aw: Awaitable[Any], renewer: LeaseRenewer) -> Any:
     """Await ``aw`` unless the lease is lost first; then cancel it and raise the loss. Cancelled
     itself, it cancels ``aw`` too: nothing it started outlives it."""
-    task = asyncio.ensure_future(aw)
-    lost = asyncio.ensure_future(renewer.lost.wait())
-    try:
-        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        lost.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    task = await unless_set(aw, renewer.lost)
     if not task.cancelled():
         return task.result()
     renewer.check()

@@ -1,9 +1,9 @@
 """The slowest participant of each control operation, per instance, for a snapshot's figures.
 
 A snapshot's Gym phase lasts as long as its slowest participant; operators reading the history
-want to know which one that was (ledger spec 5.2). The recorder is scoped by a context variable,
-so the channel records for whichever snapshot (or restore) drives the call, and concurrent calls
-of one fan-out share it.
+want to know which one that was (docs/ledger.md#snapshot-history). The recorder is scoped by a
+context variable, so the channel records for whichever snapshot (or restore) drives the call, and
+concurrent calls of one fan-out share it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import re
 import select
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,7 @@ async def fetch(
     conn: AsyncConnection, sql: str, params: dict[str, Any], *, binary: bool = True, prepare: bool | None = None
 ) -> list[tuple[Any, ...]]:
     """Rows as plain tuples. ``binary=False`` keeps the text format both ways: for reads of a
-    million rows, whose binary result was measured no faster and ~130 MiB larger at its peak.
+    million rows, whose binary result is no faster and takes more memory at its peak.
     ``prepare=False``: never run it as a prepared statement (see ``execute``)."""
     cur = (await driver_connection(conn)).cursor(binary=binary)
     await cur.execute(_binary(sql) if binary else sql, params, prepare=prepare)
@@ -197,7 +197,7 @@ async def fetch(
 async def execute(conn: AsyncConnection, sql: str, params: dict[str, Any], *, prepare: bool | None = None) -> int:
     """``prepare=False`` keeps psycopg from turning a statement run often into a prepared one:
     PostgreSQL then switches to a generic plan, which for statements over arrays of thousands of
-    ids (planned as if they held a handful) cost the ingest ~20 % more server CPU."""
+    ids (planned as if they held a handful) cost the ingest more server CPU."""
     cur = (await driver_connection(conn)).cursor(binary=True)
     await cur.execute(_binary(sql), params, prepare=prepare)
     return cur.rowcount
@@ -235,13 +235,7 @@ def classify_database_error(error: BaseException) -> tuple[str, str] | None:
     refused a value (a bound the API should have checked); None for anything else."""
     import psycopg
 
-    seen: set[int] = set()
-    stack: list[BaseException | None] = [error]
-    while stack:
-        e = stack.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in error_chain(error):
         if isinstance(e, exc.TimeoutError):
             return "unavailable", "no database connection became free in time"
         if isinstance(e, (exc.DisconnectionError, exc.PendingRollbackError)) or (
@@ -258,8 +252,21 @@ def classify_database_error(error: BaseException) -> tuple[str, str] | None:
                 return "invalid", f"the database refused a value: {str(e).splitlines()[0][:300]}"
         if isinstance(e, (ConnectionError, TimeoutError)):
             return "unavailable", "the database is unreachable"
-        stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
     return None
+
+
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every exception behind it (the driver's ``orig``, the cause, the context),
+    each once, depth first."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend((getattr(e, "orig", None), e.__cause__, e.__context__))
 
 
 def migrations_dir() -> Path:
@@ -334,7 +341,7 @@ class EmbeddedDatabase:
 
 
 # The embedded server's defaults (128 MB shared_buffers, 4 MB work_mem, 1 GB max_wal_size) are sized
-# for a laptop sharing PostgreSQL with everything else; the ledger of one big run is ~1 GB, and the
+# for a laptop sharing PostgreSQL with everything else; the ledger of one big run outgrows them, and the
 # snapshot cut and the restore rewind are single statements over all of it. Durability settings are
 # never part of this list and cannot be overridden (``config.parse_pg_settings``).
 EMBEDDED_PG_TUNING: dict[str, str] = {

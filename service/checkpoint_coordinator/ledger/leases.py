@@ -1,4 +1,4 @@
-"""Ownership of a run's background work (snapshots, outbox), section 2.
+"""Ownership of a run's background work (snapshots, outbox; docs/ledger.md#fencing-and-concurrency).
 
 One row per run: owner, epoch, expiry. Taking the lease from another owner (only once it
 expired) bumps the epoch, so a replica that lost it can tell and stops writing: every background
@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from .. import errors
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from ..domain.vocabulary import OutboxState, RunState
 
 
 async def acquire(engine: AsyncEngine, run_id: str, owner: str, ttl_s: float) -> int | None:
@@ -43,23 +44,25 @@ async def acquire_in(conn: AsyncConnection, run_id: str, owner: str, ttl_s: floa
 
 @dataclass(frozen=True)
 class Fence:
-    """The lease a background write must still hold: its owner at its epoch, unexpired."""
+    """The lease a background write must still hold: its owner at its lease epoch, unexpired.
+    The lease epoch counts the run's changes of owner replica; the run's own ``epoch`` counts its
+    restores (its lineage): two different counters (docs/ledger.md#lineage-and-epochs)."""
 
     owner: str
-    epoch: int
+    lease_epoch: int
 
     def params(self) -> dict[str, Any]:
-        return {"fence_owner": self.owner, "fence_epoch": self.epoch}
+        return {"fence_owner": self.owner, "fence_epoch": self.lease_epoch}
 
 
-class Fenced(errors.Fenced):
+class Fenced(errors.FencedWrite):
     """A background write found its lease gone (taken over, or expired unrenewed): the writer
     stops driving the run's work; whoever holds the lease now finishes it."""
 
     title = "Run lease lost by this replica"
 
     def __init__(self, run_id: str, what: str, fence: Fence) -> None:
-        super().__init__(f"run {run_id}: {what} refused: {fence.owner} no longer holds the run's lease at epoch {fence.epoch}")
+        super().__init__(f"run {run_id}: {what} refused: {fence.owner} no longer holds the run's lease at epoch {fence.lease_epoch}")
         self.run_id = run_id
         self.what = what
         self.fence = fence
@@ -115,10 +118,10 @@ async def runs_without_driver(engine: AsyncEngine) -> int:
             (
                 await conn.execute(
                     text(
-                        "SELECT count(*) FROM runs r WHERE r.state = 'open' "
+                        f"SELECT count(*) FROM runs r WHERE r.state = '{RunState.open}' "
                         "AND (EXISTS (SELECT 1 FROM snapshots s WHERE s.run_id = r.run_id AND s.outcome IS NULL) "
                         "  OR (r.gate_snapshot_id IS NULL AND EXISTS (SELECT 1 FROM outbox_items o WHERE o.run_id = r.run_id "
-                        "      AND o.state = 'pending' AND o.next_attempt_at <= now() - interval '1 minute'))) "
+                        f"      AND o.state = '{OutboxState.pending}' AND o.next_attempt_at <= now() - interval '1 minute'))) "
                         "AND NOT EXISTS (SELECT 1 FROM ownership_leases l WHERE l.run_id = r.run_id AND l.expires_at > now())"
                     )
                 )
@@ -133,7 +136,7 @@ async def runs_kept_by(engine: AsyncEngine, owner: str, run_ids: list[str]) -> s
         rows = await conn.execute(
             text(
                 "SELECT r.run_id FROM runs r LEFT JOIN ownership_leases l ON l.run_id = r.run_id "
-                "WHERE r.run_id = ANY(CAST(:runs AS text[])) AND r.state = 'open' AND (l.owner IS NULL OR l.owner = :o)"
+                f"WHERE r.run_id = ANY(CAST(:runs AS text[])) AND r.state = '{RunState.open}' AND (l.owner IS NULL OR l.owner = :o)"
             ),
             {"runs": run_ids, "o": owner},
         )
@@ -148,7 +151,7 @@ async def run_streaks(engine: AsyncEngine) -> dict[str, tuple[int, int, int]]:
             text(
                 "SELECT run_id, consecutive_snapshot_losses, consecutive_snapshot_failures, "
                 "COALESCE((config->>'snapshot_loss_warn_after')::int, 3) FROM runs "
-                "WHERE state = 'open' AND (consecutive_snapshot_losses > 0 OR consecutive_snapshot_failures > 0)"
+                f"WHERE state = '{RunState.open}' AND (consecutive_snapshot_losses > 0 OR consecutive_snapshot_failures > 0)"
             )
         )
         return {r[0]: (int(r[1]), int(r[2]), int(r[3])) for r in rows}

@@ -17,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ..domain.snapshot_state import SnapshotOutcome
+from ..domain.vocabulary import RunState
 from ..errors import Conflict, GateClosed, NotFound, RunClosed, RunStopped
 from .db import dump_json, read_rows
 from .models import Run
@@ -51,21 +52,6 @@ class RunRow:
     created_at: datetime
     closed_at: datetime | None
 
-    def public(self) -> dict[str, Any]:
-        return {
-            "run_id": self.run_id,
-            "state": self.state,
-            "checkpoint_root": self.checkpoint_root,
-            "recovery": self.config,
-            "epoch": self.epoch,
-            "restored_from_rollout_snapshot": self.restored_from_rollout_snapshot,
-            "consecutive_snapshot_losses": self.consecutive_snapshot_losses,
-            "consecutive_snapshot_failures": self.consecutive_snapshot_failures,
-            "dispatch_gate": {"open": self.gate_snapshot_id is None, "snapshot_id": self.gate_snapshot_id},
-            "created_at": self.created_at.isoformat(),
-            "closed_at": self.closed_at.isoformat() if self.closed_at else None,
-        }
-
 
 _RUN_COLS = (
     "run_id, config, checkpoint_root, state, epoch, restored_from_rollout_snapshot, "
@@ -87,7 +73,7 @@ async def create_run(
             if max_open_runs is not None:
                 # One creation at a time while counting: two could otherwise both see room for one.
                 await conn.execute(text("SELECT pg_advisory_xact_lock(hashtext('ckptc:create_run'))"))
-                open_runs = (await conn.execute(text("SELECT count(*) FROM runs WHERE state = 'open'"))).scalar() or 0
+                open_runs = (await conn.execute(text(f"SELECT count(*) FROM runs WHERE state = '{RunState.open}'"))).scalar() or 0
                 if open_runs >= max_open_runs:
                     raise Conflict(
                         f"{open_runs} runs are open; the coordinator keeps at most {max_open_runs} (CKPTC_MAX_OPEN_RUNS): "
@@ -207,12 +193,12 @@ async def list_runs(engine: AsyncEngine, *, limit: int, after: str | None, state
 async def close_run(engine: AsyncEngine, run_id: str) -> RunRow:
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id, for_update=True, allow_closed=True)
-        if run.state == "closed":
+        if run.state == RunState.closed:
             return run
         r = (
             await conn.execute(
                 text(
-                    f"UPDATE runs SET state = 'closed', closed_at = now(), gate_snapshot_id = NULL "
+                    f"UPDATE runs SET state = '{RunState.closed}', closed_at = now(), gate_snapshot_id = NULL "
                     f"WHERE run_id = :r RETURNING {_RUN_COLS}"
                 ),
                 {"r": run_id},
@@ -229,7 +215,8 @@ async def lock_run(
     allow_closed: bool = False,
     expect_epoch: int | None = None,
 ) -> RunRow:
-    """Read-lock the run row for the rest of the transaction (section 2 fencing).
+    """Read-lock the run row for the rest of the transaction (fencing:
+    docs/ledger.md#fencing-and-concurrency).
 
     ``FOR SHARE`` lets writers of the same run proceed together while anything that bumps the
     epoch (a restore) waits for them, and they for it.
@@ -239,17 +226,17 @@ async def lock_run(
     if r is None:
         raise NotFound(f"run {run_id!r} not found", code="run_not_found")
     run = _row(r)
-    if run.state != "open" and not allow_closed:
+    if run.state != RunState.open and not allow_closed:
         raise RunClosed(f"run {run_id!r} is closed")
     if expect_epoch is not None and run.epoch != expect_epoch:
-        from ..errors import Fenced
+        from ..errors import FencedWrite
 
-        raise Fenced(f"run {run_id!r} moved to epoch {run.epoch} (request was for {expect_epoch})", epoch=run.epoch)
+        raise FencedWrite(f"run {run_id!r} moved to epoch {run.epoch} (request was for {expect_epoch})", epoch=run.epoch)
     return run
 
 
 async def stopped_by(conn: AsyncConnection, run_id: str, gate_snapshot_id: str | None) -> str | None:
-    """The stopping snapshot that stopped the run (recovery-ledger.md section 5.1): it published
+    """The stopping snapshot that stopped the run (docs/ledger.md#stopping-snapshots): it published
     and still holds the dispatch gate, until a restore or a reopen."""
     if gate_snapshot_id is None:
         return None
@@ -283,7 +270,7 @@ async def require_open(conn: AsyncConnection, run: RunRow, *, retry_after_s: flo
 # The gate's close (``:r`` the run, ``:s`` the snapshot): the update takes the run row's lock, so it
 # waits for in-flight dispatch transactions (they hold it FOR SHARE); a row comes back only for an
 # open run. A snapshot runs it as a CTE of the statement that moves it to phase ``gate``.
-CLOSE_GATE_SQL = "UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r AND state = 'open' RETURNING 1"
+CLOSE_GATE_SQL = f"UPDATE runs SET gate_snapshot_id = :s WHERE run_id = :r AND state = '{RunState.open}' RETURNING 1"
 
 
 async def close_gate(conn: AsyncConnection, run_id: str, snapshot_id: str) -> bool:

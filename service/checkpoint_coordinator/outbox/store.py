@@ -1,4 +1,4 @@
-"""Durable retire/forget queue (recovery-ledger.md section 7).
+"""Durable retire/forget queue (docs/ledger.md#the-outbox).
 
 Items are claimed (``FOR UPDATE SKIP LOCKED`` picks them, an owner and expiry keep them), so two
 coordinator replicas never deliver the same item at once; every claim and acknowledgement also
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ..domain.vocabulary import OutboxOp, OutboxState
 from ..ledger.db import execute
 from ..ledger.leases import Fence, Fenced, fence_sql
 
@@ -23,7 +24,7 @@ MAX_BATCH = 1024
 
 
 @dataclass(frozen=True)
-class OutboxItem:
+class DueOutboxItem:
     item_id: int
     instance_id: str
     op: str
@@ -43,7 +44,7 @@ async def due_work(engine: AsyncEngine, run_ids: Sequence[str] | None = None) ->
             await conn.execute(
                 text(
                     "SELECT DISTINCT o.run_id, o.instance_id FROM outbox_items o JOIN runs r ON r.run_id = o.run_id "
-                    "WHERE o.state = 'pending' AND o.next_attempt_at <= now() AND r.gate_snapshot_id IS NULL "
+                    f"WHERE o.state = '{OutboxState.pending}' AND o.next_attempt_at <= now() AND r.gate_snapshot_id IS NULL "
                     "AND (o.claimed_until IS NULL OR o.claimed_until < now()) "
                     f"{where} ORDER BY 1, 2"
                 ),
@@ -61,7 +62,7 @@ async def owed(engine: AsyncEngine, run_id: str, *, ignore_schedule: bool = Fals
         rows = (
             await conn.execute(
                 text(
-                    "SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = 'pending' "
+                    f"SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = '{OutboxState.pending}' "
                     f"{due} AND (claimed_until IS NULL OR claimed_until < now())"
                 ),
                 {"r": run_id},
@@ -74,13 +75,13 @@ async def pending_of_run(conn: AsyncConnection, run_id: str) -> set[tuple[str, s
     """(instance_id, op) pairs of the run with any pending item, in backoff or claimed included:
     with none, a snapshot has no retire phase. With some, it delivers them before its prepare,
     after any delivery of this replica under way (a claim of another replica is not waited for)."""
-    rows = (await conn.execute(text("SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = 'pending'"), {"r": run_id})).all()
+    rows = (await conn.execute(text(f"SELECT DISTINCT instance_id, op FROM outbox_items WHERE run_id = :r AND state = '{OutboxState.pending}'"), {"r": run_id})).all()
     return {(r.instance_id, r.op) for r in rows}
 
 
 async def claim(
     engine: AsyncEngine, run_id: str, instance_id: str, op: str, fence: Fence, claim_s: float, *, ignore_schedule: bool = False, limit: int = MAX_BATCH
-) -> list[OutboxItem]:
+) -> list[DueOutboxItem]:
     """Claim up to ``limit`` pending items for delivery by ``owner``; committed at once.
 
     ``FOR UPDATE SKIP LOCKED`` lets replicas claim side by side without waiting on each other;
@@ -96,7 +97,7 @@ async def claim(
                 text(
                     "UPDATE outbox_items SET claimed_by = :fence_owner, claimed_until = now() + make_interval(secs => :ttl) "
                     f"WHERE {fence_sql()} AND item_id IN (SELECT item_id FROM outbox_items "
-                    f"  WHERE run_id = :r AND instance_id = :i AND op = :op AND state = 'pending' {due} "
+                    f"  WHERE run_id = :r AND instance_id = :i AND op = :op AND state = '{OutboxState.pending}' {due} "
                     "  AND (claimed_until IS NULL OR claimed_until < now()) "
                     "  ORDER BY item_id LIMIT :lim FOR UPDATE SKIP LOCKED) "
                     "RETURNING item_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id, tries, servers_done"
@@ -104,10 +105,10 @@ async def claim(
                 {"r": run_id, "i": instance_id, "op": op, "lim": limit, "ttl": claim_s, **fence.params()},
             )
         ).all()
-    return sorted((OutboxItem(**dict(r._mapping)) for r in rows), key=lambda x: x.item_id)
+    return sorted((DueOutboxItem(**dict(r._mapping)) for r in rows), key=lambda x: x.item_id)
 
 
-async def record_progress(engine: AsyncEngine, run_id: str, items: Sequence[OutboxItem], servers: Sequence[str], fence: Fence) -> None:
+async def record_progress(engine: AsyncEngine, run_id: str, items: Sequence[DueOutboxItem], servers: Sequence[str], fence: Fence) -> None:
     """These participants acknowledged these items: durable before the next stage is sent."""
     if not items or not servers:
         return
@@ -128,7 +129,7 @@ async def release_claims(engine: AsyncEngine, owner: str) -> int:
     """On start: claims this coordinator held before it died are free again (nothing of ours is in flight)."""
     async with engine.begin() as conn:
         return (
-            await conn.execute(text("UPDATE outbox_items SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = :o AND state = 'pending'"), {"o": owner})
+            await conn.execute(text(f"UPDATE outbox_items SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = :o AND state = '{OutboxState.pending}'"), {"o": owner})
         ).rowcount
 
 
@@ -149,20 +150,20 @@ async def acknowledging(engine: AsyncEngine, run_id: str) -> AsyncIterator[Async
         yield conn
 
 
-def _acknowledged(run_id: str, n: int, items: Sequence[OutboxItem], what: str, fence: Fence) -> None:
+def _acknowledged(run_id: str, n: int, items: Sequence[DueOutboxItem], what: str, fence: Fence) -> None:
     """Every item is still claimed by ``fence``'s owner under its lease, or the write is refused
     (the caller's transaction rolls back with it)."""
     if n != len(items):
         raise Fenced(run_id, what, fence)
 
 
-async def mark_delivered(conn: AsyncConnection, run_id: str, items: Sequence[OutboxItem], fence: Fence) -> None:
+async def mark_delivered(conn: AsyncConnection, run_id: str, items: Sequence[DueOutboxItem], fence: Fence) -> None:
     if not items:
         return
     n = (
         await conn.execute(
             text(
-                "UPDATE outbox_items SET state = 'delivered', delivered_at = now(), tries = tries + 1, last_error = NULL, "
+                f"UPDATE outbox_items SET state = '{OutboxState.delivered}', delivered_at = now(), tries = tries + 1, last_error = NULL, "
                 f"claimed_by = NULL, claimed_until = NULL WHERE item_id = ANY(:ids) AND claimed_by = :fence_owner AND {fence_sql()}"
             ),
             {"r": run_id, "ids": [i.item_id for i in items], **fence.params()},
@@ -172,7 +173,7 @@ async def mark_delivered(conn: AsyncConnection, run_id: str, items: Sequence[Out
 
 
 async def mark_failed(
-    conn: AsyncConnection, run_id: str, items: Sequence[OutboxItem], fence: Fence, error: str, *, base_backoff_s: float, max_backoff_s: float
+    conn: AsyncConnection, run_id: str, items: Sequence[DueOutboxItem], fence: Fence, error: str, *, base_backoff_s: float, max_backoff_s: float
 ) -> None:
     if not items:
         return
@@ -202,7 +203,7 @@ async def enqueue_forgets(conn: AsyncConnection, run_id: str, instance_id: str, 
     await conn.execute(
         text(
             "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            "SELECT :r, :i, 'forget', ro, ga, aid, 'forget' FROM unnest(CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(ro, ga, aid)"
+            f"SELECT :r, :i, '{OutboxOp.forget}', ro, ga, aid, '{OutboxOp.forget}' FROM unnest(CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(ro, ga, aid)"
         ),
         {"r": run_id, "i": instance_id, "ro": [x[0] for x in items], "ga": [x[1] for x in items], "aid": [x[2] for x in items]},
     )
@@ -215,7 +216,7 @@ async def backlog(engine: AsyncEngine) -> dict[str, tuple[int, float]]:
             await conn.execute(
                 text(
                     "SELECT op, count(*), COALESCE(EXTRACT(EPOCH FROM now() - min(created_at)), 0) FROM outbox_items "
-                    "WHERE state = 'pending' GROUP BY op"
+                    f"WHERE state = '{OutboxState.pending}' GROUP BY op"
                 )
             )
         ).all()
@@ -241,22 +242,22 @@ def insert_items_sql(source: str, *, skip_if_pending: bool = False) -> str:
     return (
         f"INSERT INTO outbox_items {_ITEM_COLUMNS} SELECT DISTINCT i.* FROM ({source}) AS i(run_id, instance_id, op, rollout_id, "
         "gym_attempt, attempt_id, checkpoint_id) WHERE i.instance_id IS NOT NULL AND NOT EXISTS (SELECT 1 FROM outbox_items o "
-        "WHERE o.run_id = i.run_id AND o.state = 'pending' AND o.op = i.op AND o.instance_id = i.instance_id "
+        f"WHERE o.run_id = i.run_id AND o.state = '{OutboxState.pending}' AND o.op = i.op AND o.instance_id = i.instance_id "
         "AND o.rollout_id = i.rollout_id AND o.gym_attempt >= i.gym_attempt) RETURNING attempt_id"
     )
 
 
 async def enqueue_retires(
-    conn: AsyncConnection, run_id: str, items: Sequence[tuple[str, str, int, int]], checkpoint_id: str = "retire"
+    conn: AsyncConnection, run_id: str, items: Sequence[tuple[str, str, int, int]], checkpoint_id: str = OutboxOp.retire
 ) -> None:
     """Queue a retire of each ``(instance_id, rollout_id, gym_attempt, attempt_id)`` in the
-    caller's transaction (section 7)."""
+    caller's transaction (docs/ledger.md#the-outbox)."""
     if not items:
         return
     await execute(
         conn,
         insert_items_sql(
-            "SELECT %(r)s, inst, 'retire', ro, ga, aid, %(cp)s FROM unnest(%(inst)s::text[], %(ro)s::text[], %(ga)s::int[], "
+            f"SELECT %(r)s, inst, '{OutboxOp.retire}', ro, ga, aid, %(cp)s FROM unnest(%(inst)s::text[], %(ro)s::text[], %(ga)s::int[], "
             "%(aid)s::bigint[]) AS t(inst, ro, ga, aid)"
         ),
         {
@@ -277,7 +278,7 @@ async def supersede_pending(conn: AsyncConnection, run_id: str, rollout_ids: Seq
         return 0
     return await execute(
         conn,
-        "UPDATE outbox_items o SET state = 'superseded' FROM unnest(%(ro)s::text[]) AS c(ro) "
-        "WHERE o.run_id = %(r)s AND o.state = 'pending' AND o.rollout_id = c.ro",
+        f"UPDATE outbox_items o SET state = '{OutboxState.superseded}' FROM unnest(%(ro)s::text[]) AS c(ro) "
+        f"WHERE o.run_id = %(r)s AND o.state = '{OutboxState.pending}' AND o.rollout_id = c.ro",
         {"r": run_id, "ro": list(rollout_ids)},
     )

@@ -1,4 +1,4 @@
-"""Delivers the durable retire/forget outbox to Gym (recovery-ledger.md section 7).
+"""Delivers the durable retire/forget outbox to Gym (docs/ledger.md#the-outbox).
 
 Retires go stage by stage (callers before callees); each stage's acknowledgements are recorded
 before the next stage is sent, so after a crash only the stages still owed are sent again. A
@@ -17,30 +17,30 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ..domain.vocabulary import OutboxOp
 from ..gym.client import GymControlClient, callers_first
 from ..gym.models import Episode, InstanceTopology
 from ..gym_runtime import GymClients, load_topology
-from . import store as repo
 from ..ledger.leases import Fence, Fenced
 from ..ledger.runs import get_run
 from ..observability import metrics
+from . import store as repo
 
 log = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(eq=False)
 class OutboxDeliverer:
-    def __init__(
-        self, engine: AsyncEngine, gym: GymClients, owner: str, *, base_backoff_s: float = 0.5, max_backoff_s: float = 60.0, claim_s: float = 120.0
-    ) -> None:
-        self.engine = engine
-        self.gym = gym
-        self.owner = owner
-        self.base_backoff_s = base_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.claim_s = claim_s
-        # One delivery per run at a time in this process: the background loop and a snapshot's
-        # pre-prepare delivery would otherwise split one run's items between two passes.
-        self._locks: dict[str, asyncio.Lock] = {}
+    engine: AsyncEngine
+    gym: GymClients
+    owner: str
+    _: dataclasses.KW_ONLY
+    base_backoff_s: float = 0.5
+    max_backoff_s: float = 60.0
+    claim_s: float = 120.0
+    # One delivery per run at a time in this process: the background loop and a snapshot's
+    # pre-prepare delivery would otherwise split one run's items between two passes.
+    _locks: dict[str, asyncio.Lock] = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     async def deliver_run(
         self, run_id: str, epoch: int, *, ignore_schedule: bool = False, instance_ids: Sequence[str] | None = None
@@ -57,7 +57,8 @@ class OutboxDeliverer:
         """Deliver everything owed for one run (retires, then forgets). Returns counts delivered.
 
         ``ignore_schedule`` sends items still in backoff too: before a prepare, every queued retire
-        gets another try (section 7: failed retires are retried again before the next prepare).
+        gets another try (failed retires are retried again before the next prepare,
+        docs/ledger.md#the-outbox).
         """
         delivered = {"retire": 0, "forget": 0}
         # Before every prepare this runs while Gym waits: with nothing owed it is one query, not
@@ -73,18 +74,18 @@ class OutboxDeliverer:
         client = self.gym.for_run(run_id, run.config)
         for iid in instance_ids if instance_ids is not None else sorted(topology):
             inst = topology.get(iid)
-            if inst is None or not inst.participants or not ({(iid, "retire"), (iid, "forget")} & owed):
+            if inst is None or not inst.participants or not ({(iid, OutboxOp.retire), (iid, OutboxOp.forget)} & owed):
                 # Items for an unregistered instance wait until it is registered, and those of an
                 # instance with no participant known wait for one: acknowledged with nobody told,
                 # a retire would be lost.
                 continue
-            delivered["retire"] += await self._drain(run_id, inst, fence, "retire", ignore_schedule, lambda items: self._retire(run_id, inst, client, fence, items))
-            delivered["forget"] += await self._drain(run_id, inst, fence, "forget", ignore_schedule, lambda items: self._forget(run_id, inst, client, fence, items))
+            delivered["retire"] += await self._drain(run_id, inst, fence, OutboxOp.retire, ignore_schedule, lambda items: self._retire(run_id, inst, client, fence, items))
+            delivered["forget"] += await self._drain(run_id, inst, fence, OutboxOp.forget, ignore_schedule, lambda items: self._forget(run_id, inst, client, fence, items))
         return delivered
 
     async def _drain(
         self, run_id: str, inst: InstanceTopology, fence: Fence, op: str, ignore_schedule: bool,
-        send: Callable[[list[repo.OutboxItem]], Awaitable[tuple[int, bool]]],
+        send: Callable[[list[repo.DueOutboxItem]], Awaitable[tuple[int, bool]]],
     ) -> int:
         total = 0
         while True:
@@ -97,7 +98,7 @@ class OutboxDeliverer:
                 return total
 
     async def _retire(
-        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.OutboxItem]
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.DueOutboxItem]
     ) -> tuple[int, bool]:
         everyone = {p.server_name for p in inst.participants}
         errors: list[str] = []
@@ -127,13 +128,13 @@ class OutboxDeliverer:
         return len(done), bool(rest)
 
     async def _retire_on(
-        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, p: Any, items: list[repo.OutboxItem]
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, p: Any, items: list[repo.DueOutboxItem]
     ) -> list[str]:
         errors: list[str] = []
         sub = dataclasses.replace(inst, participants=(p,))
         for cid in sorted({it.checkpoint_id for it in items}):
             owed = [it for it in items if it.checkpoint_id == cid and p.server_name not in it.servers_done]
-            by_ep: dict[Episode, list[repo.OutboxItem]] = {}
+            by_ep: dict[Episode, list[repo.DueOutboxItem]] = {}
             for it in owed:
                 by_ep.setdefault(Episode(it.rollout_id, int(it.gym_attempt or 0)), []).append(it)
             if not by_ep:
@@ -149,7 +150,7 @@ class OutboxDeliverer:
         return errors
 
     async def _forget(
-        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.OutboxItem]
+        self, run_id: str, inst: InstanceTopology, client: GymControlClient, fence: Fence, items: list[repo.DueOutboxItem]
     ) -> tuple[int, bool]:
         last_retired = {it.rollout_id: Episode(it.rollout_id, int(it.gym_attempt or 0)) for it in items}
         settle = await client.forget_settling_refusals(inst, last_retired)

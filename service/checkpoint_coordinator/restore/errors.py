@@ -66,56 +66,23 @@ def _server_lines(exc: GymControlError, urls: Mapping[str, Mapping[str, str]]) -
     return "; ".join(said) or exc.message
 
 
-class EgressRefusedProblem(CoordinatorError):
-    code, status, title = "gym_egress_refused", 422, "A Gym server's address is not one the coordinator may reach"
-
-
-class RestartOnlyRefused(CoordinatorError):
-    code, status, title = "restart_only_gym_servers", 422, "Restart-only Gym servers under turn-level recovery"
-
-
-class SnapshotNotFound(NotFound):
-    code, title = "snapshot_not_found", "No such published snapshot"
-
-
-class NoCompatibleSnapshot(NotFound):
-    code, title = "no_compatible_snapshot", "No published snapshot is compatible with the trainer's step"
-
-
-class GymManifestAbsent(NotFound):
-    code, title = "gym_manifest_absent", "The snapshot has no Gym manifest"
-
-
-class TopologyDiffers(Conflict):
-    code, title = "gym_topology_mismatch", "Live Gym topology differs from the snapshot's"
-
-
-class InstanceMapInvalid(CoordinatorError):
-    code, status, title = "instance_map_invalid", 422, "The instance map is not a one-to-one map"
-
-
-class InstanceMapUnknown(Conflict):
-    code, title = "instance_map_unknown_instance", "The instance map names an instance the restore does not know"
-
-
-class ManifestDisagrees(Conflict):
-    code, title = "gym_manifest_disagrees_with_ledger", "The Gym manifest disagrees with the ledger cut"
-
-
-class GymNotFresh(Conflict):
-    code, title = "gym_not_fresh", "Gym instances are not freshly started"
-
-
-class RestoreConflict(Conflict):
-    code, title = "restore_conflict", "Restore id reused with a different request"
-
-
-class RestoreInProgress(Conflict):
-    code, title = "restore_in_progress", "A restore of this run is in progress"
-
-
-class RestoreNotApplied(Conflict):
-    code, title = "restore_not_applied", "The restore has no rows: it was not applied"
+# The refusals, one a line: the class, its stable code, (HTTP status,) title.
+class EgressRefusedProblem(CoordinatorError): code, status, title = "gym_egress_refused", 422, "A Gym server's address is not one the coordinator may reach"
+class RestartOnlyRefused(CoordinatorError): code, status, title = "restart_only_gym_servers", 422, "Restart-only Gym servers under turn-level recovery"
+class SnapshotNotFound(NotFound): code, title = "snapshot_not_found", "No such published snapshot"
+class NoCompatibleSnapshot(NotFound): code, title = "no_compatible_snapshot", "No published snapshot is compatible with the trainer's step"
+class GymManifestAbsent(NotFound): code, title = "gym_manifest_absent", "The snapshot has no Gym manifest"
+class TopologyDiffers(Conflict): code, title = "gym_topology_mismatch", "Live Gym topology differs from the snapshot's"
+class InstanceMapInvalid(CoordinatorError): code, status, title = "instance_map_invalid", 422, "The instance map is not a one-to-one map"
+class InstanceMapUnknown(Conflict): code, title = "instance_map_unknown_instance", "The instance map names an instance the restore does not know"
+class ManifestDisagrees(Conflict): code, title = "gym_manifest_disagrees_with_ledger", "The Gym manifest disagrees with the ledger cut"
+class GymNotFresh(Conflict): code, title = "gym_not_fresh", "Gym instances are not freshly started"
+class RestoreConflict(Conflict): code, title = "restore_conflict", "Restore id reused with a different request"
+class RestoreInProgress(Conflict): code, title = "restore_in_progress", "A restore of this run is in progress"
+class RestoreNotApplied(Conflict): code, title = "restore_not_applied", "The restore has no rows: it was not applied"
+class SnapshotUnusable(Conflict): code, title = "snapshot_unusable", "The snapshot cannot be restored"
+class LedgerImportRefused(BadRequest): code, title = "legacy_ledger_invalid", "NeMo RL ledger refused"
+class SnapshotExists(Conflict): code, title = "snapshot_exists", "A snapshot with this id already exists"
 
 
 class RestoreRefusedEarlier(CoordinatorError):
@@ -127,15 +94,3 @@ class RestoreRefusedEarlier(CoordinatorError):
         extra = {k: v for k, v in problem.items() if k not in ("type", "title", "status", "code", "detail")}
         super().__init__(str(problem.get("detail", "restore refused")), code=str(problem.get("code", "restore_refused")), status=int(problem.get("status", 409)), **extra)
         self.title = str(problem.get("title", self.title))
-
-
-class SnapshotUnusable(Conflict):
-    code, title = "snapshot_unusable", "The snapshot cannot be restored"
-
-
-class LedgerImportRefused(BadRequest):
-    code, title = "legacy_ledger_invalid", "NeMo RL ledger refused"
-
-
-class SnapshotExists(Conflict):
-    code, title = "snapshot_exists", "A snapshot with this id already exists"

@@ -1,5 +1,5 @@
 """``<snapshot_dir>/gym_checkpoint.json``: the Gym manifest (schema 2) on disk, for tools that
-read NeMo RL's layout (ledger spec section 8, protocol 8.2/8.3).
+read NeMo RL's layout (docs/ledger.md#the-gym-manifest, docs/gym-protocol.md#the-gym-manifest).
 
 Writing and reading both go through the domain loader, so a file is never written from, nor read
 into, anything but a valid schema-2 manifest (the version is checked before any other field).

@@ -1,4 +1,5 @@
-"""NeMo RL ledger import (as a published snapshot) and export (schema 4), ledger spec section 9."""
+"""NeMo RL ledger import (as a published snapshot) and export (schema 4),
+docs/ledger.md#importing-a-nemo-rl-ledger."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ def rollout_minter(run_id: str, snapshot_id: str, epoch: int, purpose: str = "pl
 
 def live_retire_items(attempts: Iterable[Sequence[Any]]) -> list[RetireItem]:
     """The attempts of these rows (of live groups) the cut knows as possibly running in Gym
-    (ledger spec 6.6): ``dispatched``, or a reserved Gym-owned continuation."""
+    (docs/ledger.md#without-gym-state): ``dispatched``, or a reserved Gym-owned continuation."""
     return [
         RetireItem(a[4], a[3], a[5], a[2])
         for a in attempts

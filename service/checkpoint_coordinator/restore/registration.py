@@ -1,4 +1,4 @@
-"""Gym registration at setup (ledger spec section 3, protocol section 3).
+"""Gym registration at setup (docs/ledger.md#recovery-configuration, docs/gym-protocol.md#discover).
 
 Discovery probes every server of every instance being registered; it fails as a whole, so the
 run never holds a partial participant set. The restart-only rule is then applied to every
@@ -17,11 +17,17 @@ from typing import Any
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ..domain.config import RecoveryConfig, check_restart_only_servers, gym_checkpoint_settings, load_recovery_config
+from ..domain.config import (
+    RecoveryConfig,
+    check_restart_only_servers,
+    gym_checkpoint_settings,
+    load_recovery_config,
+)
 from ..domain.errors import DomainError
+from ..domain.levels import RestoreLevel
+from ..gym.egress import parse_gym_url
 from ..gym.errors import GymControlError
 from ..gym.models import InstanceSpec, InstanceTopology, Participant
-from ..gym.egress import parse_gym_url
 from ..gym_runtime import current_egress, make_client
 from ..ledger.gym_registry import (
     InstanceRecord,
@@ -126,7 +132,7 @@ async def register_instances(
             verdict.error,
             servers=list(verdict.restart_only_servers),
             errors=[
-                {"field": f"instances.{iid}.servers.{name}", "message": "restart_only participant under target_level 'turn'"}
+                {"field": f"instances.{iid}.servers.{name}", "message": f"restart_only participant under target_level '{RestoreLevel.turn}'"}
                 for iid, names in sorted(restart_only.items())
                 for name in names
             ],

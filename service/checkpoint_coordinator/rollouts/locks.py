@@ -1,4 +1,4 @@
-"""Locking and reading the rows a trainer report touches (recovery-ledger.md section 2).
+"""Locking and reading the rows a trainer report touches (docs/ledger.md#fencing-and-concurrency).
 
 A report locks the prompt groups it touches in group-id order (so two batches on the same groups
 never deadlock), then reads their attempts; the rules in ``domain.rollout_rules`` decide from
@@ -72,8 +72,9 @@ _ATT_SQL = (
 
 
 def _groups_named_by(rollout_ids: Iterable[str]) -> list[str]:
-    """The group ids minted rollout ids name (``<group>_g<i>_a<hex>``, section 1), sorted. Only a
-    guess: an imported ledger's rollout ids need not have that form, see ``lock_and_read``."""
+    """The group ids minted rollout ids name (``<group>_g<i>_a<hex>``, docs/ledger.md#identifiers),
+    sorted. Only a guess: an imported ledger's rollout ids need not have that form, see
+    ``lock_and_read``."""
     out = set()
     for rid in rollout_ids:
         g, sep, _ = rid.rpartition("_g")

@@ -1,9 +1,9 @@
-"""Live rollout bookkeeping (recovery-ledger.md sections 1, 2, 4 and 7): the write paths.
+"""Live rollout bookkeeping (docs/ledger.md#live-rollouts): the write paths.
 
 Every public function is one transaction that read-locks the run (fencing), locks and reads the
 rows the report touches (``rollout_locks``), lets the pure rules of ``domain.rollout_rules``
-decide, and applies their change plan with set-based SQL (``unnest`` arrays or one JSON
-document), never a statement per row.
+decide, and applies their change plan with set-based SQL (``plan_writes``: ``unnest`` arrays or
+one JSON document), never a statement per row.
 
 A batch is atomic: if any row is refused, nothing of the batch is written and the caller gets a
 typed 409 naming each refused row.
@@ -11,10 +11,9 @@ typed 409 naming each refused row.
 
 from __future__ import annotations
 
-import functools
 import secrets
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,9 +24,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import mint_rollout_id
+from ..domain.levels import RestoreLevel
 from ..domain.rollout_rules import (
     Budgets,
-    ChangePlan,
     Decision,
     admit_conflicts,
     decide_abandon,
@@ -42,15 +41,14 @@ from ..domain.rollout_rules import (
 )
 from ..domain.vocabulary import (
     ENDED_ATTEMPT_STATUSES,
-    ENDED_GROUP_STATUSES,
-    FailureClass,
+    AttemptFailureClass,
+    OutboxOp,
     sql_list,
 )
 from ..domain.vocabulary import AttemptStatus as A
 from ..domain.vocabulary import GroupStatus as G
 from ..domain.vocabulary import RetirementState as R
 from ..errors import Conflict, NotFound
-from ..ledger.db import execute, fetch
 from ..ledger.models import GymInstance
 from ..ledger.runs import lock_run, require_open
 from ..outbox import store as outbox
@@ -61,14 +59,12 @@ from .locks import (
     lock_groups,
     states_of_locked,
 )
+from .plan_writes import apply_plan, count_transitions, execute_batch, fetch_batch
 
-# Batch statements are planned for their own arguments, never run as prepared statements: a
-# prepared statement's generic plan treats arrays of thousands of ids as if they held a handful.
-_fetch = functools.partial(fetch, prepare=False)
-_execute = functools.partial(execute, prepare=False)
+# Batch statements, never run as prepared statements (``plan_writes``).
+_fetch, _execute = fetch_batch, execute_batch
 
 _ENDED_ATTEMPTS = sql_list(ENDED_ATTEMPT_STATUSES)
-_ENDED_GROUPS = sql_list(ENDED_GROUP_STATUSES)
 
 
 def _hex() -> str:
@@ -125,114 +121,7 @@ def _accepted(d: Decision) -> Decision:
 
 
 # --------------------------------------------------------------------------------------------
-# Applying a change plan
-
-
-async def apply_plan(conn: AsyncConnection, run_id: str, plan: ChangePlan) -> None:
-    """Write what ``plan`` names, set-based, and count its transitions."""
-    await _apply_attempt_updates(conn, plan)
-    if plan.new_attempts:
-        new = plan.new_attempts.values()
-        await _execute(
-            conn,
-            "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
-            "SELECT %(r)s, g, i, ro, ga FROM unnest(%(g)s::text[], %(i)s::int[], %(ro)s::text[], %(ga)s::int[]) AS t(g, i, ro, ga)",
-            {
-                "r": run_id,
-                "g": [x["group_id"] for x in new],
-                "i": [x["generation_index"] for x in new],
-                "ro": [x["rollout_id"] for x in new],
-                "ga": [x["group_attempt"] for x in new],
-            },
-        )
-    if plan.row_attempts:
-        keys = list(plan.row_attempts)
-        await _execute(
-            conn,
-            "UPDATE siblings s SET row_attempts_used = t.n FROM unnest(%(g)s::text[], %(i)s::int[], %(n)s::int[]) AS t(g, i, n) "
-            "WHERE s.run_id = %(r)s AND s.group_id = t.g AND s.generation_index = t.i",
-            {"r": run_id, "g": [k[0] for k in keys], "i": [k[1] for k in keys], "n": [plan.row_attempts[k] for k in keys]},
-        )
-    await _apply_group_updates(conn, run_id, plan)
-    if plan.retires:
-        await outbox.enqueue_retires(
-            conn, run_id, [(a.gym_instance_id, a.rollout_id, a.gym_attempt, a.attempt_id) for a in plan.retires if a.gym_instance_id is not None]
-        )
-    _count_transitions(plan.transitions)
-
-
-async def _apply_group_updates(conn: AsyncConnection, run_id: str, plan: ChangePlan) -> None:
-    by_shape: dict[tuple[str, ...], list[tuple[str, dict[str, Any]]]] = defaultdict(list)
-    for gid, ch in plan.group_updates.items():
-        by_shape[tuple(sorted(ch))].append((gid, ch))
-    for cols, items in by_shape.items():
-        params: dict[str, Any] = {"r": run_id, "gids": [gid for gid, _ in items]}
-        for c in cols:
-            params[c] = [ch[c] for _, ch in items]
-        casts = ", ".join(f"%({c})s::{_GROUP_COL_TYPES[c]}[]" for c in cols)
-        sets = ", ".join(f"{c} = t.{c}" for c in cols)
-        if "status" in cols:
-            sets += f", ended_at = CASE WHEN t.status IN ({_ENDED_GROUPS}) THEN now() ELSE g.ended_at END"
-        await _execute(
-            conn,
-            f"UPDATE prompt_groups g SET {sets} FROM unnest(%(gids)s::text[], {casts}) AS t(gid, {', '.join(cols)}) "
-            "WHERE g.run_id = %(r)s AND g.group_id = t.gid",
-            params,
-        )
-
-
-async def _apply_attempt_updates(conn: AsyncConnection, plan: ChangePlan) -> None:
-    if not plan.status_updates:
-        return
-    # Group updates by the set of columns they touch, one UPDATE per shape. The rows travel as
-    # one JSON document (serialised in one native call) that PostgreSQL unpacks with
-    # jsonb_to_recordset: no per-row JSON dump of receipts, no per-element array dumping.
-    by_shape: dict[tuple[str, ...], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
-    for aid, ch in plan.status_updates.items():
-        by_shape[tuple(sorted(ch))].append((aid, ch))
-    for cols, items in by_shape.items():
-        doc = to_json([{"id": aid, **ch} for aid, ch in items]).decode()
-        sets = [f"{c} = t.{c}" for c in cols]
-        if "status" in cols:
-            sets.append(f"ended_at = CASE WHEN t.status IN ({_ENDED_ATTEMPTS}) THEN now() ELSE a.ended_at END")
-            sets.append(f"dispatched_at = CASE WHEN t.status = '{A.dispatched}' THEN now() ELSE a.dispatched_at END")
-        record = ", ".join(["id bigint", *(f"{c} {_COL_TYPES[c]}" for c in cols)])
-        await _execute(
-            conn,
-            f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id",
-            {"doc": doc},
-        )
-
-
-_GROUP_COL_TYPES = {"status": "text", "group_attempt": "int", "data_attempts_used": "int"}
-
-_COL_TYPES = {
-    "status": "text",
-    "is_current": "boolean",
-    "failure_class": "text",
-    "retirement": "text",
-    "gym_instance_id": "text",
-    "dispatch_id": "text",
-    "refusals": "int",
-    "receipt": "jsonb",
-    "reward": "float8",
-    "mask_sample": "boolean",
-    "staging_keys": "text[]",
-    "gym_owned": "boolean",
-    "replaced_by_attempt_id": "bigint",
-}
-
-
-def _count_transitions(transitions: dict[str, int]) -> None:
-    from ..observability.metrics import record_ledger_transition
-
-    for to, n in transitions.items():
-        if n:
-            record_ledger_transition(to, n)
-
-
-# --------------------------------------------------------------------------------------------
-# Section 4 operations
+# Live rollout operations (docs/ledger.md#live-rollouts)
 
 
 @dataclass(frozen=True)
@@ -247,17 +136,16 @@ class AdmitGroup:
     weight_version: str | None
 
 
+# ``n`` more admitted rows on the run's quota row, unless they pass ``limit`` (then no row).
+_TAKE_ROWS_SQL = (
+    "INSERT INTO run_quotas (run_id, admitted_rows) VALUES (:r, :n) ON CONFLICT (run_id) DO UPDATE "
+    "SET admitted_rows = run_quotas.admitted_rows + :n WHERE run_quotas.admitted_rows + :n <= :limit RETURNING admitted_rows"
+)
+
+
 async def _take_rows(conn: AsyncConnection, run_id: str, n: int, limit: int) -> None:
     """Count ``n`` more admitted rows against the run's quota, or refuse them."""
-    used = (
-        await conn.execute(
-            text(
-                "INSERT INTO run_quotas (run_id, admitted_rows) VALUES (:r, :n) ON CONFLICT (run_id) DO UPDATE "
-                "SET admitted_rows = run_quotas.admitted_rows + :n WHERE run_quotas.admitted_rows + :n <= :limit RETURNING admitted_rows"
-            ),
-            {"r": run_id, "n": n, "limit": limit},
-        )
-    ).scalar()
+    used = (await conn.execute(text(_TAKE_ROWS_SQL), {"r": run_id, "n": n, "limit": limit})).scalar()
     if used is None or used > limit:
         have = (await conn.execute(text("SELECT admitted_rows FROM run_quotas WHERE run_id = :r"), {"r": run_id})).scalar() or 0
         raise Conflict(
@@ -289,50 +177,7 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], 
             await _take_rows(conn, run_id, sum(g.expected_generations for g in new), max_run_rows)
         resolve = _level_resolver(run.config)
         levels = {g.group_id: resolve(g.agent_name, g.task_source) for g in new}
-        minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
-        if new:
-            await _execute(
-                conn,
-                "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
-                "expected_generations, target_step, weight_version) "
-                "SELECT %(r)s, g, pr, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], "
-                "ARRAY(SELECT e FROM jsonb_array_elements(%(pr)s::jsonb) WITH ORDINALITY AS x(e, o) ORDER BY o), "
-                "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
-                "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
-                {
-                    "r": run_id,
-                    "g": [g.group_id for g in new],
-                    # The prompt refs travel as one JSON array serialised in one native call
-                    # (jsonb keeps no key order or spacing, so the stored values are the same).
-                    "pr": to_json([g.prompt_ref for g in new]).decode(),
-                    "td": [g.task_digest for g in new],
-                    "ts": [g.task_source for g in new],
-                    "an": [g.agent_name for g in new],
-                    "lv": [levels[g.group_id] for g in new],
-                    "n": [g.expected_generations for g in new],
-                    "st": [g.target_step for g in new],
-                    "wv": [g.weight_version for g in new],
-                },
-            )
-            sizes = {"r": run_id, "g": [g.group_id for g in new], "n": [g.expected_generations for g in new]}
-            await _execute(
-                conn,
-                "INSERT INTO siblings (run_id, group_id, generation_index) "
-                "SELECT %(r)s, t.g, i FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i",
-                sizes,
-            )
-            # Rollout ids are minted here, one fresh random 32-hex suffix per attempt (section 1).
-            rows = await _fetch(
-                conn,
-                "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
-                "SELECT %(r)s, t.g, i, t.g || '_g' || i || '_a' || replace(gen_random_uuid()::text, '-', ''), 0 "
-                "FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i "
-                "RETURNING attempt_id, group_id, generation_index, rollout_id",
-                sizes,
-            )
-            for _aid, gid, i, ro in rows:
-                minted[gid].append((i, ro))
-            _count_transitions({A.reserved.value: len(rows)})
+        minted = await _insert_new_groups(conn, run_id, new, levels) if new else {}
         current = await current_attempts(conn, run_id, list(existing)) if existing else {}
         out = []
         for g in groups:
@@ -361,6 +206,58 @@ async def admit(engine: AsyncEngine, run_id: str, groups: Sequence[AdmitGroup], 
                 }
             )
         return out
+
+
+async def _insert_new_groups(
+    conn: AsyncConnection, run_id: str, new: Sequence[AdmitGroup], levels: dict[str, str]
+) -> dict[str, list[tuple[int, str]]]:
+    """Insert the admitted groups, their siblings and one reserved attempt each, set-based;
+    returns the minted (generation index, rollout id) pairs by group."""
+    minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    await _execute(
+        conn,
+        "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+        "expected_generations, target_step, weight_version) "
+        "SELECT %(r)s, g, pr, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], "
+        "ARRAY(SELECT e FROM jsonb_array_elements(%(pr)s::jsonb) WITH ORDINALITY AS x(e, o) ORDER BY o), "
+        "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
+        "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
+        {
+            "r": run_id,
+            "g": [g.group_id for g in new],
+            # The prompt refs travel as one JSON array serialised in one native call
+            # (jsonb keeps no key order or spacing, so the stored values are the same).
+            "pr": to_json([g.prompt_ref for g in new]).decode(),
+            "td": [g.task_digest for g in new],
+            "ts": [g.task_source for g in new],
+            "an": [g.agent_name for g in new],
+            "lv": [levels[g.group_id] for g in new],
+            "n": [g.expected_generations for g in new],
+            "st": [g.target_step for g in new],
+            "wv": [g.weight_version for g in new],
+        },
+    )
+    sizes = {"r": run_id, "g": [g.group_id for g in new], "n": [g.expected_generations for g in new]}
+    await _execute(
+        conn,
+        "INSERT INTO siblings (run_id, group_id, generation_index) "
+        "SELECT %(r)s, t.g, i FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i",
+        sizes,
+    )
+    # Rollout ids are minted here, one fresh random 32-hex suffix per attempt
+    # (docs/ledger.md#identifiers).
+    rows = await _fetch(
+        conn,
+        "INSERT INTO attempts (run_id, group_id, generation_index, rollout_id, group_attempt) "
+        "SELECT %(r)s, t.g, i, t.g || '_g' || i || '_a' || replace(gen_random_uuid()::text, '-', ''), 0 "
+        "FROM unnest(%(g)s::text[], %(n)s::int[]) AS t(g, n), generate_series(0, t.n - 1) AS i "
+        "RETURNING attempt_id, group_id, generation_index, rollout_id",
+        sizes,
+    )
+    for _aid, gid, i, ro in rows:
+        minted[gid].append((i, ro))
+    count_transitions({A.reserved.value: len(rows)})
+    return minted
 
 
 async def dispatch(
@@ -400,7 +297,7 @@ async def dispatch(
                 "INSERT INTO dispatch_calls (run_id, dispatch_id, attempt_ids) VALUES (%(r)s, %(d)s, %(ids)s::bigint[])",
                 {"r": run_id, "i": instance_id, "d": dispatch_id, "ids": [a.attempt_id for a in d.extra]},
             )
-            _count_transitions(d.plan.transitions)
+            count_transitions(d.plan.transitions)
         return {"dispatch_id": dispatch_id, "instance_id": instance_id, "rows": d.rows}
 
 
@@ -435,16 +332,16 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         d = _accepted(decide_seal(by_id, atts, groups))
         results, updates, touched_groups = d.results, d.extra, d.touched
         await _seal_rows(conn, updates)
-        _count_transitions(d.plan.transitions)
+        count_transitions(d.plan.transitions)
         cohort_sealed: list[str] = []
-        # Only restored continuations (Gym-owned) can owe a forget (section 7); the others are not
-        # worth sending to that query.
+        # Only restored continuations (Gym-owned) can owe a forget (docs/ledger.md#the-outbox); the
+        # others are not worth sending to that query.
         owned = {a.attempt_id for a in atts.values() if a.gym_owned}
         sealed_ids = [u["id"] for u in updates if u["status"] == A.sealed and u["id"] in owned] if owned else []
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = touched_groups
-            cohorts = [g for g in touched if granularity(groups[g].restore_level) == "prompt_group"]
+            cohorts = [g for g in touched if granularity(groups[g].restore_level) == RestoreLevel.prompt_group]
             if cohorts:
                 cohort_rows = [
                     r
@@ -462,7 +359,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                 cohort_sealed = [r[0] for r in cohort_rows]
                 sealed_ids.extend(aid for r in cohort_rows for aid in r[1])
                 if cohort_sealed:
-                    _count_transitions({A.sealed.value: sum(groups[g].expected_generations for g in cohort_sealed)})
+                    count_transitions({A.sealed.value: sum(groups[g].expected_generations for g in cohort_sealed)})
             newly_ready = [
                 r[0]
                 for r in await _fetch(
@@ -473,7 +370,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                     {"r": run_id, "g": touched},
                 )
             ]
-            _count_transitions({G.ready.value: len(newly_ready)})
+            count_transitions({G.ready.value: len(newly_ready)})
         await forget_restored_on_seal(conn, run_id, sealed_ids)
         sealed_now = set(cohort_sealed)
         for r in results:
@@ -506,7 +403,7 @@ async def _seal_rows(conn: AsyncConnection, updates: list[dict[str, Any]]) -> No
 async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_attempt_ids: Sequence[int]) -> int:
     """Queue a forget for every restored rollout whose continued attempt has just ended with a
     reply (sealed, or failed with a data failure): its restore left a mark at N on its instance
-    that nothing else will drop (section 7). Called inside the seal or fail transaction, after
+    that nothing else will drop (docs/ledger.md#the-outbox). Called inside the seal or fail transaction, after
     its writes.
 
     Only Gym-owned attempts (restored continuations) with retirement ``none`` are affected; each
@@ -516,12 +413,12 @@ async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_att
     """
     if not sealed_attempt_ids:
         return 0
-    ins = outbox.insert_items_sql("SELECT %(r)s, gym_instance_id, 'forget', rollout_id, gym_attempt, attempt_id, 'forget' FROM f")
+    ins = outbox.insert_items_sql(f"SELECT %(r)s, gym_instance_id, '{OutboxOp.forget}', rollout_id, gym_attempt, attempt_id, '{OutboxOp.forget}' FROM f")
     ((n,),) = await _fetch(
         conn,
         "WITH f AS (SELECT attempt_id, rollout_id, gym_attempt, gym_instance_id FROM attempts "
         "WHERE run_id = %(r)s AND attempt_id = ANY(%(ids)s::bigint[]) AND gym_owned AND gym_instance_id IS NOT NULL "
-        f"AND retirement = '{R.none}' AND (status = '{A.sealed}' OR (status = '{A.failed}' AND failure_class = '{FailureClass.data}'))), "
+        f"AND retirement = '{R.none}' AND (status = '{A.sealed}' OR (status = '{A.failed}' AND failure_class = '{AttemptFailureClass.data}'))), "
         f"ins AS ({ins}), "
         f"upd AS (UPDATE attempts a SET retirement = '{R.forget_pending}' FROM ins WHERE a.attempt_id = ins.attempt_id RETURNING 1) "
         "SELECT count(*) FROM ins",
@@ -533,7 +430,7 @@ async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_att
 @dataclass(frozen=True)
 class FailRow:
     rollout_id: str
-    failure_class: str  # FailureClass
+    failure_class: str  # AttemptFailureClass
     detail: str | None = None
 
 
@@ -577,19 +474,25 @@ async def stream_ended(
 
 async def finalize(engine: AsyncEngine, run_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
     """The trainer consumed these ready groups; they leave the live ledger."""
-    async with engine.begin() as conn:
-        await lock_run(conn, run_id)
-        groups = await lock_groups(conn, run_id, group_ids)
-        d = _accepted(decide_finalize(group_ids, groups))
-        await apply_plan(conn, run_id, d.plan)
-        return {"groups": d.results}
+    return await _group_report(engine, run_id, group_ids, lock_groups, decide_finalize)
 
 
 async def abandon(engine: AsyncEngine, run_id: str, group_ids: Sequence[str]) -> dict[str, Any]:
     """Give up on groups; every attempt that may still run in Gym is queued for retirement."""
+    return await _group_report(engine, run_id, group_ids, load_states, decide_abandon)
+
+
+async def _group_report(
+    engine: AsyncEngine,
+    run_id: str,
+    group_ids: Sequence[str],
+    read: Callable[[AsyncConnection, str, Sequence[str]], Awaitable[Any]],
+    decide: Callable[[Sequence[str], Any], Decision],
+) -> dict[str, Any]:
+    """A report on whole groups: the groups read (and locked) by ``read``, decided by ``decide``."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
-        states = await load_states(conn, run_id, group_ids)
-        d = _accepted(decide_abandon(group_ids, states))
+        rows = await read(conn, run_id, group_ids)
+        d = _accepted(decide(group_ids, rows))
         await apply_plan(conn, run_id, d.plan)
         return {"groups": d.results}

@@ -11,7 +11,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.identity import capture_key
 from ..domain.rollout_rules import granularity
-from ..domain.vocabulary import LIVE_GROUP_STATUSES, AttemptStatus
+from ..domain.vocabulary import LIVE_GROUP_STATUSES, AttemptStatus, OutboxState
 from ..errors import NotFound
 from ..ledger.db import read_rows
 from ..ledger.models import Attempt, OutboxItem, PromptGroup, Sibling
@@ -35,7 +35,7 @@ async def live_counts(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
             ).all()
         )
         outbox = dict(
-            (await conn.execute(select(_O.c.op, func.count()).where(_O.c.run_id == run_id, _O.c.state == "pending").group_by(_O.c.op))).all()
+            (await conn.execute(select(_O.c.op, func.count()).where(_O.c.run_id == run_id, _O.c.state == OutboxState.pending).group_by(_O.c.op))).all()
         )
     return {"groups": groups, "live_attempts": atts, "outbox_pending": outbox}
 
@@ -102,7 +102,7 @@ _OUTBOX_DETAIL = ("item_id", "instance_id", "op", "rollout_id", "gym_attempt", "
 async def pending_outbox(engine: AsyncEngine, run_id: str, *, limit: int, after: int | None) -> dict[str, Any]:
     async with engine.connect() as conn:
         await lock_run(conn, run_id, allow_closed=True)
-        pending = (_O.c.run_id == run_id) & (_O.c.state == "pending")
+        pending = (_O.c.run_id == run_id) & (_O.c.state == OutboxState.pending)
         rows = (
             await conn.execute(
                 select(*(_O.c[c] for c in _OUTBOX_DETAIL)).where(pending, _O.c.item_id > (after or 0)).order_by(_O.c.item_id).limit(limit)

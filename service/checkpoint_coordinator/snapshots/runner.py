@@ -95,7 +95,7 @@ class SnapshotRunner:
             except Exception as e:  # not renewed: the next fenced write decides
                 log.warning("run %s: renewing the lease failed: %s", run_id, e)
                 continue
-            if epoch != job.fence.epoch:
+            if epoch != job.fence.lease_epoch:
                 job.lease_lost(Fenced(run_id, "renewing the run's lease", job.fence))
 
     def running_runs(self) -> frozenset[str]:

@@ -3,17 +3,18 @@ whose cut is the imported ledger."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ...domain.cut import Cut, CutAttempt
+from ...domain.cut import Cut, CutAttempt, CutGroup
 from ...errors import Conflict
 from ...ledger.db import dump_json
 from ...ledger.runs import lock_run
 from ...snapshots.store import insert_cut_rows
-from .reads import SnapshotRow, get_snapshot
+from .reads import RestorableSnapshot, get_snapshot
 
 
 async def create_imported_snapshot(
@@ -25,7 +26,7 @@ async def create_imported_snapshot(
     anchor_step: int,
     detail: dict[str, Any],
     data_attempts_used: dict[str, int],
-) -> tuple[bool, SnapshotRow]:
+) -> tuple[bool, RestorableSnapshot]:
     """Store a published snapshot holding ``cut`` (no Gym manifest). Returns (created, row).
 
     An identical repeat (same ``detail['document_sha256']``) answers the stored snapshot; a
@@ -66,57 +67,68 @@ async def create_imported_snapshot(
                 "counts": _json({"groups": len(cut.groups), "siblings": n}),
             },
         )
-        gs = cut.groups
         at = [CutAttempt(*a) if not isinstance(a, CutAttempt) else a for a in cut.attempts]
         # The cut tables are views over one row per group (``snapshot_cut_groups``).
         await insert_cut_rows(
             conn,
             run_id,
             snapshot_id,
-            "SELECT g AS group_id, CAST(pr AS jsonb) AS prompt_ref, td AS task_digest, ts AS task_source, an AS agent_name, "
-            "lv AS restore_level, n AS expected_generations, st AS target_step, wv AS weight_version, ga AS group_attempt, "
-            "du AS data_attempts_used, gs AS status FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
-            "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
-            "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
-            "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)",
-            "SELECT id AS attempt_id, g AS group_id, i AS generation_index, ru AS row_attempts_used, ro AS rollout_id, "
-            "gi AS gym_instance_id, gya AS gym_attempt, aga AS group_attempt, ast AS status, 0 AS refusals, "
-            "CAST(NULL AS jsonb) AS receipt, rw AS reward, ms AS mask_sample, "
-            "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(CAST(sk AS jsonb))) END AS staging_keys, "
-            "false AS gym_owned "
-            "FROM unnest(CAST(:id AS bigint[]), CAST(:ag AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
-            "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:aga AS int[]), CAST(:ast AS text[]), CAST(:rw AS float8[]), "
-            "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, aga, ast, rw, ms, sk)",
-            {
-                "g": [g.group_id for g in gs],
-                "pr": [_json({"sample_id": g.prompt_ref.sample_id, "task_name": g.prompt_ref.task_name}) for g in gs],
-                "td": [g.task_digest for g in gs],
-                "ts": [g.task_source for g in gs],
-                "an": [g.agent_name for g in gs],
-                "lv": [str(g.restore_level) for g in gs],
-                "n": [g.expected_generations for g in gs],
-                "st": [g.target_step for g in gs],
-                "wv": [None if g.weight_version is None else str(g.weight_version) for g in gs],
-                "ga": [g.group_attempt for g in gs],
-                "du": [data_attempts_used.get(g.group_id, 0) for g in gs],
-                "gs": [str(g.status) for g in gs],
-                "id": ids,
-                "ag": [a.group_id for a in at],
-                "i": [a.generation_index for a in at],
-                "ru": [a.row_attempts_used for a in at],
-                "ro": [a.rollout_id for a in at],
-                "gi": [a.gym_instance_id for a in at],
-                "gya": [a.gym_attempt for a in at],
-                "aga": [a.group_attempt for a in at],
-                "ast": [str(a.status) for a in at],
-                "rw": [a.reward for a in at],
-                "ms": [a.mask_sample for a in at],
-                "sk": [_json(list(a.staging_keys)) if a.staging_keys else None for a in at],
-            },
+            _GROUPS_SQL,
+            _ATTEMPTS_SQL,
+            {**_group_columns(cut.groups, data_attempts_used), "id": ids, **_attempt_columns(at)},
         )
         row = await get_snapshot(conn, run_id, snapshot_id)
         assert row is not None
         return True, row
+
+
+# The imported groups and attempts as the rows of the ``snapshot_groups`` and ``snapshot_attempts``
+# views, from the column arrays of :func:`_group_columns` and :func:`_attempt_columns`.
+_GROUPS_SQL = (
+    "SELECT g AS group_id, CAST(pr AS jsonb) AS prompt_ref, td AS task_digest, ts AS task_source, an AS agent_name, "
+    "lv AS restore_level, n AS expected_generations, st AS target_step, wv AS weight_version, ga AS group_attempt, "
+    "du AS data_attempts_used, gs AS status FROM unnest(CAST(:g AS text[]), CAST(:pr AS text[]), "
+    "CAST(:td AS text[]), CAST(:ts AS text[]), CAST(:an AS text[]), CAST(:lv AS text[]), CAST(:n AS int[]), "
+    "CAST(:st AS bigint[]), CAST(:wv AS text[]), CAST(:ga AS int[]), CAST(:du AS int[]), CAST(:gs AS text[])) "
+    "AS t(g, pr, td, ts, an, lv, n, st, wv, ga, du, gs)"
+)
+_ATTEMPTS_SQL = (
+    "SELECT id AS attempt_id, g AS group_id, i AS generation_index, ru AS row_attempts_used, ro AS rollout_id, "
+    "gi AS gym_instance_id, gya AS gym_attempt, aga AS group_attempt, ast AS status, 0 AS refusals, "
+    "CAST(NULL AS jsonb) AS receipt, rw AS reward, ms AS mask_sample, "
+    "CASE WHEN sk IS NULL THEN NULL ELSE ARRAY(SELECT jsonb_array_elements_text(CAST(sk AS jsonb))) END AS staging_keys, "
+    "false AS gym_owned "
+    "FROM unnest(CAST(:id AS bigint[]), CAST(:ag AS text[]), CAST(:i AS int[]), CAST(:ru AS int[]), CAST(:ro AS text[]), "
+    "CAST(:gi AS text[]), CAST(:gya AS int[]), CAST(:aga AS int[]), CAST(:ast AS text[]), CAST(:rw AS float8[]), "
+    "CAST(:ms AS boolean[]), CAST(:sk AS text[])) AS t(id, g, i, ru, ro, gi, gya, aga, ast, rw, ms, sk)"
+)
+
+# Parameter -> the field it carries as it is, of every group and of every attempt.
+_GROUP_FIELDS = {
+    "g": "group_id", "td": "task_digest", "ts": "task_source", "an": "agent_name", "n": "expected_generations",
+    "st": "target_step", "ga": "group_attempt",
+}
+_ATTEMPT_FIELDS = {
+    "ag": "group_id", "i": "generation_index", "ru": "row_attempts_used", "ro": "rollout_id", "gi": "gym_instance_id",
+    "gya": "gym_attempt", "aga": "group_attempt", "rw": "reward", "ms": "mask_sample",
+}
+
+
+def _group_columns(gs: Sequence[CutGroup], data_attempts_used: dict[str, int]) -> dict[str, list[Any]]:
+    cols = {p: [getattr(g, f) for g in gs] for p, f in _GROUP_FIELDS.items()}
+    cols["pr"] = [_json({"sample_id": g.prompt_ref.sample_id, "task_name": g.prompt_ref.task_name}) for g in gs]
+    cols["lv"] = [str(g.restore_level) for g in gs]
+    cols["wv"] = [None if g.weight_version is None else str(g.weight_version) for g in gs]
+    cols["du"] = [data_attempts_used.get(g.group_id, 0) for g in gs]
+    cols["gs"] = [str(g.status) for g in gs]
+    return cols
+
+
+def _attempt_columns(at: Sequence[CutAttempt]) -> dict[str, list[Any]]:
+    cols = {p: [getattr(a, f) for a in at] for p, f in _ATTEMPT_FIELDS.items()}
+    cols["ast"] = [str(a.status) for a in at]
+    cols["sk"] = [_json(list(a.staging_keys)) if a.staging_keys else None for a in at]
+    return cols
 
 
 def _json(v: Any) -> str:

@@ -1,6 +1,7 @@
-"""The restore plan of a snapshot computed in the ledger (recovery-ledger.md section 6.1):
-set-based statements over the snapshot's cut storage. This is the one production planner;
-``tests/oracles/restore_plan.py`` is the pure reference it is tested against."""
+"""The restore plan of a snapshot computed in the ledger
+(docs/ledger.md#restore-plans-and-dispositions): set-based statements over the snapshot's cut
+storage. This is the one production planner; ``tests/oracles/restore_plan.py`` is the pure
+reference it is tested against."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ _R_EXPORTED, _R_RESTART_ONLY = _R[RowReason.exported_by_gym], _R[RowReason.resta
 _R_NOT_MAPPED = _R[RowReason.instance_not_mapped]
 
 # -------------------------------------------------------------------------------------------
-# The plan in SQL (the dispositions of ledger spec 6.1, set-based)
+# The plan in SQL (the dispositions of docs/ledger.md#restore-plans-and-dispositions, set-based)
 
 # Disposition codes, as ``domain.restore_plan.DISPOSITION_CODES``: 1 reused, 2 continued,
 # 3 restarted, 4 gym_restarted, 5 rerun, 6 dispatch.
@@ -153,9 +154,10 @@ async def plan_in_sql(
 ) -> SqlPlan | None:
     """The restore plan of a snapshot computed from its cut with set-based statements, as the
     first statements of a transaction (made repeatable-read and read-only): the dispositions of
-    ledger spec 6.1 (``tests/oracles/restore_plan.py`` is the reference, compared on random
-    ledgers by a differential test) for the rows that are sent (``include_reused``: every live
-    row), with the reason of each (section 6.2), and how many live rows are reused and left out.
+    docs/ledger.md#restore-plans-and-dispositions (``tests/oracles/restore_plan.py`` is the
+    reference, compared on random ledgers by a differential test) for the rows that are sent
+    (``include_reused``: every live row), with the reason of each (docs/ledger.md#row-reasons),
+    and how many live rows are reused and left out.
     ``manifest`` (a ``GymManifest``, or None when no Gym state is installed) decides continued and
     gym_restarted turn-level rows; ``gym_state`` false: a restore without Gym state (its
     restarts say so); ``mapped``: the saved instances an instance map keeps (the exported
@@ -165,14 +167,7 @@ async def plan_in_sql(
     when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
     caller then asks ``domain.cut_checks`` what is wrong."""
     p: dict[str, Any] = {"r": run_id, "s": snapshot_id}
-    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
-    # read whole or not at all.
-    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-    # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
-    # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
-    for knob in ("enable_nestloop", "enable_mergejoin"):
-        await conn.execute(text(f"SET LOCAL {knob} = off"))
-    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+    await _plan_settings(conn)
     ((broken, big, live_rows, skipped, bumped),) = await fetch(conn, _PLAN_SUMMARY, p, binary=False)
     if broken or (big and (await fetch(conn, _PLAN_DUPLICATES, p))[0][0]):
         return None
@@ -182,43 +177,9 @@ async def plan_in_sql(
     width = 9 if include_reused else 8
     both = bytes(r[width] for r in rows)
     codes, reasons = bytearray(both.translate(_HIGH)), bytearray(both.translate(_LOW))
-    entries: dict[str, tuple[str, int, bool]] = {}
-    if manifest is not None:
-        for iid, inst in manifest.instances.items():
-            for is_saved, listed in ((True, inst.episodes), (False, inst.restarts)):
-                for rid, n in listed:
-                    entries[rid] = (iid, n, is_saved)
-    if entries:
-        # Manifest entries name live turn-level rows that are running in Gym (saved) or ended
-        # there (restarts): most of them are rows planned ``restarted`` here, checked on the spot
-        # and then continued or restarted from Gym. The others (a restart of a row sealed since,
-        # or of a row never sent; or a wrong entry) are checked by the ledger.
-        left = dict(entries)
-        for m in re.finditer(b"\\x03", codes):
-            a = rows[m.start()]
-            e = left.get(a[3])
-            if e is None or e[0] != a[4] or e[1] != a[5]:
-                continue
-            if e[2]:
-                if not may_run_in_gym(a[7], a[5]):
-                    return None
-                if mapped is None or e[0] in mapped:
-                    codes[m.start()] = _CONTINUED
-                    reasons[m.start()] = _R_EXPORTED
-                else:
-                    reasons[m.start()] = _R_NOT_MAPPED
-            else:
-                codes[m.start()] = _GYM_RESTARTED
-                reasons[m.start()] = _R_RESTART_ONLY
-            del left[a[3]]
-        if left:
-            mi = [e[0] for e in left.values()]
-            mn = [e[1] for e in left.values()]
-            mk = [e[2] for e in left.values()]
-            ((n_saved, n_restarts),) = await fetch(conn, _PLAN_MANIFEST, {**p, "mi": mi, "mr": list(left), "mn": mn, "mk": mk})
-            if n_saved != sum(mk) or n_restarts != len(mk) - sum(mk):
-                return None
-            # Those rows are sealed (reused) or never sent (dispatch): their codes stand.
+    entries = _manifest_entries(manifest)
+    if entries and not await _apply_manifest(conn, p, rows, codes, reasons, entries, mapped):
+        return None
     if include_reused:
         picked = [(*r[:8], tuple(r[8])) for r in rows]
     else:
@@ -226,3 +187,68 @@ async def plan_in_sql(
     return SqlPlan(picked, bytes(codes), bytes(reasons), int(live_rows) - len(rows), list(bumped), list(skipped))
 
 
+async def _plan_settings(conn: AsyncConnection) -> None:
+    # One snapshot for the passes below: a cut that retention removes meanwhile is then either
+    # read whole or not at all.
+    await conn.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+    # A fresh cut has no statistics: the planner takes a million rows for one. Every join here
+    # is a bulk join of the cut with its groups, for which a hash join on the groups is right.
+    for knob in ("enable_nestloop", "enable_mergejoin"):
+        await conn.execute(text(f"SET LOCAL {knob} = off"))
+    await conn.execute(text("SET LOCAL work_mem = '128MB'"))
+
+
+def _manifest_entries(manifest: Any | None) -> dict[str, tuple[str, int, bool]]:
+    """``{rollout id: (instance, Gym attempt, saved)}`` of every manifest entry."""
+    entries: dict[str, tuple[str, int, bool]] = {}
+    if manifest is not None:
+        for iid, inst in manifest.instances.items():
+            for is_saved, listed in ((True, inst.episodes), (False, inst.restarts)):
+                for rid, n in listed:
+                    entries[rid] = (iid, n, is_saved)
+    return entries
+
+
+async def _apply_manifest(
+    conn: AsyncConnection,
+    p: dict[str, Any],
+    rows: list[Any],
+    codes: bytearray,
+    reasons: bytearray,
+    entries: dict[str, tuple[str, int, bool]],
+    mapped: frozenset[str] | None,
+) -> bool:
+    """Continue or restart from Gym the rows the manifest lists (``codes`` and ``reasons`` in
+    place); False when the manifest disagrees with the cut.
+
+    Manifest entries name live turn-level rows that are running in Gym (saved) or ended there
+    (restarts): most of them are rows planned ``restarted`` here, checked on the spot and then
+    continued or restarted from Gym. The others (a restart of a row sealed since, or of a row
+    never sent; or a wrong entry) are checked by the ledger."""
+    left = dict(entries)
+    for m in re.finditer(b"\\x03", codes):
+        a = rows[m.start()]
+        e = left.get(a[3])
+        if e is None or e[0] != a[4] or e[1] != a[5]:
+            continue
+        if e[2]:
+            if not may_run_in_gym(a[7], a[5]):
+                return False
+            if mapped is None or e[0] in mapped:
+                codes[m.start()] = _CONTINUED
+                reasons[m.start()] = _R_EXPORTED
+            else:
+                reasons[m.start()] = _R_NOT_MAPPED
+        else:
+            codes[m.start()] = _GYM_RESTARTED
+            reasons[m.start()] = _R_RESTART_ONLY
+        del left[a[3]]
+    if left:
+        mi = [e[0] for e in left.values()]
+        mn = [e[1] for e in left.values()]
+        mk = [e[2] for e in left.values()]
+        ((n_saved, n_restarts),) = await fetch(conn, _PLAN_MANIFEST, {**p, "mi": mi, "mr": list(left), "mn": mn, "mk": mk})
+        if n_saved != sum(mk) or n_restarts != len(mk) - sum(mk):
+            return False
+        # Those rows are sealed (reused) or never sent (dispatch): their codes stand.
+    return True

@@ -1,4 +1,4 @@
-"""Reading snapshots to restore from and their ledger cut (recovery-ledger.md section 6)."""
+"""Reading snapshots to restore from and their ledger cut (docs/ledger.md#restore)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ...ledger.models import Snapshot
 
 
 @dataclass(frozen=True)
-class SnapshotRow:
+class RestorableSnapshot:
     snapshot_id: str
     anchor_step: int
     outcome: str | None
@@ -33,19 +33,19 @@ class SnapshotRow:
 
 
 _SN = Snapshot.__table__
-_SNAP_COLS = tuple(_SN.c[f] for f in SnapshotRow.__dataclass_fields__)
+_SNAP_COLS = tuple(_SN.c[f] for f in RestorableSnapshot.__dataclass_fields__)
 
 
-def _snap(r: Any) -> SnapshotRow:
-    return SnapshotRow(**dict(r._mapping))
+def _snap(r: Any) -> RestorableSnapshot:
+    return RestorableSnapshot(**dict(r._mapping))
 
 
-async def get_snapshot(conn: AsyncConnection, run_id: str, snapshot_id: str) -> SnapshotRow | None:
+async def get_snapshot(conn: AsyncConnection, run_id: str, snapshot_id: str) -> RestorableSnapshot | None:
     r = (await conn.execute(select(*_SNAP_COLS).where(_SN.c.run_id == run_id, _SN.c.snapshot_id == snapshot_id))).first()
     return _snap(r) if r is not None else None
 
 
-async def newest_published(conn: AsyncConnection, run_id: str, max_step: int | None) -> SnapshotRow | None:
+async def newest_published(conn: AsyncConnection, run_id: str, max_step: int | None) -> RestorableSnapshot | None:
     """The newest published snapshot whose anchor step is at most ``max_step`` (any if None)."""
     q = select(*_SNAP_COLS).where(_SN.c.run_id == run_id, _SN.c.outcome == "published")
     if max_step is not None:

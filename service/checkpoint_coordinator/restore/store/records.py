@@ -1,5 +1,5 @@
 """Restore records (what makes ``POST /restores`` idempotent) and the rows a restore answers,
-stored in chunks with the rewind (recovery-ledger.md section 6)."""
+stored in chunks with the rewind (docs/ledger.md#restore-records)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from sqlalchemy import Text, cast, delete, func, insert, literal, select, update
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ...domain.vocabulary import RestoreRecordState
 from ...errors import Conflict
 from ...ledger.db import driver_connection, dump_json, fetch
 from ...ledger.models import (
@@ -84,7 +85,7 @@ async def claim_restore(
         snap = (await conn.execute(select(sn.c.snapshot_id).where(sn.c.run_id == run_id, sn.c.outcome.is_(None)))).scalar()
         if snap is not None:
             raise SnapshotBusy(f"snapshot {snap} of this run is in progress; restore once it has ended", snapshot_id=snap)
-        running = (_RS.c.run_id == run_id) & (_RS.c.state == "running")
+        running = (_RS.c.run_id == run_id) & (_RS.c.state == RestoreRecordState.running)
         await conn.execute(
             update(_RS)
             .where(running, _RS.c.created_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, stale_after_s))
@@ -95,7 +96,7 @@ async def claim_restore(
             raise RestoreBusy(f"restore {busy} of this run is still running", restore_id=busy)
         await conn.execute(
             insert(_RS).values(
-                run_id=run_id, restore_id=restore_id, snapshot_id=snapshot_id, state="running", with_gym_state=with_gym_state,
+                run_id=run_id, restore_id=restore_id, snapshot_id=snapshot_id, state=RestoreRecordState.running, with_gym_state=with_gym_state,
                 result=_jsonb({"request": request}),
             )
         )
@@ -105,7 +106,7 @@ async def claim_restore(
 async def release_claim(engine: AsyncEngine, run_id: str, restore_id: str) -> None:
     """Forget a claim whose restore was refused before Gym was touched (the id may be retried)."""
     async with engine.begin() as conn:
-        await conn.execute(delete(_RS).where(_this(run_id, restore_id), _RS.c.state == "running"))
+        await conn.execute(delete(_RS).where(_this(run_id, restore_id), _RS.c.state == RestoreRecordState.running))
 
 
 async def end_restore(
@@ -120,7 +121,7 @@ async def end_restore(
 ) -> None:
     q = update(_RS).where(_this(run_id, restore_id))
     if only_running:
-        q = q.where(_RS.c.state == "running")
+        q = q.where(_RS.c.state == RestoreRecordState.running)
     values: dict[str, Any] = {"state": state, "result": _jsonb(result), "ended_at": func.coalesce(_RS.c.ended_at, func.now())}
     if gym_restore_id is not None:
         values["gym_restore_id"] = gym_restore_id
@@ -135,7 +136,7 @@ async def update_restore_result(engine: AsyncEngine, run_id: str, restore_id: st
 
 async def mark_applied(conn: AsyncConnection, run_id: str, restore_id: str, result: dict[str, Any]) -> None:
     """The restore's ledger change committed with this answer (in the rewind's transaction)."""
-    await conn.execute(update(_RS).where(_this(run_id, restore_id)).values(state="applied", result=_jsonb(result), ended_at=func.now()))
+    await conn.execute(update(_RS).where(_this(run_id, restore_id)).values(state=RestoreRecordState.applied, result=_jsonb(result), ended_at=func.now()))
 
 
 @dataclass

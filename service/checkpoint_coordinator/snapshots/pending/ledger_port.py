@@ -61,7 +61,7 @@ class LedgerStore:
 
     # --- the snapshot's writes (fenced by its owner's lease) -------------------------------------
 
-    async def close_gate(self, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str) -> repo.GateClosed:
+    async def close_gate(self, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str) -> repo.GateClosure:
         return await repo.close_gate(self.engine, run_id, snapshot_id, fence, prepare_as=prepare_as)
 
     async def move(self, run_id: str, snapshot_id: str, fence: Fence, expected: SnapshotPhase, to: SnapshotPhase, **fields: Any) -> None:

@@ -34,9 +34,11 @@ from ...domain.snapshot_state import (
     check_snapshot_transition,
     reason_for_gym_failure,
 )
+from ...domain.vocabulary import GymOperation
 from ...gym.errors import GymControlError
 from ...gym.models import Episode
 from ...gym.results import CommitResult, InstanceCommit
+from ...gym.races import unless_set
 from ...gym.save import GymSave
 from ...gym.timings import SlowestCalls, recording
 from ...ledger.leases import Fence, Fenced
@@ -376,17 +378,8 @@ class PendingSnapshot(Steps, SideWork, Finishing):
             if asyncio.iscoroutine(aw):
                 aw.close()
             raise
-        task = asyncio.ensure_future(aw)
-        stop = asyncio.ensure_future(self._interrupt.wait())
-        try:
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Cancelled itself (a shutdown), or interrupted: the step goes with it.
-            stop.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        # Cancelled itself (a shutdown), or interrupted: the step goes with it.
+        task = await unless_set(aw, self._interrupt)
         self._raise_interrupt()
         return task.result()
 
@@ -423,11 +416,11 @@ class PendingSnapshot(Steps, SideWork, Finishing):
         if save is not None:
             st = save.timings
             for out, names in (
-                (SnapshotTiming.prepare, ("prepare",)),
-                (SnapshotTiming.commit, ("commit",)),
+                (SnapshotTiming.prepare, (GymOperation.prepare,)),
+                (SnapshotTiming.commit, (GymOperation.commit,)),
                 (SnapshotTiming.drain, ("drain", "manifest")),
                 (SnapshotTiming.data_plane, ("capture",)),
-                (SnapshotTiming.resume, ("resume",)),
+                (SnapshotTiming.resume, (GymOperation.resume,)),
             ):
                 if any(n in st for n in names):
                     t[out] = sum(st.get(n, 0.0) for n in names)

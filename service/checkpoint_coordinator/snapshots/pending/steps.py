@@ -104,7 +104,7 @@ class Steps(_Base):
         return Move(P.retire) if self._owed else self._to_prepare()
 
     async def _retire(self) -> Move:
-        await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.epoch, ignore_schedule=True))
+        await self._step(self.ctx.outbox.deliver_run(self.run_id, self.fence.lease_epoch, ignore_schedule=True))
         return self._to_prepare()
 
     async def _prepare(self) -> Move:

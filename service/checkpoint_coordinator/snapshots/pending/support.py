@@ -164,7 +164,7 @@ class Opened:
     topology: Topology
     deadline_left_s: float | None
     deadline_read_at: float  # when ``deadline_left_s`` was read (the context's clock)
-    gate: repo.GateClosed
+    gate: repo.GateClosure
     checkpoint_id: str
     requested_at: float
 

@@ -32,7 +32,7 @@ from .ending import Streaks, end
 from .gym_entries import GymEntry, new_keys, store_gym_entry
 from .handshakes import captured, request_abort
 from .phases import (
-    GateClosed,
+    GateClosure,
     close_gate,
     close_gate_in,
     create_in,
@@ -75,7 +75,7 @@ __all__ = [
     "move_in",
     "move",
     "take_over",
-    "GateClosed",
+    "GateClosure",
     "close_gate",
     "close_gate_in",
     "publish_phase",

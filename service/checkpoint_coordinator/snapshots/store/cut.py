@@ -54,88 +54,112 @@ async def take_cut(engine: AsyncEngine, run_id: str, snapshot_id: str, *, full_k
     that asked for the delta; a repeat carries it anyway)."""
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
-        # The row and all the barrier reads besides it, in one statement (after the run's lock:
-        # its xmin sees every report that committed before the cut).
-        # The groups recorded as changed are taken in the same statement (a barrier that does not
-        # go on rolls their deletion back; a repeat's is harmless: the cut is taken).
-        base = await _read_row(
-            conn, run_id, snapshot_id,
-            f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
-            "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
-            "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
-            f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded, "
-            "CAST(counts ->> 'cut_pre_cut_keys' AS bigint) AS pre_cut_keys, (gym_manifest IS NOT NULL OR EXISTS (SELECT 1 FROM snapshot_gym_entries ge "
-            "WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NULL)) AS unfound_keys",
-            " FOR UPDATE OF snapshots",
-            with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
-        )
+        base = await _barrier_reads(conn, run_id, snapshot_id)
         snap = SnapshotRow(**{k: v for k, v in base.items() if k not in _BARRIER_READS})
         if snap.cut_at is not None and snap.outcome is None:
             return await get(conn, run_id, snapshot_id, columns=_COLS_WITH_KEYS)
-        if snap.outcome is not None or snap.phase != P.data_plane:
-            raise SnapshotNotAwaiting(
-                f"snapshot {snapshot_id!r} is in phase {snap.phase}" + (f" ({snap.outcome}: {snap.reason})" if snap.outcome else "") + "; not awaiting the barrier",
-                phase=snap.phase, outcome=snap.outcome, reason=snap.reason,
-            )
-        if snap.abort_requested is not None:
-            raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} is being aborted ({snap.abort_requested})", phase=snap.phase, reason=snap.abort_requested)
-        newest = base["newest_step"]
-        if newest is not None and newest > snap.anchor_step and not snap.stop:
-            # Train step wins: it was announced before this cut (not over a stopping snapshot:
-            # the trainer is stopping). The announce itself asked the owner to abort.
-            raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
+        _require_awaiting_barrier(snap, snapshot_id, base["newest_step"])
         p = {"r": run_id, "s": snapshot_id}
         notice = _notice(run_id, snapshot_id)  # rides on the cut's update
-        extra: dict[str, Any] = {}
-        changed: list[str] | None = None
-        recorded = list(base["recorded"])
-        if base["cut_base_xid"] is not None and base["pre_cut_groups"] > 0 and base["pre_cut_siblings"] is not None:
-            changed = recorded
-            if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
-                changed = None  # deleting and re-copying most groups costs more than one whole copy
-        if changed is not None and (changed or base["unfound_keys"]) and not await sk.key_rows_in(conn, run_id, snapshot_id, base["pre_cut_keys"]):
-            # Their keys are counted against the pre-cut's key rows, which never came in.
-            changed = None
+        changed = await _groups_to_copy_again(conn, run_id, snapshot_id, base)
         if changed is not None:
-            old_keys: list[str] = []
-            new_keys: list[str] = []
-            groups, siblings = base["pre_cut_groups"], base["pre_cut_siblings"]
-            if changed:
-                for keys, n in await conn.execute(
-                    text(
-                        "DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[])) "
-                        "RETURNING staging_keys, cardinality(siblings)"
-                    ),
-                    {**p, "g": changed},
-                ):
-                    old_keys.extend(keys or ())
-                    groups, siblings = groups - 1, siblings - (n or 0)
-                if len(changed) > _DELTA_HASH_FROM:
-                    await _cut_settings(conn)
-                for keys, n in await conn.execute(text(_cut_insert(only_named_groups=True) + " RETURNING staging_keys, cardinality(siblings)"), {**p, "g": changed}):
-                    new_keys.extend(keys or ())
-                    groups, siblings = groups + 1, siblings + (n or 0)
-            extra = {"cut_pre_cut_groups": base["pre_cut_groups"], "cut_recopied_groups": len(changed)}
-            r = (
-                await conn.execute(
-                    text(_DELTA_CUT_SQL),
-                    {**p, **notice, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"], "g": groups, "n": siblings},
-                )
-            ).one()
+            r = await _delta_cut(conn, p, notice, base, changed)
         else:
-            # No pre-cut, or one that most groups changed since: copy everything. A pre-cut's key
-            # rows stay until the end: a whole-run cut's keys are read from its rows.
-            await delete_cut_rows(conn, run_id, [snapshot_id])
-            if base["pre_cut_groups"]:
-                extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
-            await _cut_settings(conn)
-            # No key rows: its keys are read from its cut rows (``staging_keys.KEYS``).
-            await conn.execute(text(_cut_insert(only_named_groups=False)), p)
-            r = (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
+            r = await _whole_cut(conn, p, notice, base)
         row = _notified_row(r)
         if full_keys:
             row.cut_staging_keys = list((await conn.execute(text(f"SELECT {sk.KEYS} FROM snapshots WHERE run_id = :r AND snapshot_id = :s"), p)).scalar())
         return row
+
+
+async def _barrier_reads(conn: AsyncConnection, run_id: str, snapshot_id: str) -> dict[str, Any]:
+    """The row and all the barrier reads besides it, in one statement (after the run's lock: its
+    xmin sees every report that committed before the cut). The groups recorded as changed are
+    taken in the same statement (a barrier that does not go on rolls their deletion back; a
+    repeat's is harmless: the cut is taken)."""
+    return await _read_row(
+        conn, run_id, snapshot_id,
+        f"{_COLS_NONE}, cut_base_xid, {CURRENT_XMIN_SQL} AS cut_xmin, {SYSTEM_ID_SQL} AS cut_system_id, "
+        "COALESCE(CAST(counts ->> 'cut_pre_cut_groups' AS bigint), 0) AS pre_cut_groups, "
+        "CAST(counts ->> 'cut_pre_cut_siblings' AS bigint) AS pre_cut_siblings, "
+        f"({_NEWEST_STEP_SQL}) AS newest_step, (SELECT COALESCE(array_agg(d.group_id), '{{}}') FROM d) AS recorded, "
+        "CAST(counts ->> 'cut_pre_cut_keys' AS bigint) AS pre_cut_keys, (gym_manifest IS NOT NULL OR EXISTS (SELECT 1 FROM snapshot_gym_entries ge "
+        "WHERE ge.run_id = :r AND ge.snapshot_id = :s AND ge.new_keys IS NULL)) AS unfound_keys",
+        " FOR UPDATE OF snapshots",
+        with_="WITH d AS (DELETE FROM snapshot_changed_groups WHERE run_id = :r RETURNING group_id) ",
+    )
+
+
+def _require_awaiting_barrier(snap: SnapshotRow, snapshot_id: str, newest: int | None) -> None:
+    """Refuse a cut of a snapshot that is not waiting for the barrier (or is being aborted)."""
+    if snap.outcome is not None or snap.phase != P.data_plane:
+        raise SnapshotNotAwaiting(
+            f"snapshot {snapshot_id!r} is in phase {snap.phase}" + (f" ({snap.outcome}: {snap.reason})" if snap.outcome else "") + "; not awaiting the barrier",
+            phase=snap.phase, outcome=snap.outcome, reason=snap.reason,
+        )
+    if snap.abort_requested is not None:
+        raise SnapshotNotAwaiting(f"snapshot {snapshot_id!r} is being aborted ({snap.abort_requested})", phase=snap.phase, reason=snap.abort_requested)
+    if newest is not None and newest > snap.anchor_step and not snap.stop:
+        # Train step wins: it was announced before this cut (not over a stopping snapshot:
+        # the trainer is stopping). The announce itself asked the owner to abort.
+        raise SnapshotNotAwaiting(f"train step {newest} committed after anchor {snap.anchor_step}; snapshot aborted", phase=snap.phase, reason="train_step_committed")
+
+
+async def _groups_to_copy_again(conn: AsyncConnection, run_id: str, snapshot_id: str, base: dict[str, Any]) -> list[str] | None:
+    """The groups written since the pre-cut, or None when the whole run is copied."""
+    changed: list[str] | None = None
+    recorded = list(base["recorded"])
+    if base["cut_base_xid"] is not None and base["pre_cut_groups"] > 0 and base["pre_cut_siblings"] is not None:
+        changed = recorded
+        if len(changed) * _DELTA_MAX_SHARE > base["pre_cut_groups"]:
+            changed = None  # deleting and re-copying most groups costs more than one whole copy
+    if changed is not None and (changed or base["unfound_keys"]) and not await sk.key_rows_in(conn, run_id, snapshot_id, base["pre_cut_keys"]):
+        # Their keys are counted against the pre-cut's key rows, which never came in.
+        changed = None
+    return changed
+
+
+async def _delta_cut(conn: AsyncConnection, p: dict[str, Any], notice: dict[str, Any], base: dict[str, Any], changed: list[str]) -> Any:
+    """The barrier after a pre-cut: the changed groups copied again, their keys counted in."""
+    old_keys: list[str] = []
+    new_keys: list[str] = []
+    groups, siblings = base["pre_cut_groups"], base["pre_cut_siblings"]
+    if changed:
+        for keys, n in await conn.execute(
+            text(
+                "DELETE FROM snapshot_cut_groups WHERE run_id = :r AND snapshot_id = :s AND group_id = ANY(CAST(:g AS text[])) "
+                "RETURNING staging_keys, cardinality(siblings)"
+            ),
+            {**p, "g": changed},
+        ):
+            old_keys.extend(keys or ())
+            groups, siblings = groups - 1, siblings - (n or 0)
+        if len(changed) > _DELTA_HASH_FROM:
+            await _cut_settings(conn)
+        for keys, n in await conn.execute(text(_cut_insert(only_named_groups=True) + " RETURNING staging_keys, cardinality(siblings)"), {**p, "g": changed}):
+            new_keys.extend(keys or ())
+            groups, siblings = groups + 1, siblings + (n or 0)
+    extra = {"cut_pre_cut_groups": base["pre_cut_groups"], "cut_recopied_groups": len(changed)}
+    return (
+        await conn.execute(
+            text(_DELTA_CUT_SQL),
+            {**p, **notice, "old": old_keys, "new": new_keys, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"], "g": groups, "n": siblings},
+        )
+    ).one()
+
+
+async def _whole_cut(conn: AsyncConnection, p: dict[str, Any], notice: dict[str, Any], base: dict[str, Any]) -> Any:
+    """No pre-cut, or one that most groups changed since: copy everything. A pre-cut's key rows
+    stay until the end: a whole-run cut's keys are read from its rows."""
+    extra: dict[str, Any] = {}
+    await delete_cut_rows(conn, p["r"], [p["s"]])
+    if base["pre_cut_groups"]:
+        extra = {"cut_pre_cut_groups": base["pre_cut_groups"]}
+    await _cut_settings(conn)
+    # No key rows: its keys are read from its cut rows (``staging_keys.KEYS``).
+    await conn.execute(text(_cut_insert(only_named_groups=False)), p)
+    return (await conn.execute(text(_FINISH_CUT_SQL), {**p, **notice, "extra": _j(extra), "cx": base["cut_xmin"], "cs": base["cut_system_id"]})).one()
+
 
 async def cut_keys(engine: AsyncEngine, run_id: str, snapshot_id: str, *, pre_cut_keys: str | None = None) -> tuple[str, str]:
     """The keys the trainer may fetch ahead of the barrier, as a JSON array (text, sorted by code
@@ -183,9 +207,9 @@ _LIVE = f"('{GroupStatus.generating}', '{GroupStatus.ready}')"
 # current attempt) aggregated into one array, and the staging keys of its sealed and returned
 # siblings into another (the barrier's answer is their union with the Gym manifest's keys).
 # The siblings are aggregated per group before the group's own columns join them, so that the
-# join and the aggregate carry one narrow row per sibling, not the group's columns with each
-# (bench/README.md). The inner join with the live groups keeps the aggregate to them: a run's
-# finalized groups stay in the ledger as history.
+# join and the aggregate carry one narrow row per sibling, not the group's columns with each.
+# The inner join with the live groups keeps the aggregate to them: a run's finalized groups stay
+# in the ledger as history.
 def _cut_insert(*, only_named_groups: bool) -> str:
     named_g = " AND g.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
     named_a = " AND a.group_id = ANY(CAST(:g AS text[]))" if only_named_groups else ""
@@ -203,7 +227,7 @@ def _cut_insert(*, only_named_groups: bool) -> str:
 # Hash joins and a hash aggregate for a whole-run copy, with room for them (the aggregate holds the
 # whole cut). With statistics the planner otherwise sorts every joined row by group id (a
 # linguistic sort) for a merge join and a group aggregate, or plans a nested loop of one index
-# probe per sibling; both were slower (bench/README.md, snapshot_overhead). Transaction-local
+# probe per sibling; both were slower. Transaction-local
 # settings as a select list, so that they ride on a statement the caller sends anyway.
 _CUT_SETTINGS = "set_config('enable_nestloop', 'off', true), set_config('enable_sort', 'off', true), set_config('work_mem', '128MB', true)"
 

@@ -8,6 +8,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ...domain.vocabulary import RunState
 from ...errors import Conflict
 from ...ledger.db import one_statement
 from ...ledger.notify import _notice, _notify
@@ -49,7 +50,7 @@ async def request_abort(engine: AsyncEngine, run_id: str, snapshot_id: str, reas
 # every writer of the run does); it matches nothing in every other case, which the transaction
 # of ``captured`` then answers.
 _CAPTURED_SQL = (
-    "WITH run AS (SELECT 1 FROM runs WHERE run_id = :r AND state = 'open' FOR SHARE), "
+    f"WITH run AS (SELECT 1 FROM runs WHERE run_id = :r AND state = '{RunState.open}' FOR SHARE), "
     "u AS (UPDATE snapshots SET data_plane_ref = CAST(:ref AS jsonb) WHERE run_id = :r AND snapshot_id = :s "
     f"AND data_plane_ref IS NULL AND outcome IS NULL AND cut_at IS NOT NULL AND EXISTS (SELECT 1 FROM run) RETURNING {_COLS}) "
     "SELECT u.*, pg_notify(:ch, :np) AS notified FROM u"

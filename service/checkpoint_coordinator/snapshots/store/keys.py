@@ -71,8 +71,7 @@ def not_pre_cut_keys(keys: str) -> str:
     none of the snapshot's key rows hold, in byte order's collation. One index probe per key,
     written as a scalar subquery so that the planner cannot make it a merge or hash join over
     every key row: those rows were inserted moments ago (after the pre-cut), their statistics do
-    not show them, and such a plan read all of them (80 ms against ~12 for 2 000 probes in the
-    benchmark)."""
+    not show them, and such a plan read all of them, far slower than the probes."""
     return (
         f"SELECT m.k FROM (SELECT DISTINCT x.k COLLATE \"C\" AS k FROM ({keys}) x) m WHERE "
         "(SELECT true FROM snapshot_cut_keys ck WHERE ck.run_id = :r AND ck.snapshot_id = :s AND ck.key = m.k LIMIT 1) IS NULL"
@@ -96,7 +95,7 @@ MANIFEST_NEW_KEYS = (
 )
 # The pre-cut's key rows: every key of its groups, with how many of them name it. Counted by
 # hashing, inserted in the key index's order (byte order), so that the insert appends to the
-# index's rightmost pages instead of touching random ones (bench/README.md has the figures).
+# index's rightmost pages instead of touching random ones.
 # Written only while the snapshot is pending and its cut, if taken, was taken on the pre-cut
 # (a whole-run cut reads its keys from its rows, ``KEYS``).
 INSERT_KEYS_SQL = (
@@ -114,7 +113,7 @@ PRE_CUT_KEYS_SQL = f"SELECT count(*) AS n, CAST(COALESCE(json_agg(y.k ORDER BY y
 # The lock the writer of a pre-cut's key rows holds from before the pre-cut commits until its
 # own transaction ends; a barrier that counts keys against those rows waits for it (shared).
 KEY_ROWS_LOCK = "hashtextextended('ckptc pre-cut key rows ' || :r || '/' || :s, 0)"
-# How long a barrier waits for them (they normally come within a second of the pre-cut); past it
+# How long a barrier waits for them (they normally come soon after the pre-cut); past it
 # the barrier copies the whole run, which needs none. No writer ever waits on their row locks:
 # a barrier changes them only once their writer has ended, and deletes leave unseen rows alone.
 KEY_ROWS_WAIT_S = 10.0

@@ -16,6 +16,7 @@ from ...domain.snapshot_state import (
     UNFLUSHED_MOVES,
     SnapshotPhase,
 )
+from ...domain.vocabulary import RestoreRecordState
 from ...errors import Conflict, RunStopped
 from ...ledger.db import one_statement
 from ...ledger.leases import Fence, Fenced, fence_sql
@@ -49,7 +50,7 @@ async def create_in(
             f"anchor step {anchor_step} is older than the newest announced train step {newest}",
             code="snapshot_anchor_stale", newest_train_step=newest,
         )
-    restoring = (await conn.execute(text("SELECT restore_id FROM restores WHERE run_id = :r AND state = 'running'"), {"r": run_id})).scalar()
+    restoring = (await conn.execute(text(f"SELECT restore_id FROM restores WHERE run_id = :r AND state = '{RestoreRecordState.running}'"), {"r": run_id})).scalar()
     if restoring is not None:
         # A snapshot taken while the ledger is being rewound would cut a half-restored run.
         raise Conflict(f"restore {restoring!r} of this run is in progress", code="restore_in_progress", restore_id=restoring)
@@ -160,14 +161,14 @@ async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: F
         raise Fenced(run_id, f"snapshot {snapshot_id}: taking it over in phase {expected}", fence)
 
 @dataclass(frozen=True)
-class GateClosed:
+class GateClosure:
     """What :func:`close_gate` did: the run's pending outbox pairs (instance, op), read after the
     close, and whether the snapshot went on to ``prepare`` in the same transaction."""
 
     owed: set[tuple[str, str]]
     prepared: bool
 
-async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosed:
+async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosure:
     """Phase ``gate``, persisted together with the gate itself, in one statement: the gate's
     update of the run row waits for in-flight dispatch transactions (they hold it FOR SHARE), so
     none lands after the close. The run's pending outbox pairs are read after the close: with
@@ -177,7 +178,7 @@ async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: 
     async with engine.begin() as conn:
         return await close_gate_in(conn, run_id, snapshot_id, fence, prepare_as=prepare_as)
 
-async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosed:
+async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosure:
     """:func:`close_gate` in the caller's transaction (the request that creates the snapshot on
     its owner's replica closes the gate in the same one)."""
     params = {"r": run_id, "s": snapshot_id, "to": P.gate.value, "expected": P.requested.value, **fence.params(),
@@ -205,7 +206,7 @@ async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fe
                 {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
             )
         ).first() is not None
-    return GateClosed(owed, prepared)
+    return GateClosure(owed, prepared)
 
 _CLOSE_GATE_SQL = (
     f"WITH g AS ({CLOSE_GATE_SQL}), "

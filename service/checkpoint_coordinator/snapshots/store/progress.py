@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from ...domain.levels import RestoreLevel
 from ...domain.snapshot_state import (
     AttemptStatus,
     GroupStatus,
@@ -20,13 +21,13 @@ from .rows import awaiting
 _CANDIDATES_SQL = (
     "SELECT a.gym_instance_id, a.rollout_id, a.gym_attempt FROM attempts a JOIN prompt_groups g "
     "ON g.run_id = a.run_id AND g.group_id = a.group_id "
-    f"WHERE a.run_id = %(r)s AND a.is_current AND g.restore_level = 'turn' AND g.status = '{GroupStatus.generating}' "
+    f"WHERE a.run_id = %(r)s AND a.is_current AND g.restore_level = '{RestoreLevel.turn}' AND g.status = '{GroupStatus.generating}' "
     "AND a.gym_instance_id IS NOT NULL "
     f"AND (a.status = '{AttemptStatus.dispatched}' OR (a.status = '{AttemptStatus.reserved}' AND (a.gym_owned OR a.gym_attempt > 0)))"
 )
 
 async def candidates(engine: AsyncEngine, run_id: str) -> dict[str, list[tuple[str, int]]]:
-    """Per instance, the live turn-level attempts Gym may hold state for (section 5 step 5).
+    """Per instance, the live turn-level attempts Gym may hold state for (docs/gym-protocol.md#commit-scopes).
     Tens of thousands of rows while Gym may wait for them: plain driver tuples, no row objects."""
     out: dict[str, list[tuple[str, int]]] = {}
     for iid, rollout_id, attempt in await read_rows(engine, _CANDIDATES_SQL, {"r": run_id}):
