@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 from checkpoint_coordinator.domain.snapshot_state import SnapshotPhase
-from checkpoint_coordinator.gym.clock import SystemClock
 from checkpoint_coordinator.ledger import leases
 from checkpoint_coordinator.ledger.db import make_async_engine
 from checkpoint_coordinator.ledger.runs import lock_run
 from checkpoint_coordinator.outbox import store as outbox
 from checkpoint_coordinator.snapshots import service as snapshot_service
 from checkpoint_coordinator.snapshots import store as repo
+from checkpoint_coordinator.snapshots.pending import MonotonicClock
 from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 
@@ -96,7 +96,7 @@ async def test_a_snapshot_request_waits_for_an_outbox_acknowledgement_before_the
     run row, holding nothing, and the forget's foreign key finds the run row already locked."""
     fence = await _fence(engine)
     items = await _claimed_retire(engine, fence)
-    runner = SimpleNamespace(owner=OWNER, start=lambda *args, **kwargs: None, ctx=SimpleNamespace(clock=SystemClock()))
+    runner = SimpleNamespace(owner=OWNER, start=lambda *args, **kwargs: None, ctx=SimpleNamespace(clock=MonotonicClock()))
     async with outbox.acknowledging(engine, RUN) as ack:
         await outbox.mark_delivered(ack, RUN, items, fence)
         request = asyncio.ensure_future(snapshot_service.request_snapshot(engine, runner, RUN, "s1", 0, lease_ttl_s=600))

@@ -124,13 +124,19 @@ async def test_the_trainer_s_abort_in_data_plane_resumes_gym_and_aborts() -> Non
     assert "resume_before_cut" in gym.calls and not gym.saves[0].parked
 
 
-async def test_a_train_step_abort_while_gym_commits_stops_the_commit() -> None:
-    clock, ledger = VirtualClock(), FakeLedger()
-    gym = FakeGym(hang={"commit"})
+async def _hung_in(step: str, ledger: FakeLedger) -> tuple[VirtualClock, FakeGym, PendingSnapshot, asyncio.Future[None]]:
+    """A snapshot driven until Gym hangs in ``step``."""
+    clock, gym = VirtualClock(), FakeGym(hang={step})
     snap = make(ledger, gym, clock)
     task = asyncio.ensure_future(_run(snap, clock, ledger=ledger))
-    while "commit" not in gym.calls:
+    while step not in gym.calls:
         await asyncio.sleep(0)
+    return clock, gym, snap, task
+
+
+async def test_a_train_step_abort_while_gym_commits_stops_the_commit() -> None:
+    ledger = FakeLedger()
+    _, gym, snap, task = await _hung_in("commit", ledger)
     snap.abort("train_step_committed")
     await task
     assert (ledger.outcome, ledger.reason) == ("aborted", "train_step_committed")
@@ -149,12 +155,8 @@ async def test_the_deadline_aborts_a_snapshot_stuck_in_prepare() -> None:
 
 
 async def test_a_lost_lease_stops_at_once_without_writing_or_calling_gym() -> None:
-    clock, ledger = VirtualClock(), FakeLedger()
-    gym = FakeGym(hang={"prepare"})
-    snap = make(ledger, gym, clock)
-    task = asyncio.ensure_future(_run(snap, clock, ledger=ledger))
-    while "prepare" not in gym.calls:
-        await asyncio.sleep(0)
+    ledger = FakeLedger()
+    _, gym, snap, task = await _hung_in("prepare", ledger)
     writes = list(ledger.writes)
     snap.lease_lost(Fenced(RUN, "test", snap.fence))
     await task

@@ -13,8 +13,8 @@ import logging
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..ledger.db import client_options
-from .store import NOTIFY_CHANNEL, parse_notify_payload
 from .runner import SnapshotRunner
+from .store import NOTIFY_CHANNEL, parse_notify_payload
 
 log = logging.getLogger(__name__)
 

@@ -9,14 +9,21 @@ import logging
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.snapshot_state import SnapshotPhase
-from ..gym.clock import Clock, SystemClock
+from ..gym.clock import Clock
 from ..gym_runtime import GymClients
 from ..ledger import leases
 from ..ledger.leases import Fence, Fenced
 from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
 from . import store as repo
-from .pending import Opened, PendingSnapshot, SnapshotContext, end_orphan, take_over
+from .pending import (
+    MonotonicClock,
+    Opened,
+    PendingSnapshot,
+    SnapshotContext,
+    end_orphan,
+    take_over,
+)
 from .watch import SnapshotWatch
 
 log = logging.getLogger(__name__)
@@ -26,7 +33,7 @@ class SnapshotRunner:
     def __init__(
         self, engine: AsyncEngine, gym: GymClients, outbox: OutboxDeliverer, owner: str, *, poll_s: float = 1.0, clock: Clock | None = None
     ) -> None:
-        self.ctx = SnapshotContext(engine, gym, outbox, owner, poll_s, clock or SystemClock())
+        self.ctx = SnapshotContext(engine, gym, outbox, owner, poll_s, clock or MonotonicClock())
         self.engine = engine
         self.gym = gym
         self.owner = owner

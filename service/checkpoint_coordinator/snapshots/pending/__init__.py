@@ -4,9 +4,16 @@
 from .ledger_port import LedgerStore
 from .machine import PendingSnapshot
 from .ownership import Created, create_in_request, end_orphan, take_over
-from .support import SHUTDOWN_GRACE_S, Opened, SnapshotContext, outcome_of, wait_event
+from .support import (
+    SHUTDOWN_GRACE_S,
+    MonotonicClock,
+    Opened,
+    SnapshotContext,
+    outcome_of,
+    wait_event,
+)
 
 __all__ = [
-    "SHUTDOWN_GRACE_S", "Created", "LedgerStore", "Opened", "PendingSnapshot", "SnapshotContext",
+    "SHUTDOWN_GRACE_S", "Created", "LedgerStore", "MonotonicClock", "Opened", "PendingSnapshot", "SnapshotContext",
     "create_in_request", "end_orphan", "outcome_of", "take_over", "wait_event",
 ]

@@ -37,8 +37,8 @@ from ...domain.snapshot_state import (
 from ...domain.vocabulary import GymOperation
 from ...gym.errors import GymControlError
 from ...gym.models import Episode
-from ...gym.results import CommitResult, InstanceCommit
 from ...gym.races import unless_set
+from ...gym.results import CommitResult, InstanceCommit
 from ...gym.save import GymSave
 from ...gym.timings import SlowestCalls, recording
 from ...ledger.leases import Fence, Fenced

@@ -13,7 +13,11 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ...domain.snapshot_state import SnapshotPhase, SnapshotReason, check_snapshot_transition
+from ...domain.snapshot_state import (
+    SnapshotPhase,
+    SnapshotReason,
+    check_snapshot_transition,
+)
 from ...gym.clock import Clock
 from ...gym.context import checkpoint_id_for
 from ...gym_runtime import load_topology

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -34,7 +35,16 @@ DB_RETRY_S = 0.25
 # How long a shutdown waits for a snapshot to end (or, after its cut, to publish).
 SHUTDOWN_GRACE_S = 30.0
 
-_SYSTEM_CLOCK = SystemClock()
+
+
+class MonotonicClock(SystemClock):
+    """The loop's own time: deadlines and timings that a change of the wall clock cannot move."""
+
+    def time(self) -> float:
+        return time.monotonic()
+
+
+_SYSTEM_CLOCK = MonotonicClock()
 
 
 def database_away(error: BaseException) -> str | None:
