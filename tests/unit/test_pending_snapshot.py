@@ -266,3 +266,38 @@ async def test_a_wait_within_the_gym_lease_takes_its_inner_wait_with_it() -> Non
         await race
     assert inner_cancelled.is_set()
     assert not {t for t in asyncio.all_tasks() - before if not t.done()}
+
+
+async def test_a_stalled_manifest_file_does_not_hold_the_snapshot_s_end() -> None:
+    """The Gym manifest file is written in a thread beside the trainer's handshakes; a shared
+    filesystem that stalls must not hold an aborted snapshot's end for long (it is logged)."""
+    clock, ledger = VirtualClock(), FakeLedger()
+    gym = FakeGym()
+    snap = make(ledger, gym, clock)
+    stalled = asyncio.Event()
+
+    async def write_manifest_file_now() -> None:
+        await stalled.wait()
+
+    original = gym.new_save
+
+    def new_save(*a: Any) -> Any:
+        save = original(*a)
+        save.write_manifest_file_now = write_manifest_file_now  # type: ignore[method-assign]
+        return save
+
+    gym.new_save = new_save  # type: ignore[method-assign]
+    original_move = ledger.move
+
+    async def move(*a: Any, **kw: Any) -> None:
+        await original_move(*a, **kw)
+        if ledger.phase is P.data_plane:
+            snap.abort("cancelled")
+
+    ledger.move = move  # type: ignore[method-assign]
+    start = clock.time()
+    await drive(clock, snap.run())
+    assert (ledger.outcome, ledger.reason) == ("aborted", "cancelled")
+    assert clock.time() - start <= 6.0  # the manifest write's grace, not its stall
+    stalled.set()
+    await asyncio.sleep(0)

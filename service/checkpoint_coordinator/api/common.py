@@ -58,8 +58,9 @@ def json_with_raw(content: BaseModel | dict[str, Any], name: str, raw: str) -> R
 
 def as_built(content: Any, status_code: int = 200) -> Response:
     """An answer the stores and services build as plain JSON (a ledger view, a restore's stored
-    answer, an exported document), sent exactly as FastAPI sends a route's value when it runs no
-    response model (``jsonable_encoder``, then ``JSONResponse``). The route's ``response_model``
+    answer, an exported document), encoded with ``jsonable_encoder`` and sent as ``JSONResponse``
+    (these values hold only JSON types and pre-formatted timestamps, so the bytes are those the
+    routes answered before they declared a model). The route's ``response_model``
     documents it and is not run on it: a stored answer of an older release is answered as it
     was stored, and a page of 100 000 rows is not validated once more. tests/api checks these
     answers against their schemas."""

@@ -7,6 +7,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import Field, StrictBool, model_validator
 
+from ..domain.snapshot_state import SnapshotReason
 from ..errors import BadRequest, Unavailable
 from ..observability.http import LONG_POLL_SCOPE_KEY
 from ..snapshots import service as snapshot_service
@@ -32,7 +33,9 @@ from .schemas import (
     StagingKeysDelta,
     TrainStepList,
 )
-from ..domain.snapshot_state import SnapshotReason
+
+#: The reasons a trainer may give for aborting a snapshot (the values, so that a refusal names them).
+AbortReason = Literal[tuple(r.value for r in (SnapshotReason.data_plane_failed, SnapshotReason.cancelled, SnapshotReason.superseded))]  # type: ignore[valid-type]
 
 router = APIRouter(prefix="/v1/runs/{run_id}", tags=["snapshots"], route_class=FastJSONRoute)
 
@@ -75,7 +78,7 @@ class CapturedIn(Strict):
 
 
 class AbortIn(Strict):
-    reason: Literal[SnapshotReason.data_plane_failed, SnapshotReason.cancelled, SnapshotReason.superseded] = Field(
+    reason: AbortReason = Field(
         description="data_plane_failed: the trainer could not save its data plane (outcome failed); cancelled: the trainer "
         "or an operator gives it up (aborted); superseded: a new trainer incarnation takes over from the one that "
         "requested it (aborted)."

@@ -53,7 +53,7 @@ from typing import Callable, Iterator, Mapping, NamedTuple, overload
 
 from .cut import AttemptId, Cut, CutAttempt, CutGroup
 from .errors import FieldIssue, PlanError
-from .gym_manifest import GymManifest, ManifestEpisode
+from .gym_manifest import ManifestEpisode
 from .levels import RestoreLevel
 from .plan_rows import (
     _CODE_BY_DISP,

@@ -27,6 +27,8 @@ __all__ = [
     "RestoreRecordState",
     "ParticipantKind",
     "GymOperation",
+    "RETIRE_CHECKPOINT_ID",
+    "FORGET_CHECKPOINT_ID",
     "REASON_DISPOSITIONS",
     "sql_list",
 ]
@@ -202,6 +204,12 @@ class GymOperation(StrEnum):
     restore = "restore"
     retire = "retire"
     forget = "forget"
+
+
+#: The checkpoint id a retire or forget names when it belongs to no checkpoint: the operation's
+#: own name (docs/gym-protocol.md#retire).
+RETIRE_CHECKPOINT_ID: str = GymOperation.retire.value
+FORGET_CHECKPOINT_ID: str = GymOperation.forget.value
 
 
 class SchemaState(StrEnum):

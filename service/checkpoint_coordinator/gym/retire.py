@@ -7,10 +7,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from ..domain.vocabulary import GymOperation
+from ..domain.vocabulary import FORGET_CHECKPOINT_ID, RETIRE_CHECKPOINT_ID, GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
-from .errors import INSTANCE_WIDE, FailureClass, GymControlError, ServerFailure, parts_summary, sample, server_failure
+from .errors import (
+    INSTANCE_WIDE,
+    FailureClass,
+    GymControlError,
+    ServerFailure,
+    parts_summary,
+    sample,
+    server_failure,
+)
 from .models import (
     AGENT,
     ENVIRONMENT,
@@ -29,10 +37,6 @@ from .results import BatchResult, ForgetSettlement
 __all__ = ["MAX_BATCH", "callers_first", "forget", "forget_settling_refusals", "retire", "retire_then_forget"]
 
 MAX_BATCH = 1024
-# The checkpoint id a retire or forget names when it belongs to no checkpoint: the operation's
-# own name (docs/gym-protocol.md#retire).
-RETIRE_CHECKPOINT_ID: str = GymOperation.retire.value
-FORGET_CHECKPOINT_ID: str = GymOperation.forget.value
 
 
 def callers_first(inst: InstanceTopology) -> list[list[Participant]]:

@@ -419,6 +419,8 @@ async def _race(aw: Awaitable[Any], renewer: LeaseRenewer) -> Any:
     if not task.cancelled():
         return task.result()
     renewer.check()
+    if not renewer.lost.is_set():
+        raise asyncio.CancelledError()  # ``aw`` was cancelled on its own, as before
     raise RuntimeError("lease lost without a recorded failure")  # unreachable: lost implies failure
 
 

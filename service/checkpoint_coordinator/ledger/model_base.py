@@ -26,14 +26,14 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-RUN_STATES = (RunState.open, RunState.closed)
+RUN_STATES = tuple(s.value for s in RunState)
 GROUP_STATUSES = tuple(s.value for s in GroupStatus)
 ATTEMPT_STATUSES = tuple(s.value for s in AttemptStatus)
 RETIREMENT_STATES = tuple(s.value for s in RetirementState)
 SNAPSHOT_OUTCOMES = tuple(o.value for o in SnapshotOutcome)
-OUTBOX_OPS = (OutboxOp.retire, OutboxOp.forget)
-OUTBOX_STATES = (OutboxState.pending, OutboxState.delivered, OutboxState.superseded)
-LEVELS = (RestoreLevel.turn, RestoreLevel.sibling, RestoreLevel.prompt_group)
+OUTBOX_OPS = tuple(o.value for o in OutboxOp)
+OUTBOX_STATES = tuple(s.value for s in OutboxState)
+LEVELS = tuple(lv.value for lv in RestoreLevel)
 
 
 def in_values(column: str, values: tuple[str, ...]) -> str:

@@ -16,7 +16,12 @@ from dataclasses import dataclass
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from ..domain.vocabulary import OutboxOp, OutboxState
+from ..domain.vocabulary import (
+    FORGET_CHECKPOINT_ID,
+    RETIRE_CHECKPOINT_ID,
+    OutboxOp,
+    OutboxState,
+)
 from ..ledger.db import execute
 from ..ledger.leases import Fence, Fenced, fence_sql
 
@@ -203,7 +208,7 @@ async def enqueue_forgets(conn: AsyncConnection, run_id: str, instance_id: str, 
     await conn.execute(
         text(
             "INSERT INTO outbox_items (run_id, instance_id, op, rollout_id, gym_attempt, attempt_id, checkpoint_id) "
-            f"SELECT :r, :i, '{OutboxOp.forget}', ro, ga, aid, '{OutboxOp.forget}' FROM unnest(CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(ro, ga, aid)"
+            f"SELECT :r, :i, '{OutboxOp.forget}', ro, ga, aid, '{FORGET_CHECKPOINT_ID}' FROM unnest(CAST(:ro AS text[]), CAST(:ga AS int[]), CAST(:aid AS bigint[])) AS t(ro, ga, aid)"
         ),
         {"r": run_id, "i": instance_id, "ro": [x[0] for x in items], "ga": [x[1] for x in items], "aid": [x[2] for x in items]},
     )
@@ -248,7 +253,7 @@ def insert_items_sql(source: str, *, skip_if_pending: bool = False) -> str:
 
 
 async def enqueue_retires(
-    conn: AsyncConnection, run_id: str, items: Sequence[tuple[str, str, int, int]], checkpoint_id: str = OutboxOp.retire
+    conn: AsyncConnection, run_id: str, items: Sequence[tuple[str, str, int, int]], checkpoint_id: str = RETIRE_CHECKPOINT_ID
 ) -> None:
     """Queue a retire of each ``(instance_id, rollout_id, gym_attempt, attempt_id)`` in the
     caller's transaction (docs/ledger.md#the-outbox)."""

@@ -15,9 +15,10 @@ import os
 import sys
 from typing import Any, TextIO
 
-from ..domain.vocabulary import RestoreRecordState
-
 PROG = "ckpt-coordinator import-ledger"
+
+# The problem code said when a refusal names none (an older coordinator).
+_REFUSED_CODE = "import_refused"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,7 +109,7 @@ def _via_http(args: argparse.Namespace, doc: Any, snapshot_id: str) -> dict[str,
         raise _Usage(f"the coordinator refused the token ({r.status_code} {payload.get('code', '')})")
     if 400 <= r.status_code < 500:
         errors = payload.get("errors") or [{"field": "document", "message": payload.get("detail", "")}]
-        raise _Refused(errors[0].get("field", "document"), str(payload.get("detail", "")), str(payload.get("code", RestoreRecordState.refused)), errors)
+        raise _Refused(errors[0].get("field", "document"), str(payload.get("detail", "")), str(payload.get("code", _REFUSED_CODE)), errors)
     raise _Usage(f"the coordinator answered {r.status_code}: {payload.get('detail', '')}")
 
 

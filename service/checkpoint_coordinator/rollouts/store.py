@@ -24,7 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from ..domain import levels
 from ..domain.config import load_recovery_config
 from ..domain.identity import mint_rollout_id
-from ..domain.levels import RestoreLevel
+from ..domain.levels import LiveGranularity
 from ..domain.rollout_rules import (
     Budgets,
     Decision,
@@ -41,6 +41,7 @@ from ..domain.rollout_rules import (
 )
 from ..domain.vocabulary import (
     ENDED_ATTEMPT_STATUSES,
+    FORGET_CHECKPOINT_ID,
     AttemptFailureClass,
     OutboxOp,
     sql_list,
@@ -341,7 +342,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
         if touched_groups:
             # Completion is decided in SQL over the applied rows: one pass, no re-read into Python.
             touched = touched_groups
-            cohorts = [g for g in touched if granularity(groups[g].restore_level) == RestoreLevel.prompt_group]
+            cohorts = [g for g in touched if granularity(groups[g].restore_level) == LiveGranularity.prompt_group]
             if cohorts:
                 cohort_rows = [
                     r
@@ -413,7 +414,7 @@ async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_att
     """
     if not sealed_attempt_ids:
         return 0
-    ins = outbox.insert_items_sql(f"SELECT %(r)s, gym_instance_id, '{OutboxOp.forget}', rollout_id, gym_attempt, attempt_id, '{OutboxOp.forget}' FROM f")
+    ins = outbox.insert_items_sql(f"SELECT %(r)s, gym_instance_id, '{OutboxOp.forget}', rollout_id, gym_attempt, attempt_id, '{FORGET_CHECKPOINT_ID}' FROM f")
     ((n,),) = await _fetch(
         conn,
         "WITH f AS (SELECT attempt_id, rollout_id, gym_attempt, gym_instance_id FROM attempts "

@@ -12,9 +12,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ...domain.levels import RestoreLevel
 from ...domain.restore_plan import RetireItem
+from ...domain.vocabulary import (
+    RETIRE_CHECKPOINT_ID,
+    OutboxOp,
+    RestoreRecordState,
+)
 from ...domain.vocabulary import AttemptStatus as A
 from ...domain.vocabulary import GroupStatus as G
-from ...domain.vocabulary import OutboxOp, RestoreRecordState
 from ...domain.vocabulary import RetirementState as R
 from ...errors import Conflict
 from ...ledger.db import execute as execute_binary
@@ -278,7 +282,7 @@ async def _queue_retires(conn: AsyncConnection, run_id: str, extra: Sequence[Ret
     # is no longer registered would wait for it forever.
     only = " WHERE instance_id IN (SELECT instance_id FROM gym_instances WHERE run_id = %(r)s)" if registered_only else ""
     ins = outbox.insert_items_sql(
-        f"SELECT %(r)s, instance_id, '{OutboxOp.retire}', rollout_id, gym_attempt, attempt_id, '{OutboxOp.retire}' FROM items" + only, skip_if_pending=True
+        f"SELECT %(r)s, instance_id, '{OutboxOp.retire}', rollout_id, gym_attempt, attempt_id, '{RETIRE_CHECKPOINT_ID}' FROM items" + only, skip_if_pending=True
     )
     ((queued,),) = await fetch(
         conn,

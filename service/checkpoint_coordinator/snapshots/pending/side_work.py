@@ -19,7 +19,17 @@ from ...gym.save import GymSave
 from ...ledger.db import JsonText
 from ...ledger.leases import Fenced
 from .. import store as repo
-from .support import DRAIN_POLL_S, SnapshotFailed, database_away, log, wait_event
+from .support import (
+    DRAIN_POLL_S,
+    SnapshotFailed,
+    database_away,
+    first_of,
+    log,
+    wait_event,
+)
+
+# How long the end of a snapshot waits for its Gym manifest file still being written.
+MANIFEST_WRITE_GRACE_S = 5.0
 
 if TYPE_CHECKING:
     from .machine import PendingSnapshot as _Base
@@ -181,10 +191,16 @@ class SideWork(_Base):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-        if self._manifest_file is not None and not self._manifest_file.done():
-            # A thread: it cannot be cancelled; its end is waited for, its failure logged.
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._manifest_file
         mf = self._manifest_file
-        if mf is not None and not self.cut_taken and not mf.cancelled() and mf.exception() is not None:
-            log.warning("snapshot %s of run %s: writing the Gym manifest file failed: %s", self.snapshot_id, self.run_id, mf.exception())
+        if mf is not None:
+            # A thread, which cannot be cancelled: waited for a moment only (a stalled shared
+            # filesystem must not hold the snapshot's end or a shutdown); its failure is logged
+            # when it ends.
+            if not mf.done():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await first_of(asyncio.shield(mf), self.clock.sleep(MANIFEST_WRITE_GRACE_S))
+            mf.add_done_callback(self._manifest_file_ended)
+
+    def _manifest_file_ended(self, task: asyncio.Future[None]) -> None:
+        if not self.cut_taken and not task.cancelled() and task.exception() is not None:
+            log.warning("snapshot %s of run %s: writing the Gym manifest file failed: %s", self.snapshot_id, self.run_id, task.exception())

@@ -156,6 +156,7 @@ class Steps(_Base):
         assert save is not None and self._manifest_file is not None
         self._data_plane_reached = True
         timeout_s = self._clipped(float(self._config.get("data_plane_timeout_s", 600)))
+        self._raise_interrupt()  # before the wait's coroutines exist: none is left never awaited
         await self._step(save.within_lease(self._captured(timeout_s)))
         await self._step(self._manifest_file)
         save.cut()
