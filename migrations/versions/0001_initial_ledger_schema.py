@@ -270,7 +270,7 @@ def upgrade() -> None:
 
     # By hand (autogenerate does not see functions or triggers): a deleted prompt group takes its
     # siblings and attempts with it, set-based, instead of the per-row ON DELETE CASCADE foreign
-    # keys (see ledger.models.GROUP_CHILDREN_TRIGGER_UP; keep the two identical).
+    # keys (see ledger/triggers.py, GROUP_CHILDREN_TRIGGER_UP; keep the two identical).
     op.execute(
         "CREATE FUNCTION prompt_groups_drop_children() RETURNS trigger LANGUAGE plpgsql AS $$\n"
         "BEGIN\n"

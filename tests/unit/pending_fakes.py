@@ -316,5 +316,5 @@ def gym_failure(cls: FailureClass) -> GymControlError:
 
 
 def make(ledger: FakeLedger, gym: FakeGym, clock: VirtualClock, outbox: FakeOutbox | None = None) -> PendingSnapshot:
-    ctx = SnapshotContext(None, None, outbox or FakeOutbox(), "replica-a", 1.0, clock=clock, store=ledger, new_save=gym.new_save)  # type: ignore[arg-type]
+    ctx = SnapshotContext(ledger, None, outbox or FakeOutbox(), "replica-a", 1.0, clock=clock, new_save=gym.new_save)  # type: ignore[arg-type]
     return PendingSnapshot(ctx, RUN, SNAP, ledger.epoch)

@@ -233,7 +233,7 @@ async def test_an_orphan_is_resumed_and_ended_by_the_replica_that_took_its_run()
             return type("R", (), {"failure": None})()
 
     gym = type("G", (), {"for_run": lambda self, run_id, cfg: Client()})()
-    ctx = SnapshotContext(None, gym, FakeOutbox(), "replica-b", 1.0, clock=clock, store=ledger)  # type: ignore[arg-type]
+    ctx = SnapshotContext(ledger, gym, FakeOutbox(), "replica-b", 1.0, clock=clock)  # type: ignore[arg-type]
     await end_orphan(ctx, RUN, SNAP, Fence("replica-b", 1), P.commit, previous_owner="replica-a",
                      gym_checkpoint_id="ckpt-1", abort_requested=None)
     assert resumed == ["ckpt-1"]

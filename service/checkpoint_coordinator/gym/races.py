@@ -1,4 +1,4 @@
-"""Awaiting one thing unless an event comes first, with nothing left running behind."""
+"""Awaiting one thing unless another ends first, with nothing left running behind."""
 
 from __future__ import annotations
 
@@ -23,3 +23,17 @@ async def unless_set(aw: Awaitable[Any], event: asyncio.Event) -> asyncio.Future
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
     return task
+
+
+async def first_of(*aws: Awaitable[Any]) -> None:
+    """Until the first of ``aws`` ends; the others are cancelled and awaited, so none outlives
+    the wait (nor leaves its failure unretrieved)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t

@@ -17,6 +17,7 @@ from ..observability import metrics
 from ..outbox.worker import OutboxDeliverer
 from . import store as repo
 from .pending import (
+    LedgerStore,
     MonotonicClock,
     Opened,
     PendingSnapshot,
@@ -33,7 +34,7 @@ class SnapshotRunner:
     def __init__(
         self, engine: AsyncEngine, gym: GymClients, outbox: OutboxDeliverer, owner: str, *, poll_s: float = 1.0, clock: Clock | None = None
     ) -> None:
-        self.ctx = SnapshotContext(engine, gym, outbox, owner, poll_s, clock or MonotonicClock())
+        self.ctx = SnapshotContext(LedgerStore(engine), gym, outbox, owner, poll_s, clock or MonotonicClock())
         self.engine = engine
         self.gym = gym
         self.owner = owner

@@ -37,7 +37,7 @@ from ...domain.snapshot_state import (
 from ...domain.vocabulary import GymOperation
 from ...gym.errors import GymControlError
 from ...gym.models import Episode
-from ...gym.races import unless_set
+from ...gym.races import first_of, unless_set
 from ...gym.results import CommitResult, InstanceCommit
 from ...gym.save import GymSave
 from ...gym.timings import SlowestCalls, recording
@@ -45,7 +45,7 @@ from ...ledger.leases import Fence, Fenced
 from ...observability import metrics
 from .. import store as repo
 from .finishing import Finishing
-from .side_work import SideWork
+from .side_work import SideWork, cancel_and_wait
 from .steps import Move, Steps
 from .support import (
     SHUTDOWN_GRACE_S,
@@ -54,7 +54,6 @@ from .support import (
     SnapshotContext,
     SnapshotFailed,
     database_away,
-    first_of,
     log,
     outcome_of,
     until_database_answers,
@@ -69,7 +68,7 @@ class PendingSnapshot(Steps, SideWork, Finishing):
     def __init__(self, ctx: SnapshotContext, run_id: str, snapshot_id: str, epoch: int, *, opened: Opened | None = None) -> None:
         self.ctx = ctx
         self.clock = ctx.clock
-        self.store = ctx.ledger()
+        self.store = ctx.store
         self._opened = opened
         self.run_id = run_id
         self.snapshot_id = snapshot_id
@@ -303,10 +302,7 @@ class PendingSnapshot(Steps, SideWork, Finishing):
         check_snapshot_transition(self.phase, P(outcome.value), cut_taken=self.cut_taken, reason=reason)
         await self._settle_pre_cut()
         await self._drop_entry_writes()
-        if self._candidates is not None:
-            self._candidates.cancel()  # a no-op once it has its answer
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._candidates
+        await cancel_and_wait(self._candidates)
         timings = self._timings()
         save = self.save
         _, streaks = await until_database_answers(
@@ -352,11 +348,7 @@ class PendingSnapshot(Steps, SideWork, Finishing):
         log.warning("snapshot %s of run %s: fenced in phase %s (%s); this replica stops driving it", self.snapshot_id, self.run_id, self.phase, e)
         if self.save is not None:
             await self.save.abandon()
-        if self._pre_cut is not None:
-            self._pre_cut.cancel()
-        self._close_entries()
-        if self._candidates is not None:
-            self._candidates.cancel()
+        # The side work (pre-cut, entry writes, candidates) ends in ``run``'s ``_drop_side_work``.
 
     # --- waiting ------------------------------------------------------------------------------
 

@@ -71,7 +71,7 @@ async def take_over(ctx: SnapshotContext, run_id: str, snapshot_id: str, fence: 
     unchanged; the write is fenced by the lease this replica now holds)."""
     if phase.terminal:
         raise ValueError(f"snapshot {snapshot_id} already ended ({phase})")
-    await ctx.ledger().take_over(run_id, snapshot_id, fence, phase)
+    await ctx.store.take_over(run_id, snapshot_id, fence, phase)
 
 
 async def end_orphan(
@@ -81,7 +81,7 @@ async def end_orphan(
     """End a snapshot its owner left unfinished (it died): Gym resumed when it may be parked, then
     the abort asked for before the owner died, or ``coordinator_restart``. Raises ``Fenced`` when
     the run's lease moved on meanwhile."""
-    store = ctx.ledger()
+    store = ctx.store
     detail: dict[str, Any] = {"phase_at_restart": phase.value, "previous_owner": previous_owner}
     if gym_checkpoint_id:
         run = await store.run(run_id)

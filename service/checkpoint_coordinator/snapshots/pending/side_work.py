@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ...domain.snapshot_state import SnapshotPhase, SnapshotReason
 from ...gym.manifest import encode_instance_entry
 from ...gym.models import Episode, Topology
+from ...gym.races import first_of
 from ...gym.results import CommitResult, InstanceCommit
 from ...gym.save import GymSave
 from ...ledger.db import JsonText
@@ -23,7 +24,6 @@ from .support import (
     DRAIN_POLL_S,
     SnapshotFailed,
     database_away,
-    first_of,
     log,
     wait_event,
 )
@@ -37,6 +37,14 @@ else:
     _Base = object
 
 P = SnapshotPhase
+
+
+async def cancel_and_wait(task: asyncio.Future[Any] | None) -> None:
+    """Cancel ``task`` (a no-op once it ended) and wait for it to end."""
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 class SideWork(_Base):
@@ -187,10 +195,7 @@ class SideWork(_Base):
         replica (a reader after its end needs none of it)."""
         await self._drop_entry_writes()
         for task in (self._key_rows, self._pre_cut, self._candidates, self._deadline_task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(task)
         mf = self._manifest_file
         if mf is not None:
             # A thread, which cannot be cancelled: waited for a moment only (a stalled shared

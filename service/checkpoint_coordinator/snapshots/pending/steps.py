@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...domain.snapshot_state import SnapshotPhase, SnapshotReason, SnapshotTiming
 from ...gym.context import checkpoint_id_for
-from .support import SnapshotFailed, all_ended, marked_retrieved
+from .support import SnapshotFailed, all_ended
 
 if TYPE_CHECKING:
     from .machine import PendingSnapshot as _Base
@@ -144,7 +144,6 @@ class Steps(_Base):
         # The manifest file is needed by the cut, not by the trainer's barrier: it is written
         # beside the phase write and the trainer's handshakes.
         self._manifest_file = asyncio.ensure_future(save.write_manifest_file_now())
-        self._manifest_file.add_done_callback(marked_retrieved)
         await self._settle_pre_cut()  # the barrier must find it done (or never started)
         await self._step(self._stored_entries(self._commit_result))
         last = self._last_entry

@@ -11,11 +11,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
 from ...domain.snapshot_state import REASON_OUTCOME, SnapshotOutcome, SnapshotReason
 from ...gym.clock import Clock, SystemClock
 from ...gym.models import Topology
+from ...gym.races import unless_set
 from ...gym.save import GymSave
 from ...gym_runtime import GymClients
 from ...ledger.db import classify_database_error
@@ -65,23 +64,8 @@ async def wait_event(event: asyncio.Event, timeout_s: float, clock: Clock | None
             async with asyncio.timeout(timeout_s):
                 await event.wait()
         return
-    if event.is_set():
-        return
-    await first_of(event.wait(), clock.sleep(timeout_s))
-
-
-async def first_of(*aws: Awaitable[Any]) -> None:
-    """Until the first of ``aws`` ends; the others are cancelled and awaited, so none outlives
-    the wait (nor leaves its failure unretrieved)."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+    if not event.is_set():
+        await unless_set(clock.sleep(timeout_s), event)
 
 
 async def until_database_answers(write: Callable[[], Awaitable[T]], what: str, clock: Clock = _SYSTEM_CLOCK) -> T:
@@ -141,20 +125,13 @@ class SnapshotContext:
     ``store`` is the ledger as the snapshot reads and writes it; ``new_save`` makes its Gym save.
     Tests give fakes of all three."""
 
-    engine: AsyncEngine | None
+    store: LedgerStore
     gym: GymClients | None
     outbox: OutboxPort
     owner: str
     poll_s: float
     clock: Clock = field(default=_SYSTEM_CLOCK)
-    store: LedgerStore | None = None
     new_save: SaveFactory | None = None
-
-    def ledger(self) -> LedgerStore:
-        if self.store is not None:
-            return self.store
-        assert self.engine is not None
-        return LedgerStore(self.engine)
 
     def save_for(self, run_id: str, config: Mapping[str, Any], topology: Topology, **kwargs: Any) -> GymSave:
         if self.new_save is not None:
@@ -177,10 +154,3 @@ class Opened:
     gate: repo.GateClosure
     checkpoint_id: str
     requested_at: float
-
-
-def marked_retrieved(task: asyncio.Future[Any]) -> None:
-    """A side task's failure is seen: the step that awaits it raises it, or the snapshot's end
-    logs it (``SideWork._drop_side_work``)."""
-    if not task.cancelled():
-        task.exception()
