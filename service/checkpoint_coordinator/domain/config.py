@@ -28,6 +28,13 @@ key                                 default   rule
 ``keep_latest_k``                   2         [1, 1000]; published snapshots kept per run
 ``snapshot_loss_warn_after``        3         [1, 10000]; consecutive snapshots lost to train
                                               steps before the coordinator warns
+``max_blocking_snapshots``          3         [0, 1000]; consecutive snapshots one episode may
+                                              block before it is retired and replaced
+                                              (``straggler``); 0: never
+``max_continue_staleness``          null      [0, 1000000] train steps; a restore restarts a
+                                              continuation whose policy version is older than
+                                              ``anchor - max_continue_staleness``
+                                              (``too_stale``); null: no limit
 ==================================  ========  ==================================================
 
 The ``max_*_attempts`` budgets count every attempt, the first one included.
@@ -127,6 +134,9 @@ class RecoveryConfig(BaseModel):
     max_data_attempts: Annotated[int, _budget(2, 100)] = 2
     keep_latest_k: Annotated[int, _budget(2, 1000)] = 2
     snapshot_loss_warn_after: Annotated[int, _budget(3, 10000)] = 3
+    # Liveness (docs/ledger.md#stragglers, docs/ledger.md#stale-continuations).
+    max_blocking_snapshots: Annotated[int, Field(default=3, strict=True, ge=0, le=1000)] = 3
+    max_continue_staleness: Annotated[int | None, Field(default=None, strict=True, ge=0, le=1_000_000)] = None
 
     # -- field rules --------------------------------------------------------------------------
 

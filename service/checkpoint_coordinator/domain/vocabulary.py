@@ -30,6 +30,10 @@ __all__ = [
     "RETIRE_CHECKPOINT_ID",
     "FORGET_CHECKPOINT_ID",
     "REASON_DISPOSITIONS",
+    "PromptBucket",
+    "AbandonReason",
+    "WorkFate",
+    "WorkReason",
     "sql_list",
 ]
 
@@ -119,6 +123,7 @@ class RowReason(StrEnum):
     cohort_incomplete = "cohort_incomplete"  # a prompt_group cohort not wholly sealed or unsent reruns whole
     never_sent = "never_sent"  # reserved and never sent: dispatched normally
     sent_after_cut = "sent_after_cut"  # never sent at the cut, but it reached Gym after it: a new attempt
+    too_stale = "too_stale"  # exported by Gym, but sampled by a policy older than max_continue_staleness allows
 
 
 #: The dispositions each reason goes with (the property tests check every plan row against it).
@@ -135,6 +140,7 @@ REASON_DISPOSITIONS = {
     RowReason.cohort_incomplete: frozenset({Disposition.rerun}),
     RowReason.never_sent: frozenset({Disposition.dispatch}),
     RowReason.sent_after_cut: frozenset({Disposition.restarted, Disposition.rerun}),
+    RowReason.too_stale: frozenset({Disposition.restarted, Disposition.rerun}),
 }
 
 
@@ -147,6 +153,46 @@ LedgerTransition = StrEnum(  # type: ignore[misc]
     + [(s.name if s is not GroupStatus.abandoned else "group_abandoned", s.value if s is not GroupStatus.abandoned else "group_abandoned") for s in GroupStatus]
     + [(s.name, s.value) for s in RetirementState if s is not RetirementState.none],
 )
+
+class PromptBucket(StrEnum):
+    """Where every group ever admitted to a run is (docs/accounting.md#prompt-conservation)."""
+
+    trained = "trained"  # finalized
+    abandoned = "abandoned"  # given up, with an AbandonReason
+    live = "live"  # generating or ready
+    rewound = "rewound"  # admitted after the cut of a snapshot a restore applied: owed again
+
+
+class AbandonReason(StrEnum):
+    """Why a group was abandoned (``prompt_groups.abandon_reason``)."""
+
+    trainer = "trainer"  # the trainer gave it up (POST .../groups:abandon)
+    data_attempts_exhausted = "data_attempts_exhausted"  # max_data_attempts spent on data failures
+    group_attempts_exhausted = "group_attempts_exhausted"  # max_group_attempts spent on replacements
+    unrecorded = "unrecorded"  # abandoned before the ledger kept reasons, or as a restored cut said
+
+
+class WorkFate(StrEnum):
+    """What became of an attempt's rollout-seconds (docs/accounting.md#rollout-seconds)."""
+
+    trained = "trained"  # sealed: trained, or waiting to be
+    in_flight = "in_flight"  # dispatched and not ended yet (counted to now)
+    carried = "carried"  # up to the cut of an episode a restore continued from Gym state
+    redone = "redone"  # thrown away: the work is done again (a WorkReason says why)
+
+
+class WorkReason(StrEnum):
+    """Why work was redone."""
+
+    failed = "failed"  # the attempt failed (bad data, or the answer never came)
+    abandoned = "abandoned"  # its group or cohort was given up
+    retired_by_restore = "retired_by_restore"  # a restore discarded it (after the cut, or its group rewound)
+    rerun = "rerun"  # a restore reruns its row or cohort
+    restarted = "restarted"  # a restore restarts it (no Gym state to continue from)
+    after_cut = "after_cut"  # the turns after the cut of an episode a restore continued
+    straggler = "straggler"  # it blocked max_blocking_snapshots snapshots in a row
+    too_stale = "too_stale"  # a restore restarted it: its policy was too old to continue
+
 
 class RunState(StrEnum):
     """A run accepts work while ``open``; ``closed`` is final."""

@@ -38,6 +38,14 @@ from ..domain.vocabulary import (
     RetirementState,
     RunState,
 )
+from .accounting_models import (
+    ABANDON_REASONS,
+    END_REASONS,
+    GroupAdmission,
+    RestoreRewoundGroup,
+    RestoreWork,
+    SnapshotBlocker,
+)
 from .model_base import (
     ATTEMPT_STATUSES,
     GROUP_STATUSES,
@@ -107,6 +115,10 @@ __all__ = [
     "RestoreRowChunk",
     "RESTORE_ROWS_PER_CHUNK",
     "RESTORE_ROW_CHUNK_TEXT_COLUMNS",
+    "GroupAdmission",
+    "RestoreRewoundGroup",
+    "RestoreWork",
+    "SnapshotBlocker",
     "GROUP_CHILDREN_TRIGGER_UP",
     "GROUP_CHILDREN_TRIGGER_DOWN",
     "CHANGE_TRACKING_PHASES",
@@ -196,6 +208,7 @@ class PromptGroup(Base):
         CheckConstraint(in_values("status", GROUP_STATUSES), name="status"),
         CheckConstraint(in_values("restore_level", LEVELS), name="restore_level"),
         CheckConstraint("expected_generations >= 1", name="expected_generations"),
+        CheckConstraint(in_values("abandon_reason", ABANDON_REASONS), name="abandon_reason"),
         Index(None, "run_id", "status"),
     )
     run_id: Mapped[str] = mapped_column(Text)
@@ -211,6 +224,8 @@ class PromptGroup(Base):
     group_attempt: Mapped[int] = mapped_column(Integer, server_default="0")
     data_attempts_used: Mapped[int] = mapped_column(Integer, server_default="0")
     status: Mapped[str] = mapped_column(Text, server_default=GroupStatus.generating.value)
+    # Why it was abandoned (docs/accounting.md#prompt-conservation); NULL otherwise, or unrecorded.
+    abandon_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     ended_at: Mapped[datetime | None] = mapped_column(TS)
 
@@ -245,6 +260,7 @@ class Attempt(Base):
         CheckConstraint(in_values("status", ATTEMPT_STATUSES), name="status"),
         CheckConstraint(in_values("retirement", RETIREMENT_STATES), name="retirement"),
         CheckConstraint("gym_attempt >= 0", name="gym_attempt"),
+        CheckConstraint(in_values("end_reason", END_REASONS), name="end_reason"),
         # One current attempt per sibling (docs/ledger.md#fencing-and-concurrency).
         Index(
             "uq_attempts_current_per_sibling",
@@ -284,6 +300,10 @@ class Attempt(Base):
     # The trainer's dispatch this attempt went out in, so "stream ended" can name the missing rows.
     dispatch_id: Mapped[str | None] = mapped_column(Text)
     replaced_by_attempt_id: Mapped[int | None] = mapped_column(BigInteger)
+    # The newest train step announced when it was dispatched (docs/ledger.md#stale-continuations).
+    policy_version: Mapped[int | None] = mapped_column(BigInteger)
+    # Why it ended when neither the trainer nor its group ended it: a restore, or the straggler rule.
+    end_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
     dispatched_at: Mapped[datetime | None] = mapped_column(TS)
     ended_at: Mapped[datetime | None] = mapped_column(TS)
