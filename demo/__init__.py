@@ -52,7 +52,9 @@ What it does, in order:
      checkpoint and the capture, restores (a Gym instance that kept running is restarted fresh
      when the coordinator asks for it), re-dispatches what the restore says and finishes;
   6. checks that every group was consumed exactly once or abandoned, that no Gym mutation was
-     applied twice (gymsim's resources session histories), and prints a summary.
+     applied twice (gymsim's resources session histories), and that the coordinator's accounting
+     finds every admitted group in a bucket (conserved); prints a summary with that accounting:
+     groups per bucket, and the rollout-seconds the restore carried and must redo.
 
 With --scenario allocation-end the story is the end of a cluster allocation instead of a crash:
 three Gym instances (job-1041/gym-0..2); in the middle step the trainer gets SIGUSR1 (as Slurm's

@@ -1,4 +1,5 @@
-"""The demo's verdict: was any group lost or trained twice, was any mutation applied twice.
+"""The demo's verdict: was any group lost or trained twice, was any mutation applied twice, does
+the coordinator's own accounting find every prompt group in a bucket.
 
 Pure functions over what the run left behind (the trainers' journal and final checkpoint, the
 coordinator's counts, gymsim's resources session histories), so they can be tested on their own.
@@ -11,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Check", "check_groups", "check_mutations", "check_rewards", "check_capture", "check_instance_map"]
+__all__ = ["Check", "check_groups", "check_mutations", "check_rewards", "check_capture", "check_instance_map", "check_conserved"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +175,18 @@ def check_instance_map(
         f"{restarted} of unmapped {', '.join(unmapped) or '-'} restart (instance_not_mapped)"
     )
     return Check("episodes follow the instance map", not problems, detail if not problems else "; ".join(problems))
+
+
+def check_conserved(prompts: Mapping[str, Any]) -> Check:
+    """The coordinator's accounting of the run (``prompts`` of ``GET .../accounting``,
+    docs/accounting.md#prompt-conservation): every admitted group is trained, abandoned, live or
+    rewound. The trainer-side checks above see only what this trainer kept; this one is the
+    ledger's own word, and what a resume that drops prompts silently would fail."""
+    buckets = prompts.get("buckets") or {}
+    admitted, accounted = int(prompts.get("admitted", 0)), int(prompts.get("accounted", 0))
+    ok = prompts.get("conserved") is True
+    spread = ", ".join(f"{k} {v}" for k, v in buckets.items())
+    detail = f"{admitted} admissions (a rewound group admitted again counts again), all in a bucket: {spread}"
+    if not ok:
+        detail = f"{admitted} admissions, {accounted} in the buckets ({spread}): {admitted - accounted} unaccounted for"
+    return Check("every prompt group accounted for (conserved)", ok, detail)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["render_summary"]
+from ckpt_client.ops_accounting import duration, percent
+
+__all__ = ["render_summary", "render_accounting"]
 
 _DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
 _WHAT = {
@@ -97,6 +99,9 @@ def render_summary(s: dict[str, Any]) -> str:
     reason_text = ", ".join(f"{k.split(':', 1)[1]} x{v}" for k, v in sorted(t["not_published_reasons"].items()))
     lines.append(f"  {outcome_text}" + (f" (reasons: {reason_text})" if reason_text else "") + f"; Gym parked {s['gym_parked_seconds']:.2f}s in all")
 
+    if s.get("accounting"):
+        lines += ["", *render_accounting(s["accounting"])]
+
     sib = s["siblings"]
     lines += [
         "",
@@ -108,3 +113,33 @@ def render_summary(s: dict[str, Any]) -> str:
         lines.append(f"  [{'ok' if ch['ok'] else 'FAILED'}] {ch['name']}: {ch['detail']}")
     lines += ["", f"{'OK' if s['ok'] else 'FAILED'} in {s['wall_seconds']:.1f}s"]
     return "\n".join(lines)
+
+
+def render_accounting(acc: dict[str, Any]) -> list[str]:
+    """The coordinator's accounting of the run (docs/accounting.md): groups per bucket and whether
+    they add up, then per restore the rollout-seconds it found in flight, carried and must redo."""
+    p, w = acc["prompts"], acc["work"]
+    buckets = p["buckets"]
+    lines = ["accounting (the coordinator's, from its ledger)"]
+    lines += _table(
+        [
+            ["admitted", *buckets, "missing", "conserved"],
+            [str(p["admitted"]), *(str(n) for n in buckets.values()), str(p["missing"]), "yes" if p["conserved"] else "NO"],
+        ]
+    )
+    fates = w["seconds_by_fate"]
+    lines.append("  rollout work " + duration(w["total_seconds"]) + ": " + ", ".join(f"{k} {duration(v)}" for k, v in fates.items()))
+    rows = [["restore", "snapshot", "found", "carried", "redone", "carried share", "groups rewound"]]
+    for r in acc.get("restores") or []:
+        rows.append(
+            [
+                r["restore_id"], r["snapshot_id"], duration(r["found_seconds"]), duration(r["carried_seconds"]),
+                duration(r["redone_seconds"]), percent(r["carried_share"]) if r.get("recorded", True) else "not recorded",
+                str(r["groups_rewound"]),
+            ]
+        )
+    lines += _table(rows) if len(rows) > 1 else ["  no restore applied"]
+    for r in acc.get("restores") or []:
+        if r.get("carried_share") is not None:
+            lines.append(f"  restore {r['restore_id']} kept {percent(r['carried_share'])} of the work it found in flight")
+    return lines

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 from ckpt_client import AsyncCoordinatorClient, GymInstance, RestorePlan
 
-from .checks import Check, check_capture, check_groups, check_instance_map, check_mutations, check_rewards
+from .checks import Check, check_capture, check_conserved, check_groups, check_instance_map, check_mutations, check_rewards
 from .processes import CoordinatorProcess, EmbeddedPostgres, GymProcess
 from .progress import Progress, bar
 from .trainer import DataLoader, Journal, RestoreReport, SnapshotRecord, Trainer, recovery_config, sealed_fraction
@@ -578,6 +578,8 @@ class Demo:
         async with AsyncCoordinatorClient(self.coordinator.url, token, run_id=run_id) as c:
             counts = await c.counts()
             snapshots = await c.list_snapshots()
+            # Read once the trainers are done: every group then trained, abandoned or rewound.
+            accounting = await c.accounting()
         await trainer.aclose()
         sessions = {}
         for iid, g in self.gyms.items():
@@ -596,6 +598,7 @@ class Demo:
         checks.append(check_mutations(sessions, report.continued, self.journal.replies))
         checks.append(check_rewards(lineage))
         checks.append(check_capture(report.reused_missing_from_capture, report.counts.get("reused", 0)))
+        checks.append(check_conserved(accounting.raw.get("prompts") or {}))
         checks.extend(extra_checks or [])
 
         by_id = {r.snapshot_id: r for r in self.journal.snapshots}
@@ -667,6 +670,7 @@ class Demo:
             "snapshot_totals": {"outcomes": outcomes, "not_published_reasons": reasons},
             "gym_parked_seconds": round(parked, 3),
             "outbox_pending": counts.outbox_pending,
+            "accounting": accounting.raw,
             "checks": [ch.to_json() for ch in checks],
             "processes": self.pids(),
             "workdir": str(self.workdir) if self.workdir else None,

@@ -17,7 +17,7 @@ BrokenBehaviour = Literal[
     "lease_never_expires",
     "ignore_stale_attempt",
 ]
-FaultType = Literal["delay", "slow_reply", "error", "reset", "lost_reply", "refuse"]
+FaultType = Literal["delay", "slow_reply", "error", "reset", "lost_reply", "refuse", "hang"]
 # `published`: how the NeMo Gym control code that is actually public behaves;
 # `pinned`: published, with agents that report `run_episode_ids` for every /run session they
 # export, in the scope or not (the Gym NeMo RL pins, P8); `strict`: the protocol to the letter.
@@ -42,6 +42,10 @@ class FaultSpec(_Strict):
     `op` is a control op (`status`, `prepare`, ...) or a data-plane op: `run` (agent /run),
     `run_reply` (only `delay`: the finished episode's reply sits on the wire), `chat` (policy call),
     `mutate` and `session` (resources requests).
+
+    `hang`: the request never gets a reply; it ends only when its caller gives up (a tool that
+    hangs). `rollout_id`: only requests whose path names an episode of that rollout (`chat`,
+    `mutate`, `session`), so that one episode of many is hit.
     """
 
     server_name: ServerName
@@ -52,6 +56,7 @@ class FaultSpec(_Strict):
     code: str | None = None
     detail: str | None = None
     times: Annotated[int, Field(ge=1)] | None = None
+    rollout_id: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="after")
     def _needs(self) -> "FaultSpec":

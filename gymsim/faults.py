@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from .config import FaultSpec
-from .wire import ProtocolError
+from .wire import ProtocolError, parse_capture_key
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -40,6 +40,15 @@ def classify(path: str) -> tuple[str, str] | None:
     return None
 
 
+_EPISODE_IN_PATH = re.compile(r"^/s/[^/]+/(?:ng-rollout|sessions)/([^/]+)(?:/|$)")
+
+
+def rollout_of(path: str) -> str | None:
+    """The rollout id a data-plane path names (in its capture key), or None."""
+    match = _EPISODE_IN_PATH.match(path)
+    return parse_capture_key(match.group(1))[0] if match else None
+
+
 @dataclass
 class ActiveFault:
     spec: FaultSpec
@@ -57,9 +66,12 @@ class FaultRegistry:
     def clear(self) -> None:
         self._faults.clear()
 
-    def take(self, server_name: str, op: str) -> FaultSpec | None:
-        """The first live fault for (server, op); using it counts against its `times`."""
+    def take(self, server_name: str, op: str, rollout_id: str | None = None) -> FaultSpec | None:
+        """The first live fault for (server, op) (and, for a fault that names one, the request's
+        rollout); using it counts against its `times`."""
         for fault in self._faults:
+            if fault.spec.rollout_id is not None and fault.spec.rollout_id != rollout_id:
+                continue
             if fault.spec.server_name == server_name and fault.spec.op == op and fault.remaining != 0:
                 if fault.remaining is not None:
                     fault.remaining -= 1
@@ -125,7 +137,7 @@ class FaultMiddleware:
         connection = Connection(send)
         scope = {**scope, "gymsim.connection": connection}
         target = classify(scope["path"])
-        fault = self.instance.faults.take(*target) if target else None
+        fault = self.instance.faults.take(*target, rollout_of(scope["path"])) if target else None
         if fault is None:
             await self.app(scope, receive, connection.send)
             return
@@ -154,6 +166,11 @@ class FaultMiddleware:
             await self.instance.clock.sleep(fault.seconds or 0.0)
             for message in held:
                 await connection.send(message)
+        elif fault.type == "hang":
+            # A tool that never answers: no reply at all, until the caller goes away (a retire
+            # cancels the episode that waits on it) or the server stops.
+            while (await receive())["type"] != "http.disconnect":
+                pass
         elif fault.type == "reset":
             await connection.drop()
         elif fault.type == "lost_reply":

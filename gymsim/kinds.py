@@ -416,6 +416,11 @@ class Episode:
     counter: int = 0  # the resources session counter after the last mutation
     staging_keys: list[str] = field(default_factory=list)
     resumed_from_turn: int | None = None
+    # When this /run began, and (a continuation) what its saved state embodied: the seconds from
+    # the saved attempt's start to the commit that captured it, and that commit's time. Reported
+    # in the reply so tests can price a restore against gymsim's own clock.
+    started_at: float = 0.0
+    resumed_saved: dict[str, float] | None = None
     state: str = "boundary"  # boundary -> calling -> working -> ... -> wire
     runner: asyncio.Task | None = None
     cancel_requested: bool = False
@@ -466,8 +471,14 @@ class AgentParticipant(Participant):
             task=body.task,
             task_digest=digest,
             turns=body.turns if body.turns is not None else self.instance.config.default_turns,
+            started_at=self.clock.now(),
         )
         if restored:
+            if "captured_at" in restored and "attempt_started_at" in restored:
+                episode.resumed_saved = {
+                    "seconds": round(restored["captured_at"] - restored["attempt_started_at"], 6),
+                    "at": restored["captured_at"],
+                }
             episode.turns = restored["turns"]
             episode.turn = episode.resumed_from_turn = restored["turn"]
             episode.counter = restored.get("counter", 0)
@@ -513,6 +524,8 @@ class AgentParticipant(Participant):
                 "reward": round(episode.counter / episode.turns, 6) if episode.turns else 0.0,
                 "staging_keys": list(episode.staging_keys),
                 "resumed_from_turn": episode.resumed_from_turn,
+                "started_at": episode.started_at,
+                "resumed_saved": episode.resumed_saved,
             }
         except asyncio.CancelledError:
             if episode.cancel_requested and self.knobs.stop_seconds and not self.killed:
@@ -623,6 +636,8 @@ class AgentParticipant(Participant):
                     "task_digest": e.task_digest,
                     "counter": e.counter,
                     "staging_keys": list(e.staging_keys),
+                    "attempt_started_at": e.started_at,
+                    "captured_at": self.clock.now(),
                 }
         for pair in self.native:
             state[pair] = {"native": True}

@@ -2,9 +2,10 @@
 
 ``serve``, ``migrate`` and ``import-ledger`` are the service's (``checkpoint_coordinator.cli``);
 ``demo`` (``ckpt_demo``) and ``gymsim`` are packages of their own that the service must not import
-(docs/architecture.md#layering), and the operator commands ``restore-plan`` and
-``snapshots`` are HTTP clients of a running coordinator (``ckpt_client.ops``). This module is the one place that knows all of them:
-it hands the tools to the service's command line, which lists and dispatches them.
+(docs/architecture.md#layering), and the operator commands ``restore-plan``, ``snapshots`` and
+``accounting`` are HTTP clients of a running coordinator (``ckpt_client.ops``). This module is the
+one place that knows all of them: it hands the tools to the service's command line, which lists
+and dispatches them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ def _snapshots(argv: list[str]) -> int:
     return snapshots_main(argv)
 
 
+def _accounting(argv: list[str]) -> int:
+    from ckpt_client.ops import accounting_main
+
+    return accounting_main(argv)
+
+
 TOOLS: dict[str, Delegated] = {
     "demo": Delegated("end-to-end demo: trainer + coordinator + gymsim, crash and restore", _demo),
     "gymsim": Delegated(
@@ -50,6 +57,11 @@ TOOLS: dict[str, Delegated] = {
     ),
     "restore-plan": Delegated("print a run's restore plan without applying it (a running coordinator, token in $CKPTC_RUN_TOKEN)", _restore_plan),
     "snapshots": Delegated("print a run's snapshot history with phase timings and Gym figures (token in $CKPTC_RUN_TOKEN)", _snapshots),
+    "accounting": Delegated(
+        "print a run's accounting: prompt groups per bucket and whether they are conserved, rollout-seconds by fate, "
+        "what each restore kept (token in $CKPTC_RUN_TOKEN)",
+        _accounting,
+    ),
 }
 
 

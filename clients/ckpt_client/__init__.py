@@ -8,6 +8,7 @@ See README.md in this package for a trainer integration example.
 from __future__ import annotations
 
 from ._core import RETRY_STATUSES, RetryPolicy
+from .accounting import Accounting, PromptAccounting, RestoreAccounting, WorkAccounting, WorkSplit
 from .aio import AsyncCoordinatorClient
 from .errors import (
     BatchRefused,
@@ -51,6 +52,7 @@ from .models import (
     GymRegistration,
     LiveCounts,
     OutboxPage,
+    PendingResult,
     PlanRow,
     RefusedResult,
     RestorePlan,
@@ -62,6 +64,8 @@ from .models import (
     SendRow,
     SiblingInfo,
     Snapshot,
+    SnapshotBlockers,
+    Straggler,
     StreamEndedResult,
     TrainStep,
 )
@@ -70,6 +74,11 @@ from .sync import CoordinatorClient
 __version__ = "0.1.0"
 
 __all__ = [
+    "Accounting",
+    "PromptAccounting",
+    "RestoreAccounting",
+    "WorkAccounting",
+    "WorkSplit",
     "CoordinatorClient",
     "AsyncCoordinatorClient",
     "RetryPolicy",
@@ -92,6 +101,8 @@ __all__ = [
     "SealResult",
     "GroupNext",
     "FailResult",
+    "PendingResult",
+    "Straggler",
     "StreamEndedResult",
     "GroupOutcome",
     "GroupsResult",
@@ -102,6 +113,7 @@ __all__ = [
     "OutboxPage",
     "Run",
     "Snapshot",
+    "SnapshotBlockers",
     "BarrierResult",
     "CutKeys",
     "TrainStep",

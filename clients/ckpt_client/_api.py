@@ -22,6 +22,7 @@ MAX_ADMIT_ROWS = 20_000
 #: Why a trainer gives a snapshot up: its data-plane capture failed (the snapshot ends failed),
 #: it cancels it, or it is a new incarnation taking over from the one that asked for it.
 ABORT_REASONS = ("data_plane_failed", "cancelled", "superseded")
+from .accounting import Accounting
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -34,6 +35,7 @@ from .models import (
     GymRegistration,
     LiveCounts,
     OutboxPage,
+    PendingResult,
     RefusedResult,
     RestorePlan,
     RestoreResult,
@@ -240,6 +242,9 @@ class Api:
         parts = yield from self._batched(self._run_path("/groups/abandon"), "group_ids", list(group_ids), GroupsResult.parse, batch_size=batch_size)
         return GroupsResult.merge(parts)
 
+    def accounting(self) -> Flow[Accounting]:
+        return Accounting.parse((yield from self._call(RequestSpec("GET", self._run_path("/accounting")))))
+
     def counts(self) -> Flow[LiveCounts]:
         return LiveCounts.parse((yield from self._call(RequestSpec("GET", self._run_path("/counts")))))
 
@@ -252,6 +257,10 @@ class Api:
 
         parts = yield from self._batched(self._run_path("/attempts/pending"), "rollout_ids", list(rollout_ids), parse, batch_size=batch_size)
         return sorted(x for p in parts for x in p)
+
+    def pending_detail(self, rollout_ids: Iterable[str], batch_size: int | None) -> Flow[PendingResult]:
+        parts = yield from self._batched(self._run_path("/attempts/pending"), "rollout_ids", list(rollout_ids), PendingResult.parse, batch_size=batch_size)
+        return PendingResult.merge(parts)
 
     def outbox(self, limit: int, after: int | None) -> Flow[OutboxPage]:
         params: dict[str, Any] = {"limit": limit}

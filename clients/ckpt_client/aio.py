@@ -15,6 +15,7 @@ import httpx
 from ._api import HANDSHAKE_TIMEOUT_S, DEFAULT_BATCH_SIZE, Api
 from ._core import Enter, Exit, Flow, Invoke, Now, RawResponse, RetryPolicy, Send, Sleep, TransportFailure
 from .helpers import new_id
+from .accounting import Accounting
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -30,6 +31,7 @@ from .models import (
     GymRegistration,
     LiveCounts,
     OutboxPage,
+    PendingResult,
     RefusedResult,
     RestorePlan,
     RestoreResult,
@@ -225,6 +227,11 @@ class AsyncCoordinatorClient:
     async def abandon_groups(self, group_ids: Iterable[str], *, batch_size: int | None = None) -> GroupsResult:
         return await self._drive(self._api.abandon_groups(group_ids, batch_size))
 
+    async def accounting(self) -> Accounting:
+        """The run's groups by bucket (``conserved``: they add up to its admissions), its
+        rollout-seconds by fate, and what each restore kept."""
+        return await self._drive(self._api.accounting())
+
     async def counts(self) -> LiveCounts:
         return await self._drive(self._api.counts())
 
@@ -234,6 +241,11 @@ class AsyncCoordinatorClient:
     async def pending(self, rollout_ids: Iterable[str], *, batch_size: int | None = None) -> list[str]:
         """Which of these rows are still dispatched without a result."""
         return await self._drive(self._api.pending(rollout_ids, batch_size))
+
+    async def pending_detail(self, rollout_ids: Iterable[str], *, batch_size: int | None = None) -> PendingResult:
+        """Like :meth:`pending`, and which of these rows the coordinator gave up as stragglers,
+        with their groups' rows to send instead (``PendingResult.rows_to_send``)."""
+        return await self._drive(self._api.pending_detail(rollout_ids, batch_size))
 
     async def outbox(self, *, limit: int = 100, after: int | None = None) -> OutboxPage:
         return await self._drive(self._api.outbox(limit, after))

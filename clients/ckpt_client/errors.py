@@ -131,13 +131,16 @@ class GateClosed(Conflict):
 
 @dataclass(frozen=True)
 class RefusedRow:
-    """One refused row of an atomic batch. ``key`` is the rollout id or the group id."""
+    """One refused row of an atomic batch. ``key`` is the rollout id or the group id.
+    ``replaced_by``: for a seal of a replaced attempt (``attempt_replaced``, ``retired_straggler``),
+    the rollout id of the attempt that replaced it."""
 
     key: str
     code: str
     detail: str
     rollout_id: str | None = None
     group_id: str | None = None
+    replaced_by: str | None = None
 
 
 class RunStopped(Conflict):
@@ -179,6 +182,7 @@ class BatchRefused(Conflict):
                     detail=str(r.get("detail", "")),
                     rollout_id=None if rid is None else str(rid),
                     group_id=None if gid is None else str(gid),
+                    replaced_by=None if r.get("replaced_by") is None else str(r.get("replaced_by")),
                 )
             )
         return out

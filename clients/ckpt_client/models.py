@@ -27,6 +27,8 @@ __all__ = [
     "RowResult",
     "SealResult",
     "GroupNext",
+    "Straggler",
+    "PendingResult",
     "FailResult",
     "StreamEndedResult",
     "GroupOutcome",
@@ -38,6 +40,7 @@ __all__ = [
     "OutboxPage",
     "Run",
     "Snapshot",
+    "SnapshotBlockers",
     "BarrierResult",
     "TrainStep",
     "PlanRow",
@@ -381,16 +384,23 @@ class RefusedResult:
 @dataclass(frozen=True)
 class RowResult:
     """Per-row outcome: ``result`` is sealed/returned/failed/abandoned, or ``unchanged`` for a
-    row the ledger had already handled (an identical repeat, e.g. after a retry)."""
+    row the ledger had already handled (an identical repeat, e.g. after a retry). A failure
+    report of a row replaced before says what replaced it (``replaced_by``) and, when the
+    coordinator ended it itself, why (``end_reason``: ``straggler``)."""
 
     rollout_id: str
     result: str
     status: str | None = None
+    end_reason: str | None = None
+    replaced_by: str | None = None
 
     @classmethod
     def parse(cls, doc: Any) -> RowResult:
         d = _obj(doc, "row result")
-        return cls(str(_req(d, "rollout_id", "row result")), str(d.get("result", "")), _str(d.get("status")))
+        return cls(
+            str(_req(d, "rollout_id", "row result")), str(d.get("result", "")), _str(d.get("status")),
+            _str(d.get("end_reason")), _str(d.get("replaced_by")),
+        )
 
 
 @dataclass(frozen=True)
@@ -424,6 +434,43 @@ class GroupNext:
     def parse(cls, doc: Any) -> GroupNext:
         d = _obj(doc, "group")
         return cls(str(_req(d, "group_id", "group")), str(d.get("status", "")), _int(d.get("group_attempt")), _rows(d.get("rows_to_send")))
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A row the coordinator gave up as a straggler (it blocked snapshots in a row; retired on
+    Gym, docs/ledger.md#stragglers) and its group now: ``group.rows_to_send`` replace it."""
+
+    rollout_id: str
+    group: GroupNext
+
+    @classmethod
+    def parse(cls, doc: Any) -> Straggler:
+        d = _obj(doc, "straggler")
+        return cls(str(_req(d, "rollout_id", "straggler")), GroupNext.parse(d.get("group")))
+
+
+@dataclass(frozen=True)
+class PendingResult:
+    """The pending read: the asked rows still dispatched without a result, and those given up
+    as stragglers with what to send instead."""
+
+    pending: list[str]
+    stragglers: list[Straggler] = field(default_factory=list)
+
+    @property
+    def rows_to_send(self) -> list[SendRow]:
+        return [r for s in self.stragglers for r in s.group.rows_to_send]
+
+    @classmethod
+    def parse(cls, doc: Any) -> PendingResult:
+        d = _obj(doc, "pending")
+        return cls(_strs(d.get("pending")), [Straggler.parse(x) for x in _list(d.get("stragglers"))])
+
+    @classmethod
+    def merge(cls, parts: Iterable[PendingResult]) -> PendingResult:
+        ps = list(parts)
+        return cls(sorted(x for p in ps for x in p.pending), [s for p in ps for s in p.stragglers])
 
 
 def _merge_groups(parts: Iterable[Sequence[GroupNext]]) -> list[GroupNext]:
@@ -662,6 +709,21 @@ TERMINAL_OUTCOMES = frozenset({"published", "failed", "aborted"})
 
 
 @dataclass(frozen=True)
+class SnapshotBlockers:
+    """The episodes that kept an ended snapshot from its cut: how many, and at most 10 rollout
+    ids (docs/ledger.md#stragglers)."""
+
+    count: int
+    rollout_ids: list[str]
+
+    @classmethod
+    def parse(cls, doc: Any) -> SnapshotBlockers | None:
+        if not isinstance(doc, Mapping):
+            return None
+        return cls(_int(doc.get("count")), _strs(doc.get("rollout_ids")))
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """A snapshot document. ``awaiting`` is what the coordinator waits for from the trainer:
     ``"barrier"`` (take the data-plane barrier and call barrier), ``"capture"`` (report the
@@ -689,6 +751,9 @@ class Snapshot:
     #: What the snapshot found worth telling while it ran (a Gym lease grace out of range, a
     #: participant whose lease lapsed, a stop not honoured...); a published snapshot may have them.
     warnings: list[str] = field(default_factory=list)
+    #: Once it ended, the episodes that blocked it (Gym's prepare blockers, or replies still
+    #: pending when the drain gave up); None while it runs, or from an older coordinator.
+    blockers: SnapshotBlockers | None = None
 
     @property
     def terminal(self) -> bool:
@@ -744,6 +809,7 @@ class Snapshot:
             cause=_str(d.get("cause")),
             retryable=d.get("retryable") if isinstance(d.get("retryable"), bool) else None,
             warnings=_strs(detail.get("warnings")) if isinstance(detail := d.get("detail"), Mapping) else [],
+            blockers=SnapshotBlockers.parse(d.get("blockers")),
         )
 
 
@@ -880,6 +946,13 @@ class RestorePlan:
         return [r for r in self.rows if r.needs_send]
 
     @property
+    def accounting(self) -> Any:
+        """What this restore would find in flight, carry and redo (a ``RestoreAccounting``)."""
+        from .accounting import RestoreAccounting
+
+        return RestoreAccounting.of_answer(self.raw)
+
+    @property
     def reasons(self) -> dict[str, dict[str, int]]:
         """Rows per disposition and reason over the whole plan (docs/ledger.md#row-reasons)."""
         return {str(d): {str(r): _int(n) for r, n in _dict(v).items()} for d, v in _dict(self.raw.get("reasons")).items()}
@@ -920,6 +993,14 @@ class RestoreResult:
     @property
     def rows_to_send(self) -> list[PlanRow]:
         return [r for r in self.rows if r.needs_send]
+
+    @property
+    def accounting(self) -> Any:
+        """What the restore found in flight, carried and must redo (a ``RestoreAccounting``;
+        None for a restore applied before the coordinator kept accounting)."""
+        from .accounting import RestoreAccounting
+
+        return RestoreAccounting.of_answer(self.raw)
 
     @classmethod
     def parse(cls, doc: Any, restore_id: str) -> RestoreResult:

@@ -1,14 +1,15 @@
-"""Operator commands on the thin client: ``ckpt-coordinator restore-plan`` and ``ckpt-coordinator
-snapshots``.
+"""Operator commands on the thin client: ``ckpt-coordinator restore-plan``, ``ckpt-coordinator
+snapshots`` and ``ckpt-coordinator accounting``.
 
-Both read a running coordinator over HTTP with the client's own calls and print a table (or the
+Each reads a running coordinator over HTTP with the client's own calls and prints tables (or the
 JSON the coordinator answered). The token comes from ``CKPTC_RUN_TOKEN`` only: a token on the
 command line would end up in shell histories and in every ``ps`` listing. The coordinator's URL
 is ``--url``, or ``CKPTC_URL`` when that option is left out.
 
 Exit status: 0 printed; 1 the coordinator refused (unknown run, bad token, invalid request...);
 2 usage (bad arguments, no token); 3 the coordinator could not be reached or answered something
-unreadable. Every failure is one line on stderr, never a traceback.
+unreadable; 4 (``accounting`` only) printed, but the run's prompt groups are not conserved. Every
+failure is one line on stderr, never a traceback.
 """
 
 from __future__ import annotations
@@ -25,11 +26,14 @@ from .errors import CoordinatorError, ProtocolError, Unavailable
 from .models import PlanRow, RestorePlan, Snapshot
 from .sync import CoordinatorClient
 
-__all__ = ["TOKEN_ENV", "URL_ENV", "restore_plan_main", "snapshots_main", "parse_instance_map"]
+__all__ = ["TOKEN_ENV", "URL_ENV", "restore_plan_main", "snapshots_main", "accounting_main", "parse_instance_map"]
 
 TOKEN_ENV = "CKPTC_RUN_TOKEN"
 URL_ENV = "CKPTC_URL"
 EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+# Not an error of the command: the answer was printed, and it says a prompt group went missing.
+# A code of its own, so that a cron job or a CI step can alert on exactly that.
+EXIT_NOT_CONSERVED = 4
 
 _DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
 _PHASES = ("gate", "pre_cut", "prepare", "commit", "drain", "data_plane", "resume", "total")
@@ -86,9 +90,16 @@ def _at_least(minimum: float, kind: type = int, *, strictly: bool = False) -> Ca
 _non_negative, _positive, _seconds = _at_least(0), _at_least(1), _at_least(0, float, strictly=True)
 
 
-def _parser(command: str, description: str) -> argparse.ArgumentParser:
-    """A command's parser with the options both commands share."""
-    p = argparse.ArgumentParser(prog=f"ckpt-coordinator {command}", description=description, epilog=_EPILOG)
+_ACCOUNTING_EPILOG = _EPILOG + f"""
+
+Exit status {EXIT_NOT_CONSERVED}: the accounting was printed (--json too) and the run's prompt
+groups are NOT CONSERVED: some admitted group is in no bucket (docs/accounting.md#prompt-conservation).
+Scripts can alert on it."""
+
+
+def _parser(command: str, description: str, epilog: str = _EPILOG) -> argparse.ArgumentParser:
+    """A command's parser with the options every command shares."""
+    p = argparse.ArgumentParser(prog=f"ckpt-coordinator {command}", description=description, epilog=epilog)
     url = os.environ.get(URL_ENV, "").strip()
     p.add_argument(
         "--url", required=not url, default=url or None, metavar="URL",
@@ -134,6 +145,20 @@ def snapshots_parser() -> argparse.ArgumentParser:
     return p
 
 
+def accounting_parser() -> argparse.ArgumentParser:
+    p = _parser(
+        "accounting",
+        "Print a run's accounting (docs/accounting.md): every admitted prompt group in one bucket (trained, abandoned, "
+        "live, rewound) and whether they add up (CONSERVED or NOT CONSERVED), the rollout-seconds by fate (trained, "
+        "in flight, carried, redone) and why work was redone, and per applied restore what it found in flight, carried "
+        "and must redo.",
+        _ACCOUNTING_EPILOG,
+    )
+    p.add_argument("--by-instance", action="store_true", help="each restore's figures per Gym instance too")
+    p.add_argument("--by-level", action="store_true", help="each restore's figures per restore level (turn, sibling, prompt_group) too")
+    return p
+
+
 # --------------------------------------------------------------------------------------------
 # Running
 
@@ -148,7 +173,12 @@ def _client(args: argparse.Namespace) -> CoordinatorClient:
     return CoordinatorClient(args.url, token, run_id=args.run, timeout=args.timeout, retries=1, backoff=0.2, max_backoff=1.0)
 
 
-def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Callable[[argparse.Namespace, CoordinatorClient, TextIO], None]) -> int:
+Body = Callable[[argparse.Namespace, CoordinatorClient, TextIO], int | None]
+
+
+def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None, body: Body) -> int:
+    """Run ``body`` with a client; its answer (None: 0) is the exit status unless a failure
+    comes first."""
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     out, err = sys.stdout, sys.stderr
     # The client logs each retry as a warning; without a handler Python would print it, and the
@@ -156,7 +186,7 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     logging.getLogger("ckpt_client").addHandler(logging.NullHandler())
     try:
         with _client(args) as client:
-            body(args, client, out)
+            code = body(args, client, out)
     except _Usage as e:
         print(f"{prog}: {e}", file=err)
         return EXIT_USAGE
@@ -168,9 +198,10 @@ def _run(prog: str, parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         return EXIT_REFUSED
     except BrokenPipeError:
         # `| head`: the reader left. Point stdout at /dev/null so the flush at exit stays quiet.
+        # A verdict the body reached before writing (``args.verdict``) still decides the status.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
-    return EXIT_OK
+        return getattr(args, "verdict", EXIT_OK)
+    return code or EXIT_OK
 
 
 def _one_line(e: BaseException) -> str:
@@ -218,6 +249,29 @@ def snapshots_main(argv: Sequence[str] | None = None) -> int:
             out.write(json.dumps({"run_id": args.run, "snapshots": [s.raw for s in snaps]}, indent=2, sort_keys=True) + "\n")
         else:
             out.write(render_snapshots(args.run, snaps) + "\n")
+
+    return _run(parser.prog, parser, argv, body)
+
+
+def accounting_main(argv: Sequence[str] | None = None) -> int:
+    """``ckpt-coordinator accounting``."""
+    # Imported here: the renderer imports this module's table helpers.
+    from .ops_accounting import not_conserved_line, render_accounting
+
+    parser = accounting_parser()
+
+    def body(args: argparse.Namespace, client: CoordinatorClient, out: TextIO) -> int:
+        acc = client.accounting()
+        args.verdict = EXIT_OK if acc.conserved else EXIT_NOT_CONSERVED  # kept when `| head` leaves early
+        if args.json:
+            out.write(json.dumps(acc.raw, indent=2, sort_keys=True) + "\n")
+        else:
+            out.write(render_accounting(acc, by_instance=args.by_instance, by_level=args.by_level) + "\n")
+        if acc.conserved:
+            return EXIT_OK
+        out.flush()  # the tables first, then the verdict on stderr
+        print(f"{parser.prog}: {not_conserved_line(acc)}", file=sys.stderr)
+        return int(args.verdict)
 
     return _run(parser.prog, parser, argv, body)
 
@@ -363,6 +417,9 @@ def render_snapshots(run_id: str, snaps: Sequence[Snapshot]) -> str:
         if s.cause:
             again = {True: "a new snapshot later should work", False: "waiting will not help", None: ""}[s.retryable]
             lines.append(f"    cause: {' '.join(s.cause.split())}" + (f" ({again})" if again else ""))
+        if s.blockers is not None and s.blockers.count:
+            more = s.blockers.count - len(s.blockers.rollout_ids)
+            lines.append(f"    blocked by {s.blockers.count} episode(s): {', '.join(s.blockers.rollout_ids)}" + (f", … {more} more" if more > 0 else ""))
         phases = [f"{k} {_secs(timings[k])}" for k in _ordered(timings, _PHASES) if k not in ("total", "gym_parked")]
         if phases:
             lines.append("    phases: " + ", ".join(phases))

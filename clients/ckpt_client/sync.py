@@ -14,6 +14,7 @@ import httpx
 from ._api import HANDSHAKE_TIMEOUT_S, DEFAULT_BATCH_SIZE, Api
 from ._core import Enter, Exit, Flow, Invoke, Now, RawResponse, RetryPolicy, Send, Sleep, TransportFailure
 from .helpers import new_id
+from .accounting import Accounting
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -29,6 +30,7 @@ from .models import (
     GymRegistration,
     LiveCounts,
     OutboxPage,
+    PendingResult,
     RefusedResult,
     RestorePlan,
     RestoreResult,
@@ -244,6 +246,11 @@ class CoordinatorClient:
     def abandon_groups(self, group_ids: Iterable[str], *, batch_size: int | None = None) -> GroupsResult:
         return self._drive(self._api.abandon_groups(group_ids, batch_size))
 
+    def accounting(self) -> Accounting:
+        """The run's groups by bucket (``conserved``: they add up to its admissions), its
+        rollout-seconds by fate, and what each restore kept."""
+        return self._drive(self._api.accounting())
+
     def counts(self) -> LiveCounts:
         return self._drive(self._api.counts())
 
@@ -253,6 +260,11 @@ class CoordinatorClient:
     def pending(self, rollout_ids: Iterable[str], *, batch_size: int | None = None) -> list[str]:
         """Which of these rows are still dispatched without a result."""
         return self._drive(self._api.pending(rollout_ids, batch_size))
+
+    def pending_detail(self, rollout_ids: Iterable[str], *, batch_size: int | None = None) -> PendingResult:
+        """Like :meth:`pending`, and which of these rows the coordinator gave up as stragglers,
+        with their groups' rows to send instead (``PendingResult.rows_to_send``)."""
+        return self._drive(self._api.pending_detail(rollout_ids, batch_size))
 
     def outbox(self, *, limit: int = 100, after: int | None = None) -> OutboxPage:
         return self._drive(self._api.outbox(limit, after))

@@ -222,6 +222,8 @@ def fleet_overview() -> dict[str, Any]:
     control_errors = _rate("ckptc_gym_control_seconds_count", 'outcome!~"ok|not_ready"')
     http_all = _rate("ckptc_http_request_seconds_count")
     http_5xx = _rate("ckptc_http_request_seconds_count", 'status=~"5.."')
+    carried = f'increase(ckptc_rollout_seconds_total{{{SEL}, fate="carried"}}[1d])'
+    carried_or_redone = f'increase(ckptc_rollout_seconds_total{{{SEL}, fate=~"carried|redone"}}[1d])'
     items: list[Panel | Row] = [
         Row("Fleet"),
         Panel("Replicas up", "Coordinator replicas Prometheus scraped successfully.",
@@ -246,6 +248,9 @@ def fleet_overview() -> dict[str, Any]:
         Panel("Fenced writes (24h)", "Background writes refused because their replica had lost the run's lease to another one "
               "(it stopped driving that run's snapshot or outbox there).",
               [Target(f"sum(increase(ckptc_fenced_writes_total{{{SEL}}}[1d]))")], kind="stat", width=4, height=4),
+        Panel("Stragglers given up (24h)", "Episodes that blocked max_blocking_snapshots snapshots in a row (a tool that hangs), "
+              "retired on Gym and replaced by the next snapshot's gate (docs/ledger.md#stragglers).",
+              [Target(f"sum(increase(ckptc_straggler_retirements_total{{{SEL}}}[1d]))")], kind="stat", width=4, height=4),
         Panel("Refused tokens (1h)", "Requests refused for their token (401, 403) and clients throttled for refusing too "
               "often (429): a trainer with a stale token, or someone probing.",
               [Target(f"sum(increase(ckptc_auth_failures_total{{{SEL}}}[1h]))")], kind="stat", width=4, height=4),
@@ -303,6 +308,22 @@ def fleet_overview() -> dict[str, Any]:
               [Target(f"sum by (disposition) (increase(ckptc_restore_siblings_total{{{SEL}}}[1d]))", "{{disposition}}")]),
         Panel("Restore duration p95", "Plan checks to applied ledger, by outcome, last day.",
               [Target(_quantile("0.95", "ckptc_restore_duration_seconds", "outcome", window="1d"), "{{outcome}}")], unit="s"),
+        # The accounting counters carry no run label (docs/accounting.md#where-it-shows), so this
+        # row is fleet-wide only; one run's figures come from `ckpt-coordinator accounting`.
+        Row("Work kept and lost"),
+        Panel("Prompt groups by bucket", "Prompt groups entering each bucket per second, all runs: live when admitted, "
+              "trained when finalized, abandoned, rewound by a restore (the trainer's data loader owes them again). Whether "
+              "a run's buckets add up is per run: ckpt-coordinator accounting (docs/accounting.md#prompt-conservation).",
+              [Target(f"sum by (bucket) ({_rate('ckptc_prompts_total')})", "{{bucket}}")], width=8),
+        Panel("Rollout-seconds by fate", "Rollout work per second by what became of it, all runs: trained (sealed), carried "
+              "(continued by a restore from Gym state, up to its cut), redone (failed, abandoned, or thrown away by a "
+              "restore) (docs/accounting.md#rollout-seconds).",
+              [Target(f"sum by (fate) ({_rate('ckptc_rollout_seconds_total')})", "{{fate}}")], width=8),
+        Panel("Share of work carried (1d)", "carried / (carried + redone) rollout-seconds over the last day, all runs: of the "
+              "work a restore or a failure put in question, the part that was not done again "
+              "(docs/accounting.md#what-a-restore-kept). Empty while there is nothing of either.",
+              [Target(f"sum({carried}) / (sum({carried_or_redone}) > 0)", "carried share")],
+              unit="percentunit", width=8),
     ]
     return _dashboard(
         "ckptc-fleet",

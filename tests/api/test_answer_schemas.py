@@ -146,6 +146,8 @@ async def _imported(run: Run) -> None:
     await run.get("/restores/r1")
     await run.get("/restores/r1/rows?limit=1")
     await run.get("/restores/r9", 404)
+    accounting = await run.get("/accounting")
+    assert accounting["prompts"]["conserved"] and [r["restore_id"] for r in accounting["restores"]] == ["r1"]
     await run.post("/reopen")
     await run.post("/close")
 

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import ckpt_client.accounting as ca
 import ckpt_client.models as cm
 import pytest
 from checkpoint_coordinator.errors import CoordinatorError
@@ -67,7 +68,11 @@ PARSES: dict[type, list[Answer]] = {
     cm.RefusedResult: [A("report_refused")],
     cm.RowResult: [A("report_sealed", where="rows[]"), A("report_failed", where="rows[]")],
     cm.SealResult: [A("report_sealed")],
-    cm.GroupNext: [A("report_failed", where="groups[]"), A("report_stream_ended", where="groups[]")],
+    cm.GroupNext: [
+        A("report_failed", where="groups[]"), A("report_stream_ended", where="groups[]"), A("pending_attempts", where="stragglers[].group"),
+    ],
+    cm.Straggler: [A("pending_attempts", where="stragglers[]")],
+    cm.PendingResult: [A("pending_attempts")],
     cm.FailResult: [A("report_failed")],
     cm.StreamEndedResult: [A("report_stream_ended")],
     cm.GroupOutcome: [A("finalize_groups", where="groups[]"), A("abandon_groups", where="groups[]")],
@@ -89,6 +94,7 @@ PARSES: dict[type, list[Answer]] = {
         A("abort_snapshot"),
         A("snapshot_data_plane_captured"),
     ],
+    cm.SnapshotBlockers: [A("get_snapshot", where="blockers"), A("list_snapshots", where="snapshots[].blockers")],
     cm.DataPlaneRef: [A("get_snapshot", where="data_plane_ref"), A("get_restore_plan", where="data_plane_ref"), A("create_restore", where="data_plane_ref")],
     cm.BarrierResult: [A("snapshot_barrier_held")],
     cm.CutKeys: [A("snapshot_staging_keys")],
@@ -97,6 +103,18 @@ PARSES: dict[type, list[Answer]] = {
     cm.RestorePlan: [A("get_restore_plan")],
     cm.RestoreResult: [A("create_restore")],
     cm.GymRegistration: [A("register_gym_instances")],
+    ca.Accounting: [A("get_accounting")],
+    ca.PromptAccounting: [A("get_accounting", where="prompts")],
+    ca.WorkAccounting: [A("get_accounting", where="work")],
+    ca.RestoreAccounting: [
+        A("get_accounting", where="restores[]"),
+        *(A(op, where="accounting", absent=("restore_id", "snapshot_id", "applied_at", "recorded")) for op in ("get_restore_plan", "create_restore")),
+    ],
+    ca.WorkSplit: [
+        A("get_accounting", where="restores[].by_instance[]", absent=("restore_level",)),
+        A("get_accounting", where="restores[].by_level[]", absent=("instance_id",)),
+        A("create_restore", where="accounting.by_instance[]", absent=("restore_level",)),
+    ],
 }
 
 # Client fields read from another member of the answer than their name.
@@ -112,7 +130,7 @@ SNAPSHOT_RECORD = "<the members of SnapshotOut>"
 # Members of an answer the client does not model as fields (reachable through ``raw``).
 UNMODELLED: dict[type, set[str]] = {
     cm.GroupDetail: {"data_attempts_used", "prompt_ref", "task_digest", "task_source", "agent_name", "target_step", "weight_version"},
-    cm.AttemptInfo: {"attempt_id", "gym_owned", "created_at", "dispatched_at", "ended_at"},
+    cm.AttemptInfo: {"attempt_id", "gym_owned", "policy_version", "created_at", "dispatched_at", "ended_at"},
     cm.Run: {"consecutive_snapshot_losses", "consecutive_snapshot_failures", "created_at", "closed_at"},
     cm.Snapshot: {
         "stop", "deadline_at", "gym_checkpoint_id", "snapshot_dir", "gym_restarted_episodes", "resume_failure", "cut_at",
@@ -123,11 +141,12 @@ UNMODELLED: dict[type, set[str]] = {
     cm.TrainStep: {"announced_at"},
     cm.RestorePlan: {
         "run_id", "gym_checkpoint_id", "snapshot_dir", "with_gym_state", "gym_state", "epoch", "total", "reasons", "instance_map",
-        "cohort_reruns", "skipped_groups", "retires", "continued_by_instance", "next_cursor",
+        "cohort_reruns", "skipped_groups", "retires", "continued_by_instance", "next_cursor", "accounting",
     },
     cm.RestoreResult: {
         "run_id", "gym_checkpoint_id", "snapshot_dir", "with_gym_state", "gym", "total", "reasons", "instance_map", "cohort_reruns",
         "dispatched_after_cut", "retires_queued", "groups_removed", "train_steps_retired", "aborted_snapshots", "rows_total", "next_cursor",
+        "accounting",
     },
     cm.GymRegistration: {"run_id"},
 }

@@ -235,6 +235,19 @@ def test_snapshot_history_shows_a_stop_and_the_slowest_participants() -> None:
     assert "phases: gate 0.01s, prepare 0.20s, commit 0.30s" in text
 
 
+def test_snapshot_history_names_the_episodes_that_blocked_a_snapshot() -> None:
+    from ckpt_client import Snapshot
+    from ckpt_client.ops import render_snapshots
+
+    ids = [f"g{k}_g0_a{k:032x}" for k in range(10)]
+    snap = Snapshot.parse({"snapshot_id": "s3", "anchor_step": 2, "outcome": "failed", "reason": "gym_not_ready",
+                           "phase_timings": {"prepare": 0.5}, "blockers": {"count": 12, "rollout_ids": ids}})
+    assert snap.blockers is not None and (snap.blockers.count, snap.blockers.rollout_ids) == (12, ids)
+    assert f"    blocked by 12 episode(s): {', '.join(ids)}, … 2 more" in render_snapshots("run-x", [snap])
+    unblocked = Snapshot.parse({"snapshot_id": "s4", "outcome": "published", "phase_timings": {"prepare": 0.1}, "blockers": {"count": 0, "rollout_ids": []}})
+    assert "blocked by" not in render_snapshots("run-x", [unblocked])
+
+
 def test_history_pages_newest_first(coordinator: LiveServer) -> None:
     """Snapshots the trainer gave up are history all the same, each with its cause."""
     with CoordinatorClient(coordinator.url, ADMIN_TOKEN, retries=2, backoff=0.05) as admin:

@@ -29,6 +29,7 @@ from checkpoint_coordinator.gym import (
     ManualClock,
     instance_checkpoint_dir,
 )
+from checkpoint_coordinator.gym.errors import BLOCKED_EPISODES
 from gymsim.testing import default_instance_config, server_config
 
 from .helpers import PARTICIPANTS, Rows, StartGym, assert_all_idle, calls_to, server_of, state, topology, wait_running
@@ -98,6 +99,8 @@ async def test_c40_not_ready_resumes_every_instance_and_reports_counts_and_sampl
     assert part["blocker_count"] == 12
     assert len(part["blockers"]) == 10 and set(part["blockers"]) <= set(keys)
     assert "math/replica-0" not in err.instances
+    # Every blocker named, not only the sample: the snapshot records them (docs/ledger.md#stragglers).
+    assert err.extra[BLOCKED_EPISODES] == {"math/replica-1": keys}
     # Every participant of every instance was resumed.
     for inst in (ready, blocked):
         assert {server_of(c) for c in calls_to(recorder, inst, "resume")} == set(PARTICIPANTS)
@@ -683,6 +686,7 @@ async def test_c47_drain_timeout_reports_count_and_samples(
     assert err.failure_class is FailureClass.DRAIN_TIMEOUT and err.transient
     assert err.extra["pending_count"] == 10
     assert err.extra["pending_samples"] == [e.capture_key for e in ghosts[2:12]]
+    assert sorted(err.extra[BLOCKED_EPISODES][inst.instance_id]) == [e.capture_key for e in ghosts[2:12]]
     assert {server_of(c) for c in recorder.ops("resume")} == set(PARTICIPANTS)
     assert_all_idle(inst)
 

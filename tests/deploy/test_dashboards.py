@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import subprocess
@@ -56,6 +57,23 @@ def test_fleet_and_drilldown_cover_what_operators_asked_for() -> None:
     for needle in ("ckptc_snapshot_failures_consecutive", "ckptc_run_snapshots_total", "ckptc_run_snapshot_phase_seconds",
                    'phase=~"total|gym_parked"', "ckptc_run_restore_siblings_total", "ckptc_run_gym_control_calls_total"):
         assert needle in drill, needle
+
+
+def test_work_kept_and_lost_row_shows_buckets_fates_and_the_carried_share() -> None:
+    """docs/accounting.md#where-it-shows: prompts by bucket, rollout-seconds by fate, and the share
+    carried, on the fleet overview (the counters carry no run label, so not on the drill-down)."""
+    panels = dashboards()["fleet-overview.json"]["panels"]
+    [start] = [k for k, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Work kept and lost"]
+    row = list(itertools.takewhile(lambda p: p["type"] != "row", panels[start + 1:]))
+    exprs = {p["title"]: p["targets"][0]["expr"] for p in row}
+    assert len(row) == 3, list(exprs)
+    assert any("sum by (bucket)" in e and "rate(ckptc_prompts_total{" in e for e in exprs.values()), exprs
+    assert any("sum by (fate)" in e and "rate(ckptc_rollout_seconds_total{" in e for e in exprs.values()), exprs
+    [share] = [p for p in row if p["fieldConfig"]["defaults"]["unit"] == "percentunit"]
+    numerator, denominator = share["targets"][0]["expr"].split(" / ")
+    assert 'fate="carried"' in numerator and 'fate=~"carried|redone"' in denominator and denominator.endswith("> 0)")
+    drill = " ".join(e for _, e in generate.all_queries(dashboards()["run-drilldown.json"]))
+    assert "ckptc_prompts_total" not in drill and "ckptc_rollout_seconds_total" not in drill
 
 
 def test_the_drilldown_filters_by_run_throughout() -> None:

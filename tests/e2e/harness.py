@@ -52,6 +52,7 @@ class Trainer:
         self.tasks: set[asyncio.Task[None]] = set()
         self.replies: dict[str, dict[str, Any]] = {}
         self.refusals = 0
+        self.stragglers: list[str] = []  # rows Gym retired under their /run as stragglers
 
     async def aclose(self) -> None:
         await asyncio.gather(*self.tasks, return_exceptions=True)
@@ -96,8 +97,22 @@ class Trainer:
             await self.api.post("/attempts/refused", {"rollout_ids": [row["rollout_id"]]})
             await asyncio.sleep(0.05)
             await self.dispatch([row], instance_id)
+        elif resp.status_code == 409 and resp.json()["error"]["code"] == "stale_attempt" and await self._replaced(row, instance_id):
+            pass
         else:
             await self.api.post("/attempts/failed", {"rows": [{"rollout_id": row["rollout_id"], "failure_class": "data"}]})
+
+    async def _replaced(self, row: dict[str, Any], instance_id: str) -> bool:
+        """Gym retired the row under its /run: the pending read says whether the coordinator gave
+        it up as a straggler, and what to send instead (docs/ledger.md#stragglers)."""
+        read = await self.api.post("/attempts/pending", {"rollout_ids": [row["rollout_id"]]})
+        rows = [r for s in read.get("stragglers", []) for r in s["group"]["rows_to_send"]]
+        if not read.get("stragglers"):
+            return False
+        self.stragglers.append(row["rollout_id"])
+        if rows:
+            await self.dispatch(rows, instance_id)
+        return True
 
     async def wait_idle(self, timeout: float = 30) -> None:
         async with asyncio.timeout(timeout):

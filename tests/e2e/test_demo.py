@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_demo import build_parser
-from ckpt_demo.checks import check_groups, check_instance_map, check_mutations, check_rewards
+from ckpt_demo.checks import check_conserved, check_groups, check_instance_map, check_mutations, check_rewards
 from ckpt_demo.runner import FIRST_ALLOCATION, INSTANCE_MAP, NEXT_ALLOCATION, pids_alive
 from ckpt_demo.trainer import DataLoader, recovery_config
 
@@ -61,6 +61,8 @@ def test_demo_survives_the_crash_and_shows_every_disposition(tmp_path: Path) -> 
     assert s["snapshot_totals"]["not_published_reasons"].get("aborted:train_step_committed") == 1
     assert s["gym_parked_seconds"] > 0
 
+    _assert_accounting(s, proc.stdout)
+
     # The summary table went to stdout; nothing the demo started is left running or on disk.
     assert "continued" in proc.stdout and "OK in" in proc.stdout
     assert pids_alive(s["processes"]) == []
@@ -105,8 +107,33 @@ def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Pat
     # The summary prints the plan's reasons and whether the stop was honoured.
     assert "why (the plan's reason for each row)" in proc.stdout and "instance_not_mapped" in proc.stdout
     assert ("stop honoured" if profile == "strict" else "stop not honoured") in proc.stdout
+    _assert_accounting(s, proc.stdout)
     assert pids_alive(s["processes"]) == []
     assert s["workdir"] and not Path(s["workdir"]).exists()
+
+
+def _assert_accounting(s: dict, stdout: str) -> None:
+    """The coordinator's accounting is in the summary and on stdout, and its conservation is one
+    of the checks that decide the exit status."""
+    acc = s["accounting"]
+    p = acc["prompts"]
+    assert p["conserved"] is True and p["missing"] == 0 and p["buckets"]["live"] == 0, p
+    # Every group was trained in the end; a rewound one was admitted again, and counted again.
+    assert p["buckets"]["trained"] == s["groups"]["expected"] and p["admitted"] == p["buckets"]["trained"] + p["buckets"]["rewound"]
+    [conserved] = [c for c in s["checks"] if c["name"] == "every prompt group accounted for (conserved)"]
+    assert conserved["ok"] is True
+    [r] = acc["restores"]
+    assert r["restore_id"] == s["restore"]["restore_id"] and r["recorded"] is True and r["found_seconds"] > 0
+    assert abs(r["carried_seconds"] + r["redone_seconds"] - r["found_seconds"]) < 0.01
+
+    section = stdout.split("accounting (the coordinator's, from its ledger)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert section[0].split() == ["admitted", "trained", "abandoned", "live", "rewound", "missing", "conserved"]
+    assert section[2].split()[-1] == "yes"
+    [line] = [ln.split() for ln in section if ln.split()[:1] == [r["restore_id"]]]
+    # found, carried and redone read as durations ("1m 02s" is two words): the share and the
+    # groups rewound end the line.
+    assert line[1] == s["restore"]["snapshot_id"] and line[-2:] == [f"{r['carried_share'] * 100:.1f}%", str(r["groups_rewound"])], line
+    assert f"restore {r['restore_id']} kept {r['carried_share'] * 100:.1f}% of the work it found in flight" in stdout
 
 
 def test_help_explains_every_flag() -> None:
@@ -270,3 +297,32 @@ def test_summary_of_an_allocation_end_names_the_stop_the_map_and_the_reasons() -
     why = [line.split() for line in text.split("why (the plan's reason for each row)", 1)[1].split("\n\n", 1)[0].splitlines()]
     assert ["reused", "sealed_at_cut", "17"] in why and ["restarted", "instance_not_mapped", "2"] in why
     assert [w[0] for w in why if w and not w[0].startswith("-")][1:] == ["reused", "continued", "restarted"]  # in the dispositions' order
+
+
+def test_conservation_check_fails_the_demo_when_a_group_is_in_no_bucket() -> None:
+    good = check_conserved({"admitted": 10, "accounted": 10, "missing": 0, "conserved": True,
+                            "buckets": {"trained": 8, "abandoned": 0, "live": 0, "rewound": 2}})
+    assert good.ok and "trained 8, abandoned 0, live 0, rewound 2" in good.detail
+    bad = check_conserved({"admitted": 10, "accounted": 9, "missing": 1, "conserved": False,
+                           "buckets": {"trained": 7, "abandoned": 0, "live": 0, "rewound": 2}})
+    assert not bad.ok and "1 unaccounted for" in bad.detail
+    # An answer without the verdict is not taken for a conserved run.
+    assert not check_conserved({}).ok
+
+
+def test_summary_prints_the_accounting_and_the_failed_conservation() -> None:
+    from ckpt_demo.report import render_accounting
+
+    acc = {
+        "prompts": {"admitted": 10, "buckets": {"trained": 7, "abandoned": 0, "live": 0, "rewound": 2}, "accounted": 9, "missing": 1,
+                    "conserved": False},
+        "work": {"seconds_by_fate": {"trained": 80.0, "in_flight": 0.0, "carried": 6.0, "redone": 4.0}, "total_seconds": 90.0},
+        "restores": [{"restore_id": "r1", "snapshot_id": "s1", "found_seconds": 10.0, "carried_seconds": 6.0, "redone_seconds": 4.0,
+                      "carried_share": 0.6, "groups_rewound": 2, "recorded": True}],
+    }
+    lines = render_accounting(acc)
+    assert lines[1].split() == ["admitted", "trained", "abandoned", "live", "rewound", "missing", "conserved"]
+    assert lines[3].split() == ["10", "7", "0", "0", "2", "1", "NO"]
+    assert "  rollout work 1m 30s: trained 1m 20s, in_flight 0.00s, carried 6.00s, redone 4.00s" in lines
+    assert ["r1", "s1", "10.0s", "6.00s", "4.00s", "60.0%", "2"] in [ln.split() for ln in lines]
+    assert "  restore r1 kept 60.0% of the work it found in flight" in lines

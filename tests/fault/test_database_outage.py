@@ -27,6 +27,7 @@ from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..conftest import ADMIN_TOKEN
 from .coordinator_process import CoordinatorProcess
+from ..accounting_check import assert_conserved
 from .own_postgres import OwnPostgres
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -205,6 +206,7 @@ def test_a_postgresql_restart_under_load_is_ridden_out(tmp_path: Path) -> None:
             db_now = conn.execute(text("SELECT extract(epoch from now())")).scalar()
         engine.dispose()
         assert statuses_db == {"finalized": STEPS * GROUPS}, statuses_db
+        assert assert_conserved(url) == 1  # and the ledger's accounting adds up (docs/accounting.md)
 
         # The snapshot in flight ended with a reason that says what happened, soon after the
         # database came back; every snapshot ended; the gate is open; Gym is not parked.

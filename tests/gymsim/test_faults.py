@@ -88,6 +88,25 @@ async def test_a_reply_on_the_wire_is_neither_a_blocker_nor_exported(start, ckdi
     assert (await run).json()["turns_completed"] == 1
 
 
+async def test_a_hung_tool_keeps_one_episode_between_boundaries_until_it_is_retired(start):
+    # The resources' mutate of one rollout never answers: its episode stays working (no turn
+    # boundary) and blocks every prepare; the other episode finishes. A retire cancels it.
+    h = await start()
+    h.gym.admin("POST", "/faults", {"server_name": RESOURCES, "op": "mutate", "type": "hang", "rollout_id": "r1"})
+    stuck = h.start_run("r1", turns=2)
+    assert (await h.run("r2", turns=2)).status_code == 200
+    await h.wait_until(lambda: h.state(AGENT)["episodes"].get("r1", {}).get("state") == "working")
+    reply = (await h.prepare(AGENT, "c1", seconds=0.3)).json()
+    assert reply["phase"] == "preparing" and reply["report"]["blockers"] == ["r1"], reply
+    await h.ok(AGENT, "resume", h.body("c1"))
+    assert not stuck.done()
+    assert (await h.retire(AGENT, "retire", [ep("r1")])).status_code == 200
+    h.assert_error(await stuck, "stale_attempt")
+    assert (await h.prepare(AGENT, "c2")).json()["report"]["ready"] is True
+    await h.ok(AGENT, "resume", h.body("c2"))
+    assert "r1" not in h.sessions() and h.sessions()["r2"]["counter"] == 2
+
+
 async def test_faults_are_listed_and_cleared(start):
     h = await start(faults=[{"server_name": RESOURCES, "op": "mutate", "type": "error", "status": 500}])
     listed = h.gym.admin("GET", "/faults")["faults"]

@@ -1,6 +1,7 @@
 """Random sequences of trainer reports against the real ledger keep its promise
 (docs/ledger.md#the-promise): no sibling sealed twice, every abandoned dispatched attempt has
-exactly one retire item, and a rollout id is never reused."""
+exactly one retire item, a rollout id is never reused, and every admitted group stays accounted
+for (docs/accounting.md#prompt-conservation)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from checkpoint_coordinator.accounting.store import run_accounting
 from checkpoint_coordinator.errors import CoordinatorError
 from checkpoint_coordinator.ledger import runs
 from checkpoint_coordinator.rollouts import views as rollout_views
@@ -80,6 +82,10 @@ async def _check_invariants(engine, run_id: str, on_wire: set[str]) -> None:  # 
         # rollout ids unique (the constraint) and all distinct from each other across history
         n, d = (await c.execute(text("SELECT count(*), count(DISTINCT rollout_id) FROM attempts WHERE run_id = :r"), {"r": run_id})).one()
         assert n == d
+    # Every group admitted is in one bucket, and no work is counted negative (docs/accounting.md).
+    acct = await run_accounting(engine, run_id)
+    assert acct["prompts"]["conserved"] and acct["prompts"]["admitted"] == 4, acct["prompts"]
+    assert all(v >= 0 for v in acct["work"]["seconds_by_fate"].values()), acct["work"]
 
 
 @pytest.mark.timeout(600)

@@ -25,7 +25,7 @@ from checkpoint_coordinator.restore.planning import row_json
 from checkpoint_coordinator.domain.errors import CutError, ManifestLedgerMismatch, PlanError
 from checkpoint_coordinator.domain.gym_manifest import load_gym_manifest
 from checkpoint_coordinator.restore.store import reads
-from checkpoint_coordinator.domain.restore_plan import Placement
+from checkpoint_coordinator.domain.restore_plan import Placement, oldest_continuable_version, too_stale
 from checkpoint_coordinator.domain.vocabulary import RowReason
 from checkpoint_coordinator.restore.planning import live_retire_items, rollout_minter
 from checkpoint_coordinator.restore.service import load_and_plan, refusal_of
@@ -149,12 +149,42 @@ async def _store(engine: Any, run_id: str, snapshot_id: str, cut: Cut, manifest:
             )
 
 
-def _oracle(cut: Cut, manifest: Any, snapshot_id: str, with_gym_state: bool, mapped: frozenset[str] | None) -> tuple[Any, list[Any]]:
+async def _policy_versions(engine: Any, run_id: str, snapshot_id: str, versions: list[int | None], staleness: int | None) -> frozenset[int]:
+    """The run's ``max_continue_staleness`` set to ``staleness``, and each cut attempt given a live
+    attempt row (the planner reads policy versions from the live ledger by attempt id,
+    docs/ledger.md#stale-continuations) with a version from ``versions`` in turn. Answers the
+    attempt ids too stale to continue from the snapshot (anchored at step 1)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE runs SET config = jsonb_set(config, '{max_continue_staleness}', CAST(:k AS jsonb)) WHERE run_id = :r"),
+            {"r": run_id, "k": json.dumps(staleness)},
+        )
+        ids = (
+            await conn.execute(
+                text("SELECT attempt_id FROM snapshot_attempts WHERE run_id = :r AND snapshot_id = :s ORDER BY attempt_id"),
+                {"r": run_id, "s": snapshot_id},
+            )
+        ).scalars().all()
+        pv = [versions[k % len(versions)] if versions else None for k in range(len(ids))]
+        await conn.execute(
+            text(
+                "INSERT INTO attempts (attempt_id, run_id, group_id, generation_index, rollout_id, is_current, policy_version) "
+                "SELECT id, :r, 'versions', 0, :s || '/' || id, false, v FROM unnest(CAST(:ids AS bigint[]), CAST(:pv AS bigint[])) AS t(id, v)"
+            ),
+            {"r": run_id, "s": snapshot_id, "ids": list(ids), "pv": pv},
+        )
+    oldest = oldest_continuable_version(1, staleness)
+    return frozenset(aid for aid, v in zip(ids, pv) if too_stale(v, oldest))
+
+
+def _oracle(
+    cut: Cut, manifest: Any, snapshot_id: str, with_gym_state: bool, mapped: frozenset[str] | None, stale: frozenset[int] = frozenset()
+) -> tuple[Any, list[Any]]:
     minter = rollout_minter("diff", snapshot_id, 1)
     if not with_gym_state:
         plan = restore_without_gym_state(cut, minter)
         return plan, list(plan.retire)
-    return plan_restore(cut, manifest, minter, mapped=mapped), []
+    return plan_restore(cut, manifest, minter, mapped=mapped, too_stale=stale), []
 
 
 def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ...]:
@@ -174,7 +204,8 @@ def _summary(plan: Any, retire: Any, candidates: Any, gym: Any) -> tuple[Any, ..
 
 
 async def _both(
-    engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool, instance_map: dict[str, str] | None = None
+    engine: Any, run_id: str, snapshot_id: str, with_gym_state: bool, instance_map: dict[str, str] | None = None,
+    stale: frozenset[int] = frozenset(),
 ) -> tuple[Any, Any]:
     async with engine.connect() as conn:
         detailed, _ = await reads.load_cut(conn, run_id, snapshot_id, detailed=True)
@@ -188,7 +219,7 @@ async def _both(
         if instance_map is not None and manifest is not None and set(instance_map) - set(manifest.instances):
             raise _Unknown(sorted(set(instance_map) - set(manifest.instances)))
         mapped = frozenset(instance_map) if instance_map is not None else None
-        plan, retire = _oracle(cut, manifest, snapshot_id, with_gym_state, mapped)
+        plan, retire = _oracle(cut, manifest, snapshot_id, with_gym_state, mapped, stale)
         if instance_map is not None and manifest is None:
             live_groups = {g.group_id for g in cut.groups if g.status in ("generating", "ready")}
             unknown = sorted(set(instance_map) - {a[4] for a in cut.attempts if a[0] in live_groups and a[4]})
@@ -250,15 +281,26 @@ def test_plan_in_sql_equals_the_pure_plan(database_url: str) -> None:
     seen: set[str] = set()
     loop.run_until_complete(_create_run(engine))
 
+    # Policy versions (given to the cut's attempts in turn) and max_continue_staleness: with the
+    # snapshot anchored at step 1, a limit of 0 makes version 0 too stale and keeps 1 (the
+    # boundary), a limit of 1 none (docs/ledger.md#stale-continuations).
+    versions = st.lists(st.sampled_from((None, 0, 1, 2)), max_size=5)
+    staleness = st.sampled_from((None, None, 0, 1))
+
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-    @given(ledger=ledgers(), with_gym_state=st.booleans(), instance_map=maps())
-    @example(ledger=_every_disposition(), with_gym_state=True, instance_map=None)
-    @example(ledger=_every_disposition(), with_gym_state=True, instance_map={INSTANCES[1]: LIVE[0]})
-    def check(ledger: tuple[Cut, dict[str, Any] | None, str | None], with_gym_state: bool, instance_map: dict[str, str] | None) -> None:
+    @given(ledger=ledgers(), with_gym_state=st.booleans(), instance_map=maps(), versions=versions, staleness=staleness)
+    @example(ledger=_every_disposition(), with_gym_state=True, instance_map=None, versions=[], staleness=None)
+    @example(ledger=_every_disposition(), with_gym_state=True, instance_map={INSTANCES[1]: LIVE[0]}, versions=[], staleness=None)
+    @example(ledger=_every_disposition(), with_gym_state=True, instance_map=None, versions=[0], staleness=0)
+    def check(
+        ledger: tuple[Cut, dict[str, Any] | None, str | None], with_gym_state: bool, instance_map: dict[str, str] | None,
+        versions: list[int | None], staleness: int | None,
+    ) -> None:
         cut, manifest, _breakage = ledger
         sid = f"s{next(counter)}"
         loop.run_until_complete(_store(engine, "diff", sid, cut, manifest))
-        ref, got = loop.run_until_complete(_both(engine, "diff", sid, with_gym_state, instance_map))
+        stale = loop.run_until_complete(_policy_versions(engine, "diff", sid, versions, staleness))
+        ref, got = loop.run_until_complete(_both(engine, "diff", sid, with_gym_state, instance_map, stale))
         assert got == ref
         seen.add(ref[0])
         if ref[0] == "planned":

@@ -142,9 +142,9 @@ async def test_the_answer_rows_commit_with_the_rewind_or_not_at_all(client, admi
     def result_of(report: rewind.RewindReport) -> tuple[dict[str, Any], records.AnswerRows]:
         return {"answer": {"rows_total": len(rows)}}, rows
 
-    # The rows are written after every rewind step, in the same transaction: when they cannot be
-    # (here: no restore record was claimed under that id), nothing of the rewind stays.
-    with pytest.raises((IntegrityError, psycopg.errors.IntegrityError)):
+    # The record (its work, then its rows) is written in the rewind's transaction: when it cannot
+    # be (here: no restore record was claimed under that id), nothing of the rewind stays.
+    with pytest.raises((IntegrityError, psycopg.errors.IntegrityError, Conflict)):
         await _rewind(app, api.run_id, record=("never-claimed", result_of))
     assert await _ledger(app, api.run_id) == before
     async with app.state.engine.begin() as conn:

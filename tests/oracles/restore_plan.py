@@ -72,9 +72,13 @@ def plan_restore(
     *,
     verify_unique_rollout_ids: bool = True,
     mapped: frozenset[str] | None = None,
+    too_stale: frozenset[int] = frozenset(),
 ) -> RestorePlan:
     """The restore plan of a snapshot with Gym state from ``manifest``
     (docs/ledger.md#restore-plans-and-dispositions).
+
+    ``too_stale``: the attempt ids whose policy version is too old to continue
+    (docs/ledger.md#stale-continuations); an exported episode of one restarts, reason ``too_stale``.
 
     ``manifest`` may be ``None`` for a snapshot without Gym state (every turn-level attempt
     that is not sealed or unsent then restarts).
@@ -83,7 +87,7 @@ def plan_restore(
     (one set of every rollout id, the single most expensive step at a million rows); pass it
     only for a cut read from the ledger, whose unique constraint already guarantees it."""
     return _plan(
-        cut, manifest, new_rollout_id, with_gym_state=True, verify_ids=verify_unique_rollout_ids, mapped=mapped
+        cut, manifest, new_rollout_id, with_gym_state=True, verify_ids=verify_unique_rollout_ids, mapped=mapped, too_stale=too_stale
     )
 
 
@@ -114,11 +118,12 @@ def _plan(
     with_gym_state: bool,
     verify_ids: bool,
     mapped: frozenset[str] | None = None,
+    too_stale: frozenset[int] = frozenset(),
 ) -> RestorePlan:
     groups = cut.groups
     attempts = cut.attempts
     try:
-        return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids, mapped)
+        return _plan_fast(groups, attempts, manifest, new_rollout_id, with_gym_state, verify_ids, mapped, too_stale)
     except (_Broken, ManifestLedgerMismatch, TypeError, ValueError, LookupError, AttributeError):
         # A broken cut wins over a manifest that disagrees with it, as the service checks the
         # cut first: the manifest is compared with a ledger that is not what it claims.
@@ -136,6 +141,7 @@ def _plan_fast(
     with_gym_state: bool,
     verify_ids: bool,
     mapped: frozenset[str] | None = None,
+    too_stale: frozenset[int] = frozenset(),
 ) -> RestorePlan:
     # -- groups: gid -> (index, level, size, slot offset, group attempt, live) ----------------
     ginfo: dict[str, tuple[int, int, int, int, int, bool]] = {}
@@ -174,6 +180,7 @@ def _plan_fast(
     matched_restarts = 0
     mismatch = False
     unmapped: set[int] = set()
+    stale: set[int] = set()
 
     # -- pass 1: check each row and decide its disposition ------------------------------------
     # Per-row work is kept to a few local operations: no object is built for a row that keeps
@@ -247,6 +254,9 @@ def _plan_fast(
                     matched_saved += 1
                     if mapped is not None and inst not in mapped:
                         unmapped.add(pos)
+                    elif aid in too_stale:
+                        stale.add(pos)  # exported, but its policy is too old to continue
+                    if pos in unmapped or pos in stale:
                         disp[pos] = _RESTARTED
                         new_ids[pos] = new = mint(gid, idx)
                         if check_minted:
@@ -349,7 +359,7 @@ def _plan_fast(
     if skipped_rows:
         positions_kept = [p for p in range(n_rows) if disp[p]]
     counts = MappingProxyType({d: disp.count(_CODE_BY_DISP[d]) for d in Disposition})
-    reasons = _reasons(groups, attempts, disp, frozenset(bumped), with_gym_state, unmapped)
+    reasons = _reasons(groups, attempts, disp, frozenset(bumped), with_gym_state, unmapped, stale)
     rows = PlanRows(attempts, disp, new_ids, frozenset(bumped), positions_kept, reasons)
     return RestorePlan(
         rows=rows,
@@ -363,7 +373,7 @@ def _plan_fast(
     )
 
 
-def _reason(disposition: int, level: str, status: str, bumped: bool, with_gym_state: bool, unmapped: bool) -> RowReason:
+def _reason(disposition: int, level: str, status: str, bumped: bool, with_gym_state: bool, unmapped: bool, stale: bool = False) -> RowReason:
     """Why a row does what it does, read off the row as docs/ledger.md#row-reasons words it."""
     failed = status in ("failed", "abandoned")
     if disposition == _REUSED:
@@ -385,17 +395,20 @@ def _reason(disposition: int, level: str, status: str, bumped: bool, with_gym_st
         return RowReason.gym_not_restored
     if unmapped:
         return RowReason.instance_not_mapped
+    if stale:
+        return RowReason.too_stale
     return RowReason.no_gym_state
 
 
 def _reasons(
     groups: Sequence[CutGroup], attempts: Sequence[CutAttempt], disp: bytearray, bumped: frozenset[str], with_gym_state: bool,
     unmapped: set[int],
+    stale: set[int] | frozenset[int] = frozenset(),
 ) -> bytearray:
     level = {g.group_id: str(g.restore_level) for g in groups}
     out = bytearray(len(disp))
     for pos, a in enumerate(attempts):
         if disp[pos]:
-            why = _reason(disp[pos], level[a[0]], str(a[7]), a[0] in bumped, with_gym_state, pos in unmapped)
+            why = _reason(disp[pos], level[a[0]], str(a[7]), a[0] in bumped, with_gym_state, pos in unmapped, pos in stale)
             out[pos] = REASON_CODES[why]
     return out

@@ -34,6 +34,7 @@ SERVICE_AREAS = {
     "gym": "gym",
     # Builds the Gym clients and reads a run's registered topology for the choreographies: it
     # joins the Gym client and the ledger, below the choreographies, above both.
+    "accounting": "accounting",
     "gym_runtime": "runtime",
     # Cross-cutting support every layer but the domain may use; it may use only the domain, so
     # that allowing it from below opens no path upwards.
@@ -58,7 +59,7 @@ PACKAGE_AREAS = {
     "ckptc_migrations": "migrations",
 }
 
-_MIDDLE = {"snapshots", "restore", "outbox", "rollouts"}
+_MIDDLE = {"snapshots", "restore", "outbox", "rollouts", "accounting"}
 _BELOW = {"domain", "ledger", "gym", "support", "runtime"}
 _SERVICE = set(SERVICE_AREAS.values())
 

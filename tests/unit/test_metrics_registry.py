@@ -45,6 +45,8 @@ def test_spec_section_10_is_in_the_table_with_its_types_and_labels() -> None:
         "ckptc_outbox_oldest_age_seconds": ("gauge", ("op",)),
         "ckptc_ledger_transitions_total": ("counter", ("to",)),
         "ckptc_http_request_seconds": ("histogram", ("route", "method", "status")),
+        "ckptc_prompts_total": ("counter", ("bucket",)),
+        "ckptc_rollout_seconds_total": ("counter", ("fate",)),
     }
     assert m.spec_table_metrics() == set(expected)
     for name, (mtype, labels) in expected.items():

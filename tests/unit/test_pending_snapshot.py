@@ -97,6 +97,27 @@ async def test_a_gym_failure_in_each_phase_resumes_gym_and_fails(step: str, reas
         assert _moves(ledger)[-2:] == [P.resume, "end"]
 
 
+async def test_the_episodes_that_blocked_it_are_recorded_by_its_end_and_kept_out_of_its_detail() -> None:
+    # docs/ledger.md#stragglers: every episode Gym named (capture keys, to rollout ids), not a
+    # worker's name parsed into nothing; the detail keeps only the failure's own sample.
+    from checkpoint_coordinator.gym.errors import BLOCKED_EPISODES, GymControlError
+
+    error = GymControlError(FailureClass.NOT_READY, "not ready", extra={BLOCKED_EPISODES: {"math": ["r1-a2", "r3"], "code": ["r2"]}})
+    clock, ledger, gym = VirtualClock(), FakeLedger(), FakeGym(fail={"prepare": error})
+    ended: list[dict[str, Any]] = []
+    original = ledger.end
+
+    async def end(*a: Any, **kw: Any) -> Any:
+        ended.append(kw)
+        return await original(*a, **kw)
+
+    ledger.end = end  # type: ignore[method-assign]
+    await _run(make(ledger, gym, clock), clock, ledger=ledger)
+    assert (ledger.outcome, ledger.reason) == ("failed", "gym_not_ready")
+    assert ended[0]["blockers"] == [("code", "r2"), ("math", "r1"), ("math", "r3")]
+    assert BLOCKED_EPISODES not in ended[0]["detail"]
+
+
 async def test_no_capture_before_the_data_plane_timeout_fails_on_the_clock() -> None:
     clock, ledger, gym = VirtualClock(), FakeLedger(), FakeGym()
     snap = make(ledger, gym, clock)

@@ -40,7 +40,7 @@ STATUS_OF: dict[str, int] = {
     "batch_refused": 409, "duplicate_in_batch": 409, "group_conflict": 409, "run_row_quota": 409,
     "unknown_rollout": 409, "unknown_group": 409, "already_dispatched": 409, "attempt_not_current": 409,
     "group_not_generating": 409, "instance_required": 409, "wrong_instance": 409, "attempt_sealed": 409,
-    "attempt_not_dispatched": 409, "attempt_replaced": 409, "seal_conflict": 409, "receipt_mismatch": 409,
+    "attempt_not_dispatched": 409, "attempt_replaced": 409, "retired_straggler": 409, "seal_conflict": 409, "receipt_mismatch": 409,
     "group_not_ready": 409, "group_finalized": 409,
     "unknown_instance": 404, "unknown_dispatch": 404, "group_not_found": 404,
     # snapshots and train steps

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from ..domain.vocabulary import Disposition, RestoreRecordState
+from .accounting_schemas import RestoreAccountingOut
 from .schemas import Answer, DataPlaneRefOut, Timestamp, sometimes
 
 Disp = Literal[tuple(d.value for d in Disposition)]  # type: ignore[valid-type]
@@ -64,6 +65,10 @@ class RestorePlanOut(SnapshotFields):
     skipped_groups: int
     retires: int
     continued_by_instance: dict[str, int]
+    accounting: RestoreAccountingOut = Field(
+        description="What this restore would find, carry and redo now (docs/accounting.md#what-a-restore-kept); the attempts "
+        "minted after the cut in groups the cut knows are counted only when it is applied."
+    )
     rows: list[PlanRowOut]
     next_cursor: int | None = Field(description="The `cursor` of the next page; null on the last.")
 
@@ -97,6 +102,10 @@ class RestoreOut(SnapshotFields):
     groups_removed: int
     train_steps_retired: list[int]
     aborted_snapshots: list[str]
+    accounting: RestoreAccountingOut = sometimes(
+        "What the restore found in flight, carried and must redo (docs/accounting.md#what-a-restore-kept); absent from "
+        "restores applied before the coordinator kept accounting."
+    )
     rows_total: int
     rows: list[PlanRowOut]
     next_cursor: int | None = Field(description="The `cursor` of `GET /restores/{restore_id}/rows` for the next page.")

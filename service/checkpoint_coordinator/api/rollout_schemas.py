@@ -57,6 +57,8 @@ class RowResultOut(Answer):
     rollout_id: str
     result: str = Field(description="sealed, returned, failed, abandoned... or `unchanged` for a repeat.")
     status: str = sometimes("Seal reports: the attempt's status now.")
+    end_reason: str = sometimes("Failure reports of a row the coordinator ended itself: why (`straggler`).")
+    replaced_by: str = sometimes("Failure reports of a row replaced before: the rollout id of its sibling's current attempt.")
 
 
 class SealOut(Answer):
@@ -92,8 +94,17 @@ class GroupsOut(Answer):
     groups: list[GroupResultOut]
 
 
+class StragglerOut(Answer):
+    """An asked row the coordinator gave up as a straggler (docs/ledger.md#stragglers), and its
+    group now: what to send instead."""
+
+    rollout_id: str
+    group: GroupNextOut
+
+
 class PendingOut(Answer):
     pending: list[str]
+    stragglers: list[StragglerOut] = sometimes("The asked rows given up as stragglers; sent when there are any.")
 
 
 class LiveCountsOut(Answer):
@@ -119,6 +130,9 @@ class AttemptOut(Answer):
     retirement: str
     gym_owned: bool
     dispatch_id: str | None
+    # The newest train step announced when it was dispatched; None before any, or never dispatched
+    # (docs/ledger.md#stale-continuations).
+    policy_version: int | None
     created_at: Timestamp
     dispatched_at: Timestamp | None
     ended_at: Timestamp | None

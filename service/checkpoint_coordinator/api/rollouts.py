@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ..errors import BadRequest
 from ..rollouts import store as repo
+from ..rollouts import stragglers as straggler_rows
 from ..rollouts import views
 from .auth import Caller, require_run_access
 from .common import (
@@ -196,7 +197,7 @@ async def report_refused(body: RolloutIdsIn, request: Request, caller: Caller = 
 
 @router.post(
     "/attempts/sealed", operation_id="report_sealed", response_model=SealOut,
-    responses=problems(WRITE, _ROW_REFUSED, "receipt_mismatch", "seal_conflict", "attempt_replaced", "attempt_not_dispatched"),
+    responses=problems(WRITE, _ROW_REFUSED, "receipt_mismatch", "seal_conflict", "attempt_replaced", "retired_straggler", "attempt_not_dispatched"),
 )
 async def report_sealed(body: SealIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     _check_ids([r.rollout_id for r in body.rows], validated=True)
@@ -266,9 +267,18 @@ async def get_group(
 
 @router.post("/attempts/pending", operation_id="pending_attempts", response_model=PendingOut, responses=problems(RUN))
 async def pending_attempts(body: RolloutIdsIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
-    """Which of these rollouts are still dispatched without a result (index lookups only)."""
+    """Which of these rollouts are still dispatched without a result (index lookups only); those
+    the coordinator gave up as stragglers, with their group's rows to send."""
     _check_ids(body.rollout_ids)
-    return FastJSON({"pending": await views.pending_attempts(request.app.state.engine, caller.run_id, body.rollout_ids)})
+    engine = request.app.state.engine
+    pending = await views.pending_attempts(engine, caller.run_id, body.rollout_ids)
+    answer: dict[str, Any] = {"pending": pending}
+    if len(pending) < len(body.rollout_ids):  # only then can one be a straggler: one more lookup
+        ended = set(body.rollout_ids).difference(pending)
+        stragglers = await straggler_rows.stragglers_among(engine, caller.run_id, [r for r in body.rollout_ids if r in ended])
+        if stragglers:
+            answer["stragglers"] = stragglers
+    return FastJSON(answer)
 
 
 @router.get("/outbox", operation_id="list_outbox", response_model=OutboxPageOut, responses=problems(RUN))

@@ -152,6 +152,13 @@ class DataPlaneRefOut(Answer):
     digest: str
 
 
+class SnapshotBlockersOut(Answer):
+    """The episodes that kept a snapshot from its cut (docs/ledger.md#stragglers)."""
+
+    count: int
+    rollout_ids: list[str] = Field(description="At most 10 of them, sorted.")
+
+
 class SnapshotOut(Answer):
     """A snapshot record (docs/ledger.md#snapshots)."""
 
@@ -179,6 +186,10 @@ class SnapshotOut(Answer):
     created_at: Timestamp
     published_at: Timestamp | None
     ended_at: Timestamp | None
+    blockers: SnapshotBlockersOut | None = Field(
+        description="Once it ended: the episodes Gym's prepare named as blockers, or still pending when the drain gave up "
+        "(count 0 when none); null while it runs."
+    )
     staging_keys: list[str] = sometimes(
         "The staging keys that must exist in the capture: sent while the snapshot awaits its capture, and with `manifest=true`."
     )
@@ -216,6 +227,9 @@ class SnapshotOut(Answer):
             "created_at": iso(row.created_at),
             "published_at": iso(row.published_at),
             "ended_at": iso(row.ended_at),
+            "blockers": None if row.blocker_count is None else SnapshotBlockersOut.model_construct(
+                count=row.blocker_count, rollout_ids=row.blocker_sample or []
+            ),
         }
         if row.awaiting == "capture" or with_manifest:
             members["staging_keys"] = row.cut_staging_keys or []

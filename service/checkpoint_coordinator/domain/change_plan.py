@@ -63,6 +63,8 @@ class AttemptRow:
     gym_owned: bool
     dispatch_id: str | None
     retirement: str
+    # Why it ended when the trainer did not end it (docs/ledger.md#stragglers); None otherwise.
+    end_reason: str | None = None
     row_attempts_used: int = 0
 
     @property

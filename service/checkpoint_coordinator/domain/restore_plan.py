@@ -23,6 +23,10 @@ reserved, never sent (gym_attempt 0)   ``dispatch``           ``dispatch`` if th
                                                               the group reruns
 =====================================  =====================  =============================
 
+An exported episode whose attempt was dispatched under a policy version older than the run's
+``max_continue_staleness`` allows is ``restarted`` instead of continued, reason ``too_stale``
+(:func:`too_stale`; docs/ledger.md#stale-continuations).
+
 What each row carries (:class:`PlanRow`):
 
 * ``reused``: the attempt as it is (rollout id, Gym attempt, staging keys kept).
@@ -90,6 +94,8 @@ __all__ = [
     "retire_items",
     "may_run_in_gym",
     "mint_needs_check",
+    "oldest_continuable_version",
+    "too_stale",
     "RetireList",
 ]
 
@@ -261,6 +267,21 @@ def may_run_in_gym(status: str, gym_attempt: int) -> bool:
     (docs/ledger.md#without-gym-state): it was ``dispatched``, or it is a reserved Gym-owned
     continuation (``gym_attempt > 0``)."""
     return status == "dispatched" or (status == "reserved" and gym_attempt > 0)
+
+
+def oldest_continuable_version(anchor_step: int, max_continue_staleness: int | None) -> int | None:
+    """The oldest policy version a continuation may have been dispatched under and still continue
+    from a snapshot anchored at ``anchor_step`` (docs/ledger.md#stale-continuations): a version of
+    exactly ``anchor_step - max_continue_staleness`` continues, one older restarts. ``None``: no
+    limit (``max_continue_staleness`` unset)."""
+    return None if max_continue_staleness is None else anchor_step - max_continue_staleness
+
+
+def too_stale(policy_version: int | None, oldest: int | None) -> bool:
+    """Whether a continuation dispatched under ``policy_version`` restarts (``too_stale``) below the
+    limit ``oldest`` (:func:`oldest_continuable_version`). An attempt with no recorded version
+    (none announced at its dispatch, or dispatched before versions were recorded) is never stale."""
+    return oldest is not None and policy_version is not None and policy_version < oldest
 
 
 def retire_items(cut: Cut) -> list[RetireItem]:

@@ -19,6 +19,7 @@ __all__ = [
     "instance_map_pairs",
     "unknown_in_map",
     "remap_manifest",
+    "only_continued",
 ]
 
 
@@ -134,3 +135,20 @@ def remap_manifest(manifest: GymManifest, instance_map: Mapping[str, str]) -> Gy
     """The manifest as the live deployment takes it: each mapped saved instance under its live
     id, the unmapped ones left out (their episodes restart)."""
     return replace(manifest, instances={instance_map[iid]: inst for iid, inst in manifest.instances.items() if iid in instance_map})
+
+
+def only_continued(manifest: GymManifest, continued: Iterable[str]) -> GymManifest:
+    """The manifest with only the saved episodes whose rollout ids are in ``continued``: Gym
+    installs what the plan continues and nothing else, so a saved episode the plan restarts
+    (``too_stale``, docs/ledger.md#stale-continuations) is never resumed under its old rollout id.
+    Restarts, staging keys and participants are left as they are (the Gym restore sends each
+    instance its episodes only)."""
+    keep = set(continued)
+    if all(e.rollout_id in keep for inst in manifest.instances.values() for e in inst.episodes):
+        return manifest
+    return replace(
+        manifest,
+        instances={
+            iid: replace(inst, episodes=tuple(e for e in inst.episodes if e.rollout_id in keep)) for iid, inst in manifest.instances.items()
+        },
+    )

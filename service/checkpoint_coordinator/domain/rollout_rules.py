@@ -34,7 +34,7 @@ from .change_plan import (
     send_row,
 )
 from .vocabulary import AttemptStatus as A
-from .vocabulary import AttemptFailureClass, GroupStatus as G, LIVE_ATTEMPT_STATUSES
+from .vocabulary import AbandonReason, AttemptFailureClass, GroupStatus as G, LIVE_ATTEMPT_STATUSES, WorkReason
 
 __all__ = [
     "Budgets",
@@ -82,7 +82,8 @@ def replace_cohort(plan: ChangePlan, st: GroupState, budgets: Budgets, *, data: 
         exhausted = g.group_attempt + 1 >= budgets.max_group_attempts
     if exhausted:
         g.status = G.abandoned.value
-        plan.set_group(g.group_id, status=G.abandoned.value)
+        reason = AbandonReason.data_attempts_exhausted if data else AbandonReason.group_attempts_exhausted
+        plan.set_group(g.group_id, status=G.abandoned.value, abandon_reason=reason.value)
         return
     g.group_attempt += 1
     plan.set_group(g.group_id, group_attempt=g.group_attempt)
@@ -263,7 +264,7 @@ def decide_abandon(group_ids: Sequence[str], states: Mapping[str, GroupState]) -
             for a in st.current.values():
                 if a.status in LIVE_ATTEMPT_STATUSES:
                     d.plan.end_attempt(a, A.abandoned.value)
-            d.plan.set_group(gid, status=G.abandoned.value)
+            d.plan.set_group(gid, status=G.abandoned.value, abandon_reason=AbandonReason.trainer.value)
         d.results.append({"group_id": gid, "result": verdict})
     return d
 
@@ -376,9 +377,22 @@ def _seal_repeat(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | str:
     return "unchanged" if same else Refusal("seal_conflict", "sealed before with a different receipt or payload")
 
 
+def _replaced(a: AttemptRow) -> Refusal:
+    """A seal of an attempt that was replaced: its result is discarded. The answer names the
+    replacement (``replaced_by``, added by the store); a straggler's says the coordinator retired
+    it (docs/ledger.md#stragglers)."""
+    if a.end_reason == WorkReason.straggler:
+        return Refusal(
+            "retired_straggler",
+            "the coordinator gave this attempt up as a straggler (it blocked max_blocking_snapshots snapshots in a row) and "
+            "retired it on Gym; its result is discarded: drop it from the batch and send its replacement (replaced_by)",
+        )
+    return Refusal("attempt_replaced", f"attempt was {a.status} and replaced; its result is discarded")
+
+
 def _seal_in_flight(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | str:
     if not a.is_current:
-        return Refusal("attempt_replaced", f"attempt was {a.status} and replaced; its result is discarded")
+        return _replaced(a)
     if g.status != G.generating:
         return Refusal("attempt_not_current", f"attempt is {a.status}, group {g.status}")
     # Sibling recovery seals the row; prompt_group recovery holds it returned until the cohort is.
@@ -387,7 +401,7 @@ def _seal_in_flight(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | st
 
 def _seal_other(a: AttemptRow, row: SealReport, g: GroupRow) -> Refusal | str:
     if not a.is_current:
-        return Refusal("attempt_replaced", f"attempt was {a.status} and replaced; its result is discarded")
+        return _replaced(a)
     return Refusal("attempt_not_current", f"attempt is {a.status}, group {g.status}")
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from ..domain.snapshot_state import FailureClass
 
 __all__ = [
+    "BLOCKED_EPISODES",
     "DETAIL_LIMIT_BYTES",
     "FailureClass",
     "GymControlError",
@@ -177,6 +178,10 @@ ServerFailure = dict[str, Any]
 # The server key for a part that concerns the instance as a whole (a missing instance, a
 # cross-participant validation rule) rather than one server.
 INSTANCE_WIDE = "*"
+
+# The ``extra`` key of a prepare that was not ready, or a drain that timed out: per instance,
+# every episode (capture key, or Gym's blocker name) that kept the save from its cut.
+BLOCKED_EPISODES = "blocked_episodes"
 
 
 def server_failure(

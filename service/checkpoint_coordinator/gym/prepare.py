@@ -13,6 +13,7 @@ from ..domain.vocabulary import GymOperation
 from .channel import CallFailed, encode_body
 from .context import Control
 from .errors import (
+    BLOCKED_EPISODES,
     INSTANCE_WIDE,
     SAMPLE,
     FailureClass,
@@ -41,6 +42,8 @@ log = logging.getLogger("checkpoint_coordinator.gym")
 class _Outcome:
     restarts: set[Episode] = field(default_factory=set)
     failures: dict[str, ServerFailure] = field(default_factory=dict)
+    # Every blocker a not-ready reply named (its part keeps a sample), for the snapshot's record.
+    blockers: set[str] = field(default_factory=set)
     deadlines: dict[str, float] = field(default_factory=dict)
 
 
@@ -63,7 +66,10 @@ async def prepare(ctl: Control, checkpoint_id: str, topology: Topology) -> Prepa
     outcomes = await asyncio.gather(*(_prepare_instance(ctl, checkpoint_id, inst) for inst in topology.values()))
     failed = {iid: o.failures for iid, o in zip(topology, outcomes) if o.failures}
     if failed:
-        error = GymControlError.from_parts(failed, _message(checkpoint_id, failed))
+        # The blockers each instance named, all of them: the snapshot records the episodes that
+        # kept it from its cut (docs/ledger.md#stragglers); its detail keeps only the sample.
+        blocked = {iid: sorted(o.blockers) for iid, o in zip(topology, outcomes) if o.blockers}
+        error = GymControlError.from_parts(failed, _message(checkpoint_id, failed), extra={BLOCKED_EPISODES: blocked} if blocked else None)
         report = await resume_all(ctl, checkpoint_id, topology)
         error.resume_failure = report.failure
         raise error
@@ -96,6 +102,8 @@ async def _prepare_instance(ctl: Control, cid: str, inst: InstanceTopology) -> _
             failure = _not_prepared(reply)
             if failure is not None:
                 out.failures[p.server_name] = failure
+                if failure["class"] == FailureClass.NOT_READY:
+                    out.blockers.update(reply.report.blockers)
         if out.failures:
             # Later stages never receive prepare for this checkpoint.
             break

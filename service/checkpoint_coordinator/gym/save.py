@@ -20,7 +20,7 @@ from typing import Any
 from ..domain.vocabulary import GymOperation
 from ..domain.vocabulary import StrEnum
 from .client import GymControlClient, Topology
-from .errors import INSTANCE_WIDE, FailureClass, GymControlError, server_failure
+from .errors import BLOCKED_EPISODES, INSTANCE_WIDE, FailureClass, GymControlError, server_failure
 from .files import make_dirs
 from .lease import LeaseRenewer
 from .manifest import build_gym_manifest, encode_gym_manifest_of, write_gym_manifest
@@ -404,7 +404,10 @@ class GymSave:
                 }
                 for iid, eps in remaining.items()
             },
-            extra={"pending_count": count, "pending_samples": samples},
+            extra={
+                "pending_count": count, "pending_samples": samples,
+                BLOCKED_EPISODES: {iid: [ep.capture_key for ep in eps] for iid, eps in remaining.items() if eps},
+            },
         )
 
     def _note_parked(self, answered_at: float) -> None:

@@ -23,6 +23,8 @@ from ..domain.vocabulary import (
     GymOperation,
     LedgerTransition,
     ParticipantKind,
+    PromptBucket,
+    WorkFate,
     SchemaState,
     StrEnum,
 )
@@ -64,6 +66,11 @@ class FencedWork(StrEnum):
 
     SNAPSHOT = "snapshot"
     OUTBOX = "outbox"
+
+
+#: The fates a rollout-second is counted under once decided: in-flight work is not (it is read
+#: from the ledger, docs/accounting.md#where-it-shows).
+DecidedFate = StrEnum("DecidedFate", [(f.name.upper(), f.value) for f in WorkFate if f is not WorkFate.in_flight])  # type: ignore[misc]
 
 
 OutboxOp = StrEnum("OutboxOp", [(o.name.upper(), o.value) for o in OutboxOpWord])  # type: ignore[misc]
@@ -194,6 +201,24 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         labels={"disposition": _values(RestoreDisposition)},
     ),
     MetricSpec(
+        name="ckptc_prompts_total",
+        type=MetricType.COUNTER,
+        help="Prompt groups that entered a bucket, in groups: live when admitted, trained when finalized, "
+        "abandoned, rewound by a restore (docs/accounting.md#prompt-conservation).",
+        unit="groups",
+        attr="PROMPTS_TOTAL",
+        labels={"bucket": _values(PromptBucket)},
+    ),
+    MetricSpec(
+        name="ckptc_rollout_seconds_total",
+        type=MetricType.COUNTER,
+        help="Rollout-seconds of attempts by fate once decided, in seconds: trained (sealed), carried (continued "
+        "by a restore up to its cut), redone (failed, abandoned, or thrown away by a restore).",
+        unit="seconds",
+        attr="ROLLOUT_SECONDS_TOTAL",
+        labels={"fate": _values(DecidedFate)},
+    ),
+    MetricSpec(
         name="ckptc_gym_control_seconds",
         type=MetricType.HISTOGRAM,
         help="Duration of one Gym control call to one participant, in seconds, by op, "
@@ -291,6 +316,15 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         "is kept and Gym's lease reopens admission), in snapshots.",
         unit="snapshots",
         attr="SNAPSHOT_RESUME_FAILURES_TOTAL",
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_straggler_retirements_total",
+        type=MetricType.COUNTER,
+        help="Episodes given up as stragglers (they blocked max_blocking_snapshots snapshots in a row), retired "
+        "on Gym and replaced at the next snapshot's gate, in episodes.",
+        unit="episodes",
+        attr="STRAGGLER_RETIREMENTS_TOTAL",
         in_spec_table=False,
     ),
     MetricSpec(

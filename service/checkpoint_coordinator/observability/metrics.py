@@ -34,10 +34,12 @@ from ..domain.snapshot_state import (
     SnapshotTiming,
 )
 from ..domain.vocabulary import SchemaState, StrEnum
+from ..domain.vocabulary import PromptBucket
 from .metric_specs import (
     METRIC_SPECS,
     OPEN,
     SPECS_BY_NAME,
+    DecidedFate,
     FencedWork,
     GymCallOutcome,
     GymControlOp,
@@ -114,12 +116,15 @@ GYM_CONTROL_SECONDS: Final[Histogram] = _OBJECTS["ckptc_gym_control_seconds"]  #
 OUTBOX_PENDING: Final[Gauge] = _OBJECTS["ckptc_outbox_pending"]  # type: ignore[assignment]
 OUTBOX_OLDEST_AGE_SECONDS: Final[Gauge] = _OBJECTS["ckptc_outbox_oldest_age_seconds"]  # type: ignore[assignment]
 LEDGER_TRANSITIONS_TOTAL: Final[Counter] = _OBJECTS["ckptc_ledger_transitions_total"]  # type: ignore[assignment]
+PROMPTS_TOTAL: Final[Counter] = _OBJECTS["ckptc_prompts_total"]  # type: ignore[assignment]
+ROLLOUT_SECONDS_TOTAL: Final[Counter] = _OBJECTS["ckptc_rollout_seconds_total"]  # type: ignore[assignment]
 HTTP_REQUEST_SECONDS: Final[Histogram] = _OBJECTS["ckptc_http_request_seconds"]  # type: ignore[assignment]
 RESTORE_DURATION_SECONDS: Final[Histogram] = _OBJECTS["ckptc_restore_duration_seconds"]  # type: ignore[assignment]
 GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_gym_exported_outside_scope_total"]  # type: ignore[assignment]
 FENCED_WRITES_TOTAL: Final[Counter] = _OBJECTS["ckptc_fenced_writes_total"]  # type: ignore[assignment]
 AUTH_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_auth_failures_total"]  # type: ignore[assignment]
 SNAPSHOT_RESUME_FAILURES_TOTAL: Final[Counter] = _OBJECTS["ckptc_snapshot_resume_failures_total"]  # type: ignore[assignment]
+STRAGGLER_RETIREMENTS_TOTAL: Final[Counter] = _OBJECTS["ckptc_straggler_retirements_total"]  # type: ignore[assignment]
 SNAPSHOT_LOSSES_WARNING: Final[Gauge] = _OBJECTS["ckptc_snapshot_losses_warning"]  # type: ignore[assignment]
 RUN_LEASES_HELD: Final[Gauge] = _OBJECTS["ckptc_run_leases_held"]  # type: ignore[assignment]
 READY: Final[Gauge] = _OBJECTS["ckptc_ready"]  # type: ignore[assignment]
@@ -362,6 +367,11 @@ def record_snapshot_resume_failure() -> None:
     SNAPSHOT_RESUME_FAILURES_TOTAL.inc()
 
 
+def record_straggler_retirements(count: int) -> None:
+    """Count episodes a snapshot's gate gave up as stragglers (docs/ledger.md#stragglers)."""
+    STRAGGLER_RETIREMENTS_TOTAL.inc(_count(count, "count"))
+
+
 # --------------------------------------------------------------------------- helpers: restore
 
 
@@ -426,6 +436,18 @@ def set_outbox_backlog(op: OutboxOp | str, pending: int, oldest_age_seconds: flo
 def record_ledger_transition(to: LedgerState | str, count: int = 1) -> None:
     """Count ledger rows moved to a state; batch calls pass the row count at once."""
     LEDGER_TRANSITIONS_TOTAL.labels(to=_closed(to, LedgerState, "to")).inc(_count(count, "count"))
+
+
+def record_prompts(bucket: PromptBucket | str, count: int = 1) -> None:
+    """Count prompt groups entering a bucket (docs/accounting.md#prompt-conservation)."""
+    if count:
+        PROMPTS_TOTAL.labels(bucket=_closed(bucket, PromptBucket, "bucket")).inc(_count(count, "count"))
+
+
+def record_rollout_seconds(fate: DecidedFate | str, seconds: float) -> None:
+    """Count rollout-seconds whose fate was just decided (docs/accounting.md#rollout-seconds)."""
+    if seconds > 0:
+        ROLLOUT_SECONDS_TOTAL.labels(fate=_closed(fate, DecidedFate, "fate")).inc(float(seconds))
 
 
 def record_fenced_write(work: FencedWork | str) -> None:
@@ -515,6 +537,7 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "set_snapshot_losses": ("ckptc_snapshot_losses_consecutive", "ckptc_snapshot_losses_warning"),
     "observe_gym_restarted_episodes": ("ckptc_gym_restarted_episodes", "ckptc_run_gym_restarted_episodes"),
     "record_snapshot_resume_failure": ("ckptc_snapshot_resume_failures_total",),
+    "record_straggler_retirements": ("ckptc_straggler_retirements_total",),
     "record_exported_outside_scope": ("ckptc_gym_exported_outside_scope_total", "ckptc_run_gym_exported_outside_scope_total"),
     "record_restore_siblings": ("ckptc_restore_siblings_total", "ckptc_run_restore_siblings_total"),
     "record_restore_plan": ("ckptc_restore_siblings_total", "ckptc_run_restore_siblings_total"),
@@ -522,6 +545,8 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "observe_gym_control": ("ckptc_gym_control_seconds", "ckptc_run_gym_control_calls_total"),
     "set_outbox_backlog": ("ckptc_outbox_pending", "ckptc_outbox_oldest_age_seconds"),
     "record_ledger_transition": ("ckptc_ledger_transitions_total",),
+    "record_prompts": ("ckptc_prompts_total",),
+    "record_rollout_seconds": ("ckptc_rollout_seconds_total",),
     "set_run_leases_held": ("ckptc_run_leases_held",),
     "record_fenced_write": ("ckptc_fenced_writes_total",),
     "record_auth_failure": ("ckptc_auth_failures_total",),

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..accounting.summary import restore_summary
 from ..domain.restore_plan import Disposition, RestorePlan, RetireItem
-from ..domain.vocabulary import RestoreRecordState, RowReason
+from ..domain.vocabulary import RestoreRecordState, RowReason, WorkReason
 from .plan_loading import Planned, snapshot_fields
 from .planning import NEW_ATTEMPT_DISPOSITIONS, counts_json
 from .request import RestoreRequest
@@ -26,14 +27,26 @@ def rewind_of(p: Planned, plan: RestorePlan, retire: Sequence[RetireItem], *, in
         rw.continued_ids = list(map(int, c.attempt_id))
         rw.continued_rollouts = list(c.rollout_id)
         rw.continued_groups = list(c.group_id)
+    stale = _too_stale_ids(plan)
     for d in NEW_ATTEMPT_DISPOSITIONS:
         c = plan.rows.columns(d)
+        # Why the replaced attempt's work is redone (docs/accounting.md#rollout-seconds).
+        why = WorkReason.rerun.value if d is Disposition.rerun else WorkReason.restarted.value
+        rw.new_reasons.extend(WorkReason.too_stale.value if int(a) in stale else why for a in c.attempt_id)
         rw.new_old_ids.extend(map(int, c.attempt_id))
         rw.new_groups.extend(c.group_id)
         rw.new_indexes.extend(c.generation_index)
         rw.new_rollouts.extend(c.rollout_id)
         rw.new_group_attempts.extend(c.group_attempt)
     return rw
+
+
+def _too_stale_ids(plan: RestorePlan) -> set[int]:
+    """The cut attempts the plan restarts because their policy was too old to continue
+    (docs/ledger.md#stale-continuations); the rows are only looked at when there are any."""
+    if not any(RowReason.too_stale.value in by for by in plan.reasons().values()):
+        return set()
+    return {int(r.attempt_id) for d in NEW_ATTEMPT_DISPOSITIONS for r in plan.rows.with_disposition(d) if r.reason is RowReason.too_stale}
 
 
 def build_answer(
@@ -83,6 +96,7 @@ def build_answer(
         "groups_removed": report.groups_removed,
         "train_steps_retired": report.train_steps_retired,
         "aborted_snapshots": [p.aborted_snapshot] if p.aborted_snapshot else [],
+        "accounting": restore_summary(report.work, report.groups_rewound),
         "rows_total": len(rows),
     }
     return summary, rows

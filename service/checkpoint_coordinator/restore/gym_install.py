@@ -14,9 +14,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.errors import TopologyMismatch
 from ..domain.gym_manifest import GymManifest, dump_gym_manifest
-from ..domain.restore_plan import RestorePlan, RetireItem, demote_continuations
+from ..domain.restore_plan import Disposition, RestorePlan, RetireItem, demote_continuations
 from ..domain.restore_topology import (
     compare_instance_sets,
+    only_continued,
     remap_manifest,
     require_restorable_topology,
 )
@@ -110,6 +111,9 @@ async def _target_instances(
         manifest = remap_manifest(manifest, p.instance_map)
         saved_of = {live: saved for saved, live in p.instance_map.items()}
         specs = [x for x in specs if x.instance_id in saved_of]
+    # A saved episode the plan restarts (too_stale) is not installed: it starts over under a new
+    # rollout id, and nothing of its old one may run on Gym (docs/ledger.md#stale-continuations).
+    manifest = only_continued(manifest, p.plan.rows.columns(Disposition.continued).rollout_id)
     return manifest, saved_of, specs, issued
 
 

@@ -31,6 +31,7 @@ from ..domain.restore_plan import (
     RestorePlan,
     RetireItem,
     assemble_plan,
+    oldest_continuable_version,
 )
 from ..domain.restore_topology import instance_map_pairs, unknown_in_map
 from ..errors import Conflict, CoordinatorError
@@ -167,7 +168,8 @@ async def load_and_plan(
     manifest the planner finds wrong is refused with the errors that name what is wrong.
     ``instance_map`` (docs/ledger.md#another-gym-topology): checked against the snapshot and the registered instances,
     the exported episodes of unmapped saved instances restart, the rows are placed on the live
-    instances."""
+    instances. Under the run's ``max_continue_staleness`` an exported episode dispatched under a
+    policy too far behind the snapshot's anchor restarts (docs/ledger.md#stale-continuations)."""
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         snap = await resolve_snapshot(conn, run_id, snapshot_id, step)
@@ -183,6 +185,7 @@ async def load_and_plan(
         sp = await plan_sql.plan_in_sql(
             conn, run_id, snap.snapshot_id, manifest if with_gym_state else None, include_reused=include_reused,
             gym_state=with_gym_state, mapped=mapped,
+            oldest_version=oldest_continuable_version(snap.anchor_step, cfg.max_continue_staleness),
         )
     if sp is None:
         async with engine.connect() as conn:
@@ -276,6 +279,10 @@ async def preview_plan(
     instance_map: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The plan a restore of this snapshot would apply now (``GET /restore-plan``)."""
+    # Imported here: the preview's accounting builds on the answer's rewind columns, which are
+    # built from this module's ``Planned``.
+    from .preview_work import preview_accounting
+
     p = await load_and_plan(
         engine,
         run_id,
@@ -316,6 +323,7 @@ async def preview_plan(
         "skipped_groups": len(p.plan.skipped_groups),
         "retires": len(p.retire),
         "continued_by_instance": {iid: len(eps) for iid, eps in sorted(p.plan.continued_by_instance().items())},
+        "accounting": await preview_accounting(engine, run_id, p),
         "rows": out_rows,
         "next_cursor": cursor + len(out_rows) if more else None,
     }

@@ -39,6 +39,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ..domain.config import RecoveryConfig
 from ..domain.restore_plan import RestorePlan, RetireItem
+from ..domain.vocabulary import PromptBucket, WorkFate
 from ..domain.vocabulary import RestoreRecordState, RunState
 from ..errors import CoordinatorError, RunClosed
 from ..gym.results import RestoreResult
@@ -148,6 +149,7 @@ async def execute_restore(
         raise
     _observe(started, "succeeded", run_id)
     _record_counts(answer["counts"], run_id)
+    _record_accounting(answer.get("accounting"))
     return answer
 
 
@@ -196,6 +198,17 @@ def _record_counts(counts: dict[str, int], run_id: str) -> None:
     from ..observability.metrics import record_restore_plan
 
     record_restore_plan({d: counts.get(d, 0) for d in METRIC_DISPOSITIONS}, run_id)
+
+
+def _record_accounting(accounting: dict[str, Any] | None) -> None:
+    """What the restore rewound and threw away or carried (docs/accounting.md#where-it-shows)."""
+    from ..observability.metrics import record_prompts, record_rollout_seconds
+
+    if not accounting:
+        return
+    record_prompts(PromptBucket.rewound, int(accounting.get("groups_rewound", 0)))
+    record_rollout_seconds(WorkFate.carried, float(accounting.get("carried_seconds", 0.0)))
+    record_rollout_seconds(WorkFate.redone, float(accounting.get("redone_seconds", 0.0)))
 
 
 async def _restore(

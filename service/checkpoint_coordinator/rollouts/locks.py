@@ -26,7 +26,7 @@ _execute = functools.partial(execute, prepare=False)
 _ATT_COLS = (
     "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_instance_id, a.gym_attempt, "
     "a.group_attempt, a.status, a.is_current, a.refusals, a.receipt, a.reward, a.mask_sample, "
-    "a.staging_keys, a.gym_owned, a.dispatch_id, a.retirement"
+    "a.staging_keys, a.gym_owned, a.dispatch_id, a.retirement, a.end_reason"
 )
 
 

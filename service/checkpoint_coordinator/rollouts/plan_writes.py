@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic_core import to_json
@@ -16,10 +17,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from ..domain.change_plan import ChangePlan
 from ..domain.vocabulary import ENDED_ATTEMPT_STATUSES, ENDED_GROUP_STATUSES, sql_list
 from ..domain.vocabulary import AttemptStatus as A
+from ..domain.vocabulary import GroupStatus as G
+from ..domain.vocabulary import PromptBucket, WorkFate
 from ..ledger.db import execute, fetch
 from ..outbox import store as outbox
 
-__all__ = ["apply_plan", "count_transitions", "execute_batch", "fetch_batch"]
+__all__ = ["POLICY_VERSION_AT_DISPATCH", "apply_plan", "count_transitions", "execute_batch", "fetch_batch"]
 
 # Batch statements are planned for their own arguments, never run as prepared statements: a
 # prepared statement's generic plan treats arrays of thousands of ids as if they held a handful.
@@ -30,10 +33,19 @@ _execute = execute_batch
 _ENDED_ATTEMPTS = sql_list(ENDED_ATTEMPT_STATUSES)
 _ENDED_GROUPS = sql_list(ENDED_GROUP_STATUSES)
 
+# ``attempts.policy_version`` of an attempt ``a`` of run ``%(r)s`` dispatched now: the run's newest
+# train step not retired by a restore, NULL before any (docs/ledger.md#stale-continuations). The
+# subquery is uncorrelated, so it runs once per statement, not per row. A continuation (Gym
+# attempt > 0) keeps the version of its first dispatch: its saved turns were sampled under it.
+POLICY_VERSION_AT_DISPATCH = (
+    "CASE WHEN a.gym_attempt > 0 THEN a.policy_version "
+    "ELSE (SELECT max(step) FROM train_steps WHERE run_id = %(r)s AND retired_at IS NULL) END"
+)
+
 
 async def apply_plan(conn: AsyncConnection, run_id: str, plan: ChangePlan) -> None:
     """Write what ``plan`` names, set-based, and count its transitions."""
-    await _apply_attempt_updates(conn, plan)
+    await _apply_attempt_updates(conn, run_id, plan)
     if plan.new_attempts:
         new = plan.new_attempts.values()
         await _execute(
@@ -84,7 +96,7 @@ async def _apply_group_updates(conn: AsyncConnection, run_id: str, plan: ChangeP
         )
 
 
-async def _apply_attempt_updates(conn: AsyncConnection, plan: ChangePlan) -> None:
+async def _apply_attempt_updates(conn: AsyncConnection, run_id: str, plan: ChangePlan) -> None:
     if not plan.status_updates:
         return
     # Group updates by the set of columns they touch, one UPDATE per shape. The rows travel as
@@ -99,15 +111,17 @@ async def _apply_attempt_updates(conn: AsyncConnection, plan: ChangePlan) -> Non
         if "status" in cols:
             sets.append(f"ended_at = CASE WHEN t.status IN ({_ENDED_ATTEMPTS}) THEN now() ELSE a.ended_at END")
             sets.append(f"dispatched_at = CASE WHEN t.status = '{A.dispatched}' THEN now() ELSE a.dispatched_at END")
+            sets.append(f"policy_version = CASE WHEN t.status = '{A.dispatched}' THEN {POLICY_VERSION_AT_DISPATCH} ELSE a.policy_version END")
         record = ", ".join(["id bigint", *(f"{c} {_COL_TYPES[c]}" for c in cols)])
-        await _execute(
-            conn,
-            f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id",
-            {"doc": doc},
-        )
+        update = f"UPDATE attempts a SET {', '.join(sets)} FROM jsonb_to_recordset(%(doc)s::jsonb) AS t({record}) WHERE a.attempt_id = t.id"
+        if "status" not in cols:
+            await _execute(conn, update, {"doc": doc})
+            continue
+        # The work of the attempts this ends, by status, for ckptc_rollout_seconds_total.
+        count_ended_work(await fetch_batch(conn, f"WITH u AS ({update} RETURNING {ENDED_WORK_RETURNING}) {ENDED_WORK_SUM}", {"doc": doc, "r": run_id}))
 
 
-_GROUP_COL_TYPES = {"status": "text", "group_attempt": "int", "data_attempts_used": "int"}
+_GROUP_COL_TYPES = {"status": "text", "group_attempt": "int", "data_attempts_used": "int", "abandon_reason": "text"}
 
 _COL_TYPES = {
     "status": "text",
@@ -123,12 +137,44 @@ _COL_TYPES = {
     "staging_keys": "text[]",
     "gym_owned": "boolean",
     "replaced_by_attempt_id": "bigint",
+    "end_reason": "text",
 }
 
 
+# What an UPDATE that ends attempts returns, and how the statement sums it: the seconds from
+# dispatch to end of each attempt it ended, by status (docs/accounting.md#where-it-shows).
+ENDED_WORK_RETURNING = (
+    "a.status AS st, CASE WHEN a.ended_at IS NOT NULL AND a.dispatched_at IS NOT NULL "
+    "THEN EXTRACT(EPOCH FROM a.ended_at - a.dispatched_at)::float8 END AS w"
+)
+ENDED_WORK_SUM = "SELECT st, sum(w) FROM u WHERE w > 0 GROUP BY st"
+
+
+def count_ended_work(rows: Sequence[tuple[Any, ...]]) -> None:
+    """Count the rollout-seconds of attempts just ended: sealed ones trained, failed or abandoned
+    ones redone."""
+    from ..observability.metrics import record_rollout_seconds
+
+    for status, seconds in rows:
+        if status == A.sealed:
+            record_rollout_seconds(WorkFate.trained, float(seconds or 0.0))
+        elif status in (A.failed, A.abandoned):
+            record_rollout_seconds(WorkFate.redone, float(seconds or 0.0))
+
+
+def count_admitted(groups: int) -> None:
+    """Groups admitted enter the ``live`` bucket (docs/accounting.md#prompt-conservation)."""
+    from ..observability.metrics import record_prompts
+
+    record_prompts(PromptBucket.live, groups)
+
+
 def count_transitions(transitions: dict[str, int]) -> None:
-    from ..observability.metrics import record_ledger_transition
+    from ..observability.metrics import record_ledger_transition, record_prompts
 
     for to, n in transitions.items():
         if n:
             record_ledger_transition(to, n)
+    # Groups entering a bucket (docs/accounting.md#prompt-conservation).
+    record_prompts(PromptBucket.trained, transitions.get(G.finalized.value, 0))
+    record_prompts(PromptBucket.abandoned, transitions.get("group_abandoned", 0))

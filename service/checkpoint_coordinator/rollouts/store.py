@@ -39,6 +39,7 @@ from ..domain.rollout_rules import (
     granularity,
     send_row,
 )
+from ..domain.stragglers import name_replacements
 from ..domain.vocabulary import (
     ENDED_ATTEMPT_STATUSES,
     FORGET_CHECKPOINT_ID,
@@ -60,7 +61,18 @@ from .locks import (
     lock_groups,
     states_of_locked,
 )
-from .plan_writes import apply_plan, count_transitions, execute_batch, fetch_batch
+from .plan_writes import (
+    ENDED_WORK_RETURNING,
+    ENDED_WORK_SUM,
+    POLICY_VERSION_AT_DISPATCH,
+    apply_plan,
+    count_admitted,
+    count_ended_work,
+    count_transitions,
+    execute_batch,
+    fetch_batch,
+)
+from .stragglers import name_refused_replacements
 
 # Batch statements, never run as prepared statements (``plan_writes``).
 _fetch, _execute = fetch_batch, execute_batch
@@ -215,14 +227,17 @@ async def _insert_new_groups(
     """Insert the admitted groups, their siblings and one reserved attempt each, set-based;
     returns the minted (generation index, rollout id) pairs by group."""
     minted: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    # The admission is counted in the same statement, apart from the groups themselves
+    # (docs/accounting.md#prompt-conservation): one row per admit call, not per group.
     await _execute(
         conn,
-        "INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
+        "WITH ins AS (INSERT INTO prompt_groups (run_id, group_id, prompt_ref, task_digest, task_source, agent_name, restore_level, "
         "expected_generations, target_step, weight_version) "
         "SELECT %(r)s, g, pr, td, ts, an, lv, n, st, wv FROM unnest(%(g)s::text[], "
         "ARRAY(SELECT e FROM jsonb_array_elements(%(pr)s::jsonb) WITH ORDINALITY AS x(e, o) ORDER BY o), "
         "%(td)s::text[], %(ts)s::text[], %(an)s::text[], %(lv)s::text[], %(n)s::int[], "
-        "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv)",
+        "%(st)s::bigint[], %(wv)s::text[]) AS t(g, pr, td, ts, an, lv, n, st, wv) RETURNING 1) "
+        "INSERT INTO group_admissions (run_id, groups) SELECT %(r)s, count(*) FROM ins HAVING count(*) > 0",
         {
             "r": run_id,
             "g": [g.group_id for g in new],
@@ -257,6 +272,7 @@ async def _insert_new_groups(
     )
     for _aid, gid, i, ro in rows:
         minted[gid].append((i, ro))
+    count_admitted(len(new))
     count_transitions({A.reserved.value: len(rows)})
     return minted
 
@@ -289,12 +305,13 @@ async def dispatch(
         groups, atts = await lock_and_read(conn, run_id, rollout_ids)
         d = _accepted(decide_dispatch(rollout_ids, atts, groups, dispatch_id, instance_id))
         if d.extra:
-            # One statement: the update (every row gets the same values: one array of ids), and
-            # the dispatch_calls row that "stream ended" looks the dispatch's rows up by.
+            # One statement: the update (every row gets the same values: one array of ids, and
+            # the policy version it goes out under, docs/ledger.md#stale-continuations), and the
+            # dispatch_calls row that "stream ended" looks the dispatch's rows up by.
             await _execute(
                 conn,
-                f"WITH u AS (UPDATE attempts SET status = '{A.dispatched}', gym_instance_id = %(i)s, dispatch_id = %(d)s, "
-                "dispatched_at = now() WHERE attempt_id = ANY(%(ids)s::bigint[])) "
+                f"WITH u AS (UPDATE attempts a SET status = '{A.dispatched}', gym_instance_id = %(i)s, dispatch_id = %(d)s, "
+                f"dispatched_at = now(), policy_version = {POLICY_VERSION_AT_DISPATCH} WHERE attempt_id = ANY(%(ids)s::bigint[])) "
                 "INSERT INTO dispatch_calls (run_id, dispatch_id, attempt_ids) VALUES (%(r)s, %(d)s, %(ids)s::bigint[])",
                 {"r": run_id, "i": instance_id, "d": dispatch_id, "ids": [a.attempt_id for a in d.extra]},
             )
@@ -330,7 +347,7 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
     async with engine.begin() as conn:
         await lock_run(conn, run_id)
         groups, atts = await lock_and_read(conn, run_id, list(by_id))
-        d = _accepted(decide_seal(by_id, atts, groups))
+        d = _accepted(await name_refused_replacements(conn, run_id, decide_seal(by_id, atts, groups)))
         results, updates, touched_groups = d.results, d.extra, d.touched
         await _seal_rows(conn, updates)
         count_transitions(d.plan.transitions)
@@ -352,12 +369,14 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
                         "  WHERE a.run_id = %(r)s AND a.group_id = ANY(%(g)s) AND a.is_current "
                         f"  GROUP BY a.group_id, g.expected_generations HAVING count(*) FILTER (WHERE a.status = '{A.returned}') = g.expected_generations), "
                         f"sealed AS (UPDATE attempts a SET status = '{A.sealed}', ended_at = now() FROM done "
-                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id, a.gym_owned) "
-                        "SELECT group_id, coalesce(array_agg(attempt_id) FILTER (WHERE gym_owned), '{}') FROM sealed GROUP BY group_id ORDER BY 1",
+                        "  WHERE a.run_id = %(r)s AND a.group_id = done.group_id AND a.is_current RETURNING a.group_id, a.attempt_id, a.gym_owned, "
+                        "  EXTRACT(EPOCH FROM a.ended_at - a.dispatched_at)::float8 AS w) "
+                        "SELECT group_id, coalesce(array_agg(attempt_id) FILTER (WHERE gym_owned), '{}'), sum(w) FROM sealed GROUP BY group_id ORDER BY 1",
                         {"r": run_id, "g": cohorts},
                     )
                 ]
                 cohort_sealed = [r[0] for r in cohort_rows]
+                count_ended_work([(A.sealed.value, sum(float(r[2] or 0.0) for r in cohort_rows))])
                 sealed_ids.extend(aid for r in cohort_rows for aid in r[1])
                 if cohort_sealed:
                     count_transitions({A.sealed.value: sum(groups[g].expected_generations for g in cohort_sealed)})
@@ -391,14 +410,16 @@ async def _seal_rows(conn: AsyncConnection, updates: list[dict[str, Any]]) -> No
     ``jsonb_to_recordset``, as ``apply_plan`` writes its updates, without its per-column grouping."""
     if not updates:
         return
-    await _execute(
+    # The sealed rows' work is counted as trained (ckptc_rollout_seconds_total) from what the
+    # statement returns.
+    count_ended_work(await _fetch(
         conn,
-        "UPDATE attempts a SET mask_sample = t.mask_sample, receipt = t.receipt, reward = t.reward, staging_keys = t.staging_keys, "
+        "WITH u AS (UPDATE attempts a SET mask_sample = t.mask_sample, receipt = t.receipt, reward = t.reward, staging_keys = t.staging_keys, "
         f"status = t.status, ended_at = CASE WHEN t.status IN ({_ENDED_ATTEMPTS}) THEN now() ELSE a.ended_at END "
         "FROM jsonb_to_recordset(%(doc)s::jsonb) AS t(id bigint, mask_sample boolean, receipt jsonb, reward float8, staging_keys text[], status text) "
-        "WHERE a.attempt_id = t.id",
+        f"WHERE a.attempt_id = t.id RETURNING {ENDED_WORK_RETURNING}) {ENDED_WORK_SUM}",
         {"doc": to_json(updates).decode()},
-    )
+    ))
 
 
 async def forget_restored_on_seal(conn: AsyncConnection, run_id: str, sealed_attempt_ids: Sequence[int]) -> int:
@@ -442,6 +463,7 @@ async def fail(engine: AsyncEngine, run_id: str, rows_in: Sequence[FailRow]) -> 
         states = await states_of_locked(conn, run_id, groups)
         d = _accepted(decide_fail(rows_in, atts, states, Budgets.of(run.config), _mint))
         await apply_plan(conn, run_id, d.plan)
+        name_replacements(d.results, atts, states)  # a late report of a replaced row (a straggler's)
         await forget_restored_on_seal(conn, run_id, [aid for aid, ch in d.plan.status_updates.items() if ch.get("status") == A.failed])
         return {"rows": d.results, "groups": [states[g].answer() for g in d.touched]}
 

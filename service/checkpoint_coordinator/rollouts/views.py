@@ -42,8 +42,8 @@ async def live_counts(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
 
 _ATTEMPT_DETAIL = (
     "attempt_id", "generation_index", "rollout_id", "gym_instance_id", "gym_attempt", "group_attempt", "status", "is_current",
-    "refusals", "reward", "mask_sample", "staging_keys", "failure_class", "retirement", "gym_owned", "dispatch_id", "created_at",
-    "dispatched_at", "ended_at",
+    "refusals", "reward", "mask_sample", "staging_keys", "failure_class", "retirement", "gym_owned", "dispatch_id", "policy_version",
+    "created_at", "dispatched_at", "ended_at",
 )
 
 

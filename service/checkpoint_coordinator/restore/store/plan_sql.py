@@ -24,6 +24,7 @@ _R_SEALED, _R_COHORT, _R_NEVER_SENT = _R[RowReason.sealed_at_cut], _R[RowReason.
 _R_FAILED, _R_IN_FLIGHT = _R[RowReason.failed_at_cut], _R[RowReason.in_flight_at_cut]
 _R_EXPORTED, _R_RESTART_ONLY = _R[RowReason.exported_by_gym], _R[RowReason.restart_only_server]
 _R_NOT_MAPPED = _R[RowReason.instance_not_mapped]
+_R_TOO_STALE = _R[RowReason.too_stale]
 
 # -------------------------------------------------------------------------------------------
 # The plan in SQL (the dispositions of docs/ledger.md#restore-plans-and-dispositions, set-based)
@@ -151,6 +152,7 @@ async def plan_in_sql(
     include_reused: bool = False,
     gym_state: bool = True,
     mapped: frozenset[str] | None = None,
+    oldest_version: int | None = None,
 ) -> SqlPlan | None:
     """The restore plan of a snapshot computed from its cut with set-based statements, as the
     first statements of a transaction (made repeatable-read and read-only): the dispositions of
@@ -161,7 +163,9 @@ async def plan_in_sql(
     ``manifest`` (a ``GymManifest``, or None when no Gym state is installed) decides continued and
     gym_restarted turn-level rows; ``gym_state`` false: a restore without Gym state (its
     restarts say so); ``mapped``: the saved instances an instance map keeps (the exported
-    episodes of the others restart, ``instance_not_mapped``).
+    episodes of the others restart, ``instance_not_mapped``); ``oldest_version``: the oldest policy
+    version a continuation may have (``domain.restore_plan.oldest_continuable_version``; older
+    ones restart, ``too_stale``; None: no limit).
 
     The cut is read by ``run_id``/``snapshot_id`` with joins only (no per-key probe). ``None``
     when the cut breaks one of the plan's invariants or the manifest disagrees with it: the
@@ -180,11 +184,35 @@ async def plan_in_sql(
     entries = _manifest_entries(manifest)
     if entries and not await _apply_manifest(conn, p, rows, codes, reasons, entries, mapped):
         return None
+    if oldest_version is not None and _CONTINUED in codes:
+        await _restart_stale(conn, run_id, rows, codes, reasons, oldest_version)
     if include_reused:
         picked = [(*r[:8], tuple(r[8])) for r in rows]
     else:
         picked = [r[:8] for r in rows]
     return SqlPlan(picked, bytes(codes), bytes(reasons), int(live_rows) - len(rows), list(bumped), list(skipped))
+
+
+# The continued rows' attempts dispatched under a policy older than the limit. The cut does not
+# carry policy versions: they are read from the live attempts by id (a continuation keeps its
+# attempt, and its version, across restores; docs/ledger.md#stale-continuations). One statement.
+_STALE_ATTEMPTS = (
+    "SELECT attempt_id FROM attempts WHERE run_id = %(r)s AND attempt_id = ANY(%(ids)s::bigint[]) "
+    "AND policy_version < %(oldest)s"
+)
+
+
+async def _restart_stale(
+    conn: AsyncConnection, run_id: str, rows: list[Any], codes: bytearray, reasons: bytearray, oldest: int
+) -> None:
+    """Continued rows whose attempt's policy version is older than ``oldest`` restart, reason
+    ``too_stale`` (``codes`` and ``reasons`` in place); a NULL version is never stale."""
+    at = [m.start() for m in re.finditer(b"\\x02", codes)]
+    stale = {aid for (aid,) in await fetch(conn, _STALE_ATTEMPTS, {"r": run_id, "ids": [int(rows[k][2]) for k in at], "oldest": oldest})}
+    for k in at:
+        if rows[k][2] in stale:
+            codes[k] = _RESTARTED
+            reasons[k] = _R_TOO_STALE
 
 
 async def _plan_settings(conn: AsyncConnection) -> None:

@@ -32,6 +32,7 @@ from .rewind_diff import (
     unknown_attempts,
 )
 from .rewind_state import AfterCut, Minter, Rewind, Rewinding, RewindReport
+from .rewind_work import count_reinstated, record_work
 from .rewind_write import (
     attempts_as_in_cut,
     bump_epoch,
@@ -63,6 +64,8 @@ async def apply_restore(
     after the cut, and every live attempt with the cut whatever ``cut_xmin`` says (tests use it to
     check that looking only at what changed gives the same ledger).
     """
+    if record is not None:
+        rw.restore_id = record[0]
     async with engine.begin() as conn:
         run = await lock_run(conn, run_id, for_update=True, expect_epoch=expect_epoch)
         try:
@@ -126,10 +129,12 @@ _STEPS = (
     diff_with_cut,
     after_cut_rows,
     unknown_attempts,
+    record_work,
     supersede_continued,
     remove_later_groups,
     end_unknown_attempts,
     groups_as_in_cut,
+    count_reinstated,
     focus_rows,
     siblings_as_in_cut,
     attempts_as_in_cut,

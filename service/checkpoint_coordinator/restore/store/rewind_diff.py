@@ -20,6 +20,7 @@ from ...domain.vocabulary import (
 from ...domain.vocabulary import AttemptStatus as A
 from ...domain.vocabulary import GroupStatus as G
 from ...domain.vocabulary import RetirementState as R
+from ...domain.vocabulary import WorkReason
 from ...errors import Conflict
 from ...ledger.db import execute as execute_binary
 from ...ledger.db import fetch
@@ -38,6 +39,8 @@ _ENDED_BEFORE_CUT = (
     "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id)"
 )
 
+#: The same, for the rewind's accounting (``rewind_work``), which lists those groups first.
+ENDED_BEFORE_CUT = _ENDED_BEFORE_CUT
 
 _DIFF_COLS = "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement"
 
@@ -187,7 +190,7 @@ async def after_cut_rows(c: Rewinding) -> None:
             continue
         new = c.minter(x.group_id, x.generation_index)
         disp = "restarted" if x.restore_level == RestoreLevel.turn else "rerun"
-        c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt)
+        c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt, disp)
         c.report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, disp, new, x.rollout_id, x.group_attempt))
     if cohort_groups:
         # Part of a never-sent cohort went out after the cut: the whole cohort reruns at
@@ -203,7 +206,7 @@ async def after_cut_rows(c: Rewinding) -> None:
         ).all()
         for x in members:
             new = c.minter(x.group_id, x.generation_index)
-            c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt + 1)
+            c.rw.add_new(x.attempt_id, x.group_id, x.generation_index, new, x.group_attempt + 1, "rerun")
             c.report.after_cut.append(AfterCut(x.attempt_id, x.group_id, x.generation_index, "rerun", new, x.rollout_id, x.group_attempt + 1))
         c.bumped |= cohort_groups
         c.report.bumped_after_cut = sorted(cohort_groups)
@@ -236,24 +239,12 @@ async def supersede_continued(c: Rewinding) -> None:
 
 async def remove_later_groups(c: Rewinding) -> None:
     # 4. Groups the cut does not know leave the ledger (siblings and attempts cascade): they were
-    #    admitted after it. Groups that had ended (finalized, abandoned) before the cut are not
-    #    in it either; they stay, as history.
-    if c.since is not None:
-        # The same groups, listed by _restore_diff_since_cut in this transaction (nothing wrote
-        # a group row since, and the run is locked).
-        c.report.groups_removed = await execute_binary(
-            c.conn, "DELETE FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s::text[])", {"r": c.r, "g": c.since.absent}
-        ) if c.since.absent else 0
-    else:
-        c.report.groups_removed = (
-            await c.conn.execute(
-                text(
-                    "DELETE FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-                    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
-                ),
-                c.p,
-            )
-        ).rowcount
+    #    admitted after it, and ``rewind_work`` listed and recorded them (``c.removed``). Groups
+    #    that had ended (finalized, abandoned) before the cut are not in it either; they stay, as
+    #    history.
+    c.report.groups_removed = await execute_binary(
+        c.conn, "DELETE FROM prompt_groups WHERE run_id = %(r)s AND group_id = ANY(%(g)s::text[])", {"r": c.r, "g": c.removed}
+    ) if c.removed else 0
 
 
 async def end_unknown_attempts(c: Rewinding) -> None:
@@ -263,6 +254,10 @@ async def end_unknown_attempts(c: Rewinding) -> None:
             text(
                 "UPDATE attempts a SET is_current = false, "
                 f"status = CASE WHEN a.status IN ('{A.reserved}', '{A.dispatched}', '{A.returned}') THEN '{A.abandoned}' ELSE a.status END, "
+                # Their work is redone because of the restore (docs/accounting.md#rollout-seconds),
+                # unless it had been thrown away already.
+                f"end_reason = CASE WHEN a.status IN ('{A.reserved}', '{A.dispatched}', '{A.returned}', '{A.sealed}') "
+                f"THEN '{WorkReason.retired_by_restore}' ELSE a.end_reason END, "
                 "ended_at = COALESCE(a.ended_at, now()) FROM restore_unknown u WHERE a.attempt_id = u.attempt_id"
             ),
         )

@@ -38,8 +38,14 @@ class Rewind:
     instance_map: dict[str, str] = field(default_factory=dict)
     # A restore with an instance map: retires go only to registered instances.
     into_other_topology: bool = False
+    # Why each new attempt's predecessor's work is redone (a WorkReason, aligned with
+    # new_old_ids; docs/accounting.md#rollout-seconds).
+    new_reasons: list[str] = field(default_factory=list)
+    # The restore whose record keeps what the rewind rewound (None: nothing is recorded).
+    restore_id: str | None = None
 
-    def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int) -> None:
+    def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int, reason: str = "restarted") -> None:
+        self.new_reasons.append(reason)
         self.new_old_ids.append(int(old_id))
         self.new_groups.append(group_id)
         self.new_indexes.append(index)
@@ -77,6 +83,24 @@ class RewindReport:
     # Train steps announced after the snapshot's anchor, retired with the lineage
     # (docs/ledger.md#the-discarded-lineage).
     train_steps_retired: list[int] = field(default_factory=list)
+    # What the restore found, carried and threw away (docs/accounting.md#what-a-restore-kept).
+    work: list[WorkItem] = field(default_factory=list)
+    groups_rewound: int = 0
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Rollout-seconds of the attempts a restore continued, replaced or ended, summed by
+    instance, level, fate and reason (one ``restore_work`` row)."""
+
+    instance_id: str | None
+    restore_level: str
+    fate: str
+    reason: str | None
+    found: bool
+    kept: bool
+    attempts: int
+    seconds: float
 
 
 Minter = Callable[[str, int], str]
@@ -113,3 +137,5 @@ class Rewinding:
     everything: bool = False
     still: Any = None
     new_groups: Sequence[str] = ()
+    # Live groups admitted after the cut, which the rewind removes (rewound).
+    removed: list[str] = field(default_factory=list)

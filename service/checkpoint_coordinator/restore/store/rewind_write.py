@@ -46,7 +46,8 @@ async def groups_as_in_cut(c: Rewinding) -> None:
         await c.conn.execute(
             text(
                 "UPDATE prompt_groups g SET group_attempt = t.target_attempt, data_attempts_used = t.data_attempts_used, "
-                f"status = t.status, ended_at = CASE WHEN t.status IN ('{G.finalized}', '{G.abandoned}') THEN COALESCE(g.ended_at, now()) END "
+                f"status = t.status, ended_at = CASE WHEN t.status IN ('{G.finalized}', '{G.abandoned}') THEN COALESCE(g.ended_at, now()) END, "
+                f"abandon_reason = CASE WHEN t.status = '{G.abandoned}' THEN g.abandon_reason END "
                 f"FROM ({usrc}) t WHERE g.run_id = :r AND g.group_id = t.group_id AND "
                 "(g.group_attempt, g.data_attempts_used, g.status) IS DISTINCT FROM (t.target_attempt, t.data_attempts_used, t.status) "
                 "RETURNING g.group_id"
@@ -220,8 +221,12 @@ async def attempts_as_in_cut(c: Rewinding) -> None:
                 "reward = t.reward, mask_sample = t.mask_sample, staging_keys = t.staging_keys, gym_owned = t.gym_owned, "
                 f"retirement = CASE WHEN t.cont THEN '{R.none}' ELSE a.retirement END, "
                 f"dispatch_id = CASE WHEN t.status = '{A.reserved}' THEN NULL ELSE a.dispatch_id END, "
-                f"ended_at = CASE WHEN t.status IN ('{A.sealed}', '{A.failed}', '{A.abandoned}') THEN COALESCE(a.ended_at, now()) END "
-                f"FROM ({_TARGET}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND ("
+                f"ended_at = CASE WHEN t.status IN ('{A.sealed}', '{A.failed}', '{A.abandoned}') THEN COALESCE(a.ended_at, now()) END, "
+                # Every focus row becomes its sibling's current attempt again: nothing ended it any
+                # more, whatever a restore or the straggler rule did to it since the cut
+                # (docs/accounting.md#rollout-seconds).
+                "end_reason = NULL "
+                f"FROM ({_TARGET}) t WHERE a.attempt_id = t.attempt_id AND a.run_id = :r AND (a.end_reason IS NOT NULL OR "
                 "(a.status, a.is_current, a.gym_instance_id, a.gym_attempt, a.group_attempt, a.refusals, a.receipt, a.reward, "
                 "a.mask_sample, a.staging_keys, a.gym_owned) IS DISTINCT FROM (t.status, t.is_current, t.gym_instance_id, "
                 "t.gym_attempt, t.group_attempt, t.refusals, t.receipt, t.reward, t.mask_sample, t.staging_keys, t.gym_owned) "

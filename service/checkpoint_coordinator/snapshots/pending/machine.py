@@ -26,6 +26,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ...domain.errors import IdentityError
+from ...domain.identity import parse_capture_key
 from ...domain.snapshot_state import (
     UNFLUSHED_MOVES,
     SnapshotPhase,
@@ -35,7 +37,7 @@ from ...domain.snapshot_state import (
     reason_for_gym_failure,
 )
 from ...domain.vocabulary import GymOperation
-from ...gym.errors import GymControlError
+from ...gym.errors import BLOCKED_EPISODES, GymControlError
 from ...gym.models import Episode
 from ...gym.races import first_of, unless_set
 from ...gym.results import CommitResult, InstanceCommit
@@ -117,6 +119,9 @@ class PendingSnapshot(Steps, SideWork, Finishing):
         self._last_entry: tuple[str, InstanceCommit] | None = None
         # The phase before the last move, when that move was unflushed (its own is ``phase``).
         self._unflushed_from: SnapshotPhase | None = None
+        # (instance, rollout id) of the episodes that kept it from its cut, recorded by its end
+        # (docs/ledger.md#stragglers).
+        self._blockers: list[tuple[str, str]] = []
 
     # --- events from outside -------------------------------------------------------------------
 
@@ -156,6 +161,7 @@ class PendingSnapshot(Steps, SideWork, Finishing):
         except SnapshotFailed as e:
             await self._ending(self._end_before_cut(e.reason, e.detail))
         except GymControlError as e:
+            self._blockers = _blocked(e)
             await self._ending(self._end_before_cut(reason_for_gym_failure(e.failure_class), _gym_detail(e)))
         except Exception as e:  # neither a database outage nor a bug may leave the gate closed
             await self._ending(self._crashed(e))
@@ -311,6 +317,7 @@ class PendingSnapshot(Steps, SideWork, Finishing):
                 detail=detail, timings=timings, gym_parked_seconds=save.gym_parked_seconds if save else None,
                 gym_restarted_episodes=restarted, resume_failure=resume_failure, keep_latest_k=int(self._config.get("keep_latest_k", 2)),
                 keep_gate=self.stop, keep_gym_manifest=self._data_plane_reached,
+                **({"blockers": self._blockers} if self._blockers else {}),
             ),
             f"snapshot {self.snapshot_id} of run {self.run_id}: ending it {outcome}/{reason}", self.clock,
         )
@@ -427,5 +434,21 @@ _TIMED = frozenset(t.value for t in SnapshotTiming)
 
 def _gym_detail(e: GymControlError) -> dict[str, Any]:
     d = e.to_dict()
+    d.pop(BLOCKED_EPISODES, None)  # recorded as the snapshot's blockers, not in its detail
     d["message"] = str(e)[:4000]
     return d
+
+
+def _blocked(e: GymControlError) -> list[tuple[str, str]]:
+    """(instance, rollout id) of every episode a not-ready prepare or a timed-out drain named.
+    Gym's blockers are capture keys, or names of its own (a worker that never reported): those
+    name no attempt, and the store leaves them out."""
+    named = e.extra.get(BLOCKED_EPISODES) or {}
+    out = []
+    for iid, keys in sorted(named.items()):
+        for key in keys:
+            try:
+                out.append((iid, parse_capture_key(key)[0]))
+            except IdentityError:
+                continue
+    return out

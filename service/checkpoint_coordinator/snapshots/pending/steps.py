@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...domain.snapshot_state import SnapshotPhase, SnapshotReason, SnapshotTiming
 from ...gym.context import checkpoint_id_for
-from .support import SnapshotFailed, all_ended
+from ...observability import metrics
+from .support import SnapshotFailed, all_ended, log
 
 if TYPE_CHECKING:
     from .machine import PendingSnapshot as _Base
@@ -73,6 +74,11 @@ class Steps(_Base):
             )
         cfg = self._config = dict(run.config)
         self.stop = snap.stop
+        if gate.stragglers:
+            # Given up by the gate's close (docs/ledger.md#stragglers); their retires are owed.
+            metrics.record_straggler_retirements(len(gate.stragglers))
+            log.warning("snapshot %s of run %s: gave up %d straggler(s) that blocked the last %s snapshots, e.g. %s",
+                        self.snapshot_id, self.run_id, len(gate.stragglers), cfg.get("max_blocking_snapshots", 3), ", ".join(gate.stragglers[:5]))
         if left is not None:
             self._start_deadline(left)
         # An abort or a lost lease during the close: no Gym call follows.

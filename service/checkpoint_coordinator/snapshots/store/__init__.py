@@ -3,7 +3,8 @@ split by concern; this facade is what the rest of the service uses.
 
 ``rows`` (reads, the API record) · ``phases`` (fenced phase moves, the gate's close, takeover) ·
 ``gym_entries`` · ``progress`` (the drain's and the row's reads) · ``cut`` and ``keys`` (the ledger
-cut, its staging keys) · ``precut`` · ``handshakes`` (abort, capture) · ``ending`` · ``train_steps``.
+cut, its staging keys) · ``precut`` · ``handshakes`` (abort, capture) · ``ending`` · ``train_steps`` ·
+``stragglers`` (who blocked the last snapshots, read by the gate's close).
 """
 
 from __future__ import annotations

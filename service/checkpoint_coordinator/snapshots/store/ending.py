@@ -4,6 +4,7 @@ streaks, retention, the cut's and the entries' rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from sqlalchemy import text
@@ -47,13 +48,16 @@ async def end(
     keep_latest_k: int = 2,
     keep_gate: bool = False,
     keep_gym_manifest: bool | None = None,
+    blockers: Sequence[tuple[str, str]] = (),
 ) -> tuple[SnapshotRow, Streaks]:
     """End a snapshot (published, failed or aborted) in one transaction with its bookkeeping:
     reopen the gate if still held, count consecutive losses and failures, apply retention on
     publish. Fenced like every phase move (from ``expected``). Returns (row, the run's streaks
     after this).
     ``keep_gym_manifest``: join its Gym entries into ``gym_manifest`` (the snapshot reached
-    ``data_plane``, so every instance's entry is in); by default only when it publishes."""
+    ``data_plane``, so every instance's entry is in); by default only when it publishes.
+    ``blockers``: (instance, rollout id) of the episodes that kept it from its cut, recorded
+    with it (docs/ledger.md#stragglers)."""
     outcome, reason = SnapshotOutcome(outcome), SnapshotReason(reason)
     if keep_gym_manifest is None:
         keep_gym_manifest = outcome is SnapshotOutcome.published
@@ -73,6 +77,8 @@ async def end(
         ).first()
         if r is None:
             raise Fenced(run_id, f"snapshot {snapshot_id}: {expected} -> {outcome}/{reason}", fence)
+        if blockers:
+            await conn.execute(text(_BLOCKERS_SQL), {"r": run_id, "s": snapshot_id, "i": [b[0] for b in blockers], "ro": [b[1] for b in blockers]})
         await _notify(conn, run_id, [snapshot_id])  # its waiting trainers, and an owner elsewhere
         if not (keep_gate and outcome is SnapshotOutcome.published):
             await _open_gate_of_run(conn, run_id, snapshot_id)
@@ -95,6 +101,16 @@ _END_SQL = (
     # kept when complete (``keep_gym_manifest``).
     f"gym_manifest = CASE WHEN :keep_manifest THEN COALESCE(gym_manifest, {_ENTRIES_MANIFEST}) ELSE gym_manifest END "
     f"WHERE {_FENCED_MOVE} RETURNING {_COLS}"
+)
+
+
+# The episodes that blocked a snapshot, as the attempts they name (a name that is no rollout id
+# of the run, such as a Gym worker's, is left out); one row per rollout, its first instance.
+_BLOCKERS_SQL = (
+    "INSERT INTO snapshot_blockers (run_id, snapshot_id, rollout_id, attempt_id, instance_id) "
+    "SELECT DISTINCT ON (a.rollout_id) :r, :s, a.rollout_id, a.attempt_id, t.i "
+    "FROM unnest(CAST(:i AS text[]), CAST(:ro AS text[])) AS t(i, ro) JOIN attempts a ON a.run_id = :r AND a.rollout_id = t.ro "
+    "ORDER BY a.rollout_id, t.i ON CONFLICT DO NOTHING"
 )
 
 

@@ -21,11 +21,13 @@ from ...errors import Conflict, RunStopped
 from ...ledger.db import one_statement
 from ...ledger.leases import Fence, Fenced, fence_sql
 from ...ledger.notify import _notice
-from ...ledger.runs import CLOSE_GATE_SQL, lock_run, stopped_by
+from ...ledger.runs import CLOSE_GATE_SQL, get_run, lock_run, stopped_by
 from ...ledger.runs import open_gate as _open_gate_of_run
 from ...outbox.store import pending_of_run
+from ...rollouts.stragglers import retire_stragglers
 from .gym_entries import _ENTRY_INSERT, _ENTRY_UPSERT, GymEntry
 from .rows import _COLS, P, SnapshotRow, _j, get
+from .stragglers import find_stragglers
 from .train_steps import newest_train_step
 
 
@@ -163,10 +165,12 @@ async def take_over(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: F
 @dataclass(frozen=True)
 class GateClosure:
     """What :func:`close_gate` did: the run's pending outbox pairs (instance, op), read after the
-    close, and whether the snapshot went on to ``prepare`` in the same transaction."""
+    close, whether the snapshot went on to ``prepare`` in the same transaction, and the
+    stragglers it gave up (docs/ledger.md#stragglers)."""
 
     owed: set[tuple[str, str]]
     prepared: bool
+    stragglers: tuple[str, ...] = ()
 
 async def close_gate(engine: AsyncEngine, run_id: str, snapshot_id: str, fence: Fence, *, prepare_as: str | None = None) -> GateClosure:
     """Phase ``gate``, persisted together with the gate itself, in one statement: the gate's
@@ -189,6 +193,10 @@ async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fe
         raise Fenced(run_id, f"snapshot {snapshot_id}: the gate of a run that changed meanwhile", fence)
     if not moved:
         raise Fenced(run_id, f"snapshot {snapshot_id}: {P.requested} -> {P.gate}", fence)  # the gate's close rolls back
+    # Episodes that blocked the last snapshots are given up now, with the gate closed: their
+    # retires are owed before this snapshot's prepare, so it no longer waits for them.
+    stragglers = await find_stragglers(conn, run_id)
+    given_up = await retire_stragglers(conn, run_id, (await get_run(conn, run_id)).config, stragglers) if stragglers else []
     owed = await pending_of_run(conn, run_id)
     prepared = False
     if prepare_as is not None and not owed:
@@ -206,7 +214,7 @@ async def close_gate_in(conn: AsyncConnection, run_id: str, snapshot_id: str, fe
                 {**params, "to": P.prepare.value, "expected": P.gate.value, "cid": prepare_as},
             )
         ).first() is not None
-    return GateClosure(owed, prepared)
+    return GateClosure(owed, prepared, tuple(given_up))
 
 _CLOSE_GATE_SQL = (
     f"WITH g AS ({CLOSE_GATE_SQL}), "

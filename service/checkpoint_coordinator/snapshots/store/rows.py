@@ -66,13 +66,21 @@ _KEYS_WHEN_AWAITING_CAPTURE = (
     f"THEN {sk.KEYS} END AS cut_staging_keys"
 )
 
-_COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}"
+# The episodes that kept an ended snapshot from its cut (docs/ledger.md#stragglers): how many, and
+# the first ten rollout ids; NULL while it runs (they are recorded by its end).
+_BLOCKERS_OF = "FROM snapshot_blockers b WHERE b.run_id = snapshots.run_id AND b.snapshot_id = snapshots.snapshot_id"
+_BLOCKERS = (
+    f"CASE WHEN snapshots.outcome IS NOT NULL THEN (SELECT count(*) {_BLOCKERS_OF}) END AS blocker_count, "
+    f"CASE WHEN snapshots.outcome IS NOT NULL THEN ARRAY(SELECT b.rollout_id {_BLOCKERS_OF} ORDER BY b.rollout_id LIMIT 10) END AS blocker_sample"
+)
+
+_COLS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {_KEYS_WHEN_AWAITING_CAPTURE}, {_BLOCKERS}"
 
 _COLS_WITH_KEYS = f"{_BASE_COLS}, CAST(NULL AS jsonb) AS gym_manifest, {sk.KEYS} AS cut_staging_keys, cut_keys_added, cut_keys_removed"
 
 _COLS_FULL = (
     f"{_BASE_COLS}, COALESCE(gym_manifest, CASE WHEN {_COMPLETE_ENTRIES} THEN {_ENTRIES_MANIFEST} END) AS gym_manifest, "
-    f"{sk.KEYS} AS cut_staging_keys"
+    f"{sk.KEYS} AS cut_staging_keys, {_BLOCKERS}"
 )
 
 # Only what ``SnapshotRow`` does not need at all.
@@ -107,6 +115,9 @@ class SnapshotRow:
     # What the barrier added to and removed from the pre-cut's keys (``take_cut``); None without a pre-cut.
     cut_keys_added: list[str] | None = None
     cut_keys_removed: list[str] | None = None
+    # The episodes that blocked it, once it ended: their count and the first ten rollout ids.
+    blocker_count: int | None = None
+    blocker_sample: list[str] | None = None
 
     @property
     def terminal(self) -> bool:
