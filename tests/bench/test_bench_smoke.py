@@ -67,7 +67,7 @@ def _run(script: str, tmp_path: Path, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py", "ledger_ingest.py"])
+@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py", "ledger_ingest.py", "accounting_read.py"])
 def test_help(script: str) -> None:
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -104,7 +104,9 @@ def test_snapshot_overhead_quick(tmp_path: Path) -> None:
     assert re.search(r"take_cut called in this process .* [\d.]+ s; ratio to the reference = [\d.]+", out), out
 
 
-@pytest.mark.parametrize(("script", "after"), [("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of")])
+@pytest.mark.parametrize(
+    ("script", "after"), [("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of"), ("accounting_read.py", "building a run")]
+)
 def test_stopped_half_way_leaves_nothing(tmp_path: Path, script: str, after: str) -> None:
     env = _env(tmp_path)
     proc = subprocess.Popen([sys.executable, str(BENCH / script), "--quick"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -125,6 +127,16 @@ def test_stopped_half_way_leaves_nothing(tmp_path: Path, script: str, after: str
             proc.wait()
     assert proc.returncode != 0
     _assert_no_leftovers(env["TMPDIR"])
+
+
+def test_accounting_read_quick(tmp_path: Path) -> None:
+    out = _run("accounting_read.py", tmp_path, "--quick")
+    # The run was built and the read checked against it (``check_answer``), then both timed.
+    assert re.search(r"accounting_read: built 24,000 siblings \(3,000 groups, [\d,]+ attempts, [\d,]+ in flight\)", out), out
+    assert re.search(r"accounting_read: run_accounting \(the accounting read\)\s+median [\d.]+ ms\s+\(min [\d.]+ ms, max [\d.]+ ms, 3 rounds\)", out), out
+    assert re.search(r"accounting_read: SELECT count\(\*\) of the run's attempts\s+median [\d.]+ ms", out), out
+    assert re.search(r"accounting_read: ratio accounting / count\(\*\) = [\d.]+ \(per round [\d.]+-[\d.]+; target <= 5\)", out), out
+    assert "accounting_read: json {" in out
 
 
 def test_restore_plan_quick(tmp_path: Path) -> None:
