@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser"]
 
 EXIT_OK, EXIT_CHECKS_FAILED, EXIT_USAGE, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 # The demo's stories (kept here so --help needs no import of the runner).
-SCENARIOS = ("crash", "allocation-end")
+SCENARIOS = ("crash", "allocation-end", "side-effects")
 
 _DESCRIPTION = """\
 End-to-end demo of the checkpoint coordinator: crash recovery of multi-turn RL rollouts.
@@ -65,6 +65,15 @@ two of the three saved instances over. Their turn-level episodes continue from t
 those of the unmapped instance restart, and the summary counts the plan's rows per reason. It
 says whether Gym honoured the stop (the published profile refuses it; the snapshot is taken all
 the same).
+
+With --scenario side-effects the story is a tool that acts outside Gym: gymsim's resources server
+sends a mail per turn (a line in a file no Gym checkpoint saves). The same crash is staged twice,
+in two runs on one Gym instance: episodes run, a snapshot saves them mid-way, they mail on past the
+cut, the Gym process is SIGKILLed, a fresh one is restored and the episodes continue to the end;
+first with the mail tool unguarded, then asking the coordinator's effect journal before each mail.
+It prints the mails per episode of both runs side by side and the journal's orphans, and passes
+only if the run with the journal sent no mail twice (the one without shows the doubles it
+prevents) and both runs' accounting is conserved. --steps, --groups and --seed do not apply.
 
 Everything it started is stopped at the end, also on failure or Ctrl-C.
 
@@ -116,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=SCENARIOS,
         default="crash",
         help="'crash' (default): the trainer and a Gym instance are killed mid-step and restored; 'allocation-end': "
-        "SIGUSR1, a stopping snapshot, and a restore into a Gym deployment with other names and one instance fewer",
+        "SIGUSR1, a stopping snapshot, and a restore into a Gym deployment with other names and one instance fewer; "
+        "'side-effects': a tool that mails outside Gym, crashed and restored without and with the effect journal",
     )
     return p
 

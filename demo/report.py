@@ -6,7 +6,7 @@ from typing import Any
 
 from ckpt_client.ops_accounting import duration, percent
 
-__all__ = ["render_summary", "render_accounting"]
+__all__ = ["render_summary", "render_accounting", "render_side_effects"]
 
 _DISPOSITIONS = ("reused", "continued", "restarted", "gym_restarted", "rerun", "dispatch")
 _WHAT = {
@@ -30,6 +30,11 @@ def _table(rows: list[list[str]], indent: str = "  ") -> list[str]:
 
 
 def render_summary(s: dict[str, Any]) -> str:
+    return render_side_effects(s) if "side_effects" in s else _render_restore(s)
+
+
+def _render_restore(s: dict[str, Any]) -> str:
+    """The crash and allocation-end scenarios."""
     o, g, r = s["options"], s["groups"], s["restore"]
     lines = [
         "",
@@ -143,3 +148,80 @@ def render_accounting(acc: dict[str, Any]) -> list[str]:
         if r.get("carried_share") is not None:
             lines.append(f"  restore {r['restore_id']} kept {percent(r['carried_share'])} of the work it found in flight")
     return lines
+
+
+def _seqs(seqs: list[int]) -> str:
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    runs: list[list[int]] = []
+    for n in seqs:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in runs)
+
+
+def _mails_cell(e: dict[str, Any] | None, journal: bool) -> str:
+    if e is None:
+        return "-"
+    text = f"saved at turn {e['saved_turn']}: {e['mails']} mails"
+    if not journal:
+        twice = e["mailed_twice"]
+        return text + (f", {len(twice)} turns mailed twice (seq {_seqs(twice)})" if twice else ", none twice")
+    if e["sent_twice"]:
+        text += f", {len(e['sent_twice'])} SENT TWICE (seq {_seqs(e['sent_twice'])})"
+    orphaned = e["orphaned"]
+    return text + (f", {len(orphaned)} replaced, listed as orphans (seq {_seqs(orphaned)})" if orphaned else ", none twice")
+
+
+def render_side_effects(s: dict[str, Any]) -> str:
+    """The side-effects scenario: mails per episode of both runs side by side, the journal's
+    orphans, each run's accounting, the checks."""
+    o, runs = s["options"], s["side_effects"]
+    off, on = runs["without_journal"], runs["with_journal"]
+    lines = [
+        "",
+        f"ckpt-coordinator demo: scenario side-effects, Gym {o.get('gym_profile', 'published')}",
+        f"  each run: {o['groups']} groups x {o['generations']} episodes of {o['turns']} turns, a mail per turn to a file outside Gym;",
+        f"  snapshot once every episode did {o['saved_after']} turns, Gym SIGKILLed {o['lost_after']} turns later, "
+        + "a fresh Gym restored, episodes continued to the end",
+        f"  without the journal: run {off['run_id']}; with it: run {on['run_id']}",
+        "",
+        "mails per episode (every turn mails once: seq = the episode's mail count, kept in its checkpointed session)",
+    ]
+    rows = [["episode", "without the journal", "with the journal"]]
+    for name in sorted(set(off["episodes"]) | set(on["episodes"])):
+        rows.append([name, _mails_cell(off["episodes"].get(name), False), _mails_cell(on["episodes"].get(name), True)])
+    a, b = off["episodes"].values(), on["episodes"].values()
+    rows.append([
+        "all",
+        f"{sum(e['mails'] for e in a)} mails, {sum(len(e['mailed_twice']) for e in a)} turns mailed twice, none listed",
+        f"{sum(e['mails'] for e in b)} mails, {sum(len(e['sent_twice']) for e in b)} sent twice, {len(on['orphans'])} orphans listed",
+    ])
+    lines += _table(rows)
+    how = {"same": "the same on every attempt", "names_attempt": "naming the attempt"}
+    tools = ", ".join(f"{g} {agent} ({res}, mails {how.get(v, v)})" for g, (agent, res, v) in (o.get("tools") or {}).items())
+    lines.append(f"  {tools}")
+    stats = on.get("continuation_mail_tool") or {}
+    skipped = sum(int(x.get("done_before", 0)) for x in stats.values())
+    lines.append(f"  with the journal the continuations asked before each mail: {skipped} answered done (sent before the crash) and were not sent again")
+    at = on["restore"].get("effects") or {}
+    if at:
+        lines.append(f"  restore {on['restore']['restore_id']} left {at.get('pending', 0)} effects made after the cut pending (kept if made again)")
+
+    lines += ["", f"orphans (effects of a discarded timeline, to compensate): {len(on['orphans'])}"]
+    if on["orphans"]:
+        rows = [["episode", "seq", "effect", "state", "reason", "orphaned by"]]
+        rows += [[x["episode"], str(x["seq"]), x["effect"], x["state"], str(x.get("orphan_reason")), str(x.get("orphaned_by") or "-")] for x in on["orphans"]]
+        lines += _table(rows)
+    else:
+        lines.append("  none: the continuations asked for the very mails the discarded timelines sent, and the journal kept them")
+
+    lines += ["", "accounting (the coordinator's, per run)"]
+    for r in (off, on):
+        p = r["accounting"]["prompts"]
+        lines.append(f"  {r['label']}: " + ", ".join(f"{k} {v}" for k, v in p["buckets"].items()) + f"; conserved {'yes' if p['conserved'] else 'NO'}")
+    lines += ["", "checks"]
+    lines += [f"  [{'ok' if ch['ok'] else 'FAILED'}] {ch['name']}: {ch['detail']}" for ch in s["checks"]]
+    lines += ["", f"{'OK' if s['ok'] else 'FAILED'} in {s['wall_seconds']:.1f}s"]
+    return "\n".join(lines)

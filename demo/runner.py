@@ -151,6 +151,10 @@ class Demo:
     async def _story(self) -> dict[str, Any]:
         if self.opts.scenario == "allocation-end":
             return await self._allocation_end()
+        if self.opts.scenario == "side-effects":
+            from .side_effects import run_side_effects
+
+            return await run_side_effects(self)
         return await self._crash_and_restore()
 
     async def _begin(self, instances: tuple[str, ...]) -> tuple[DataLoader, str, str]:

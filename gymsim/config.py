@@ -96,6 +96,35 @@ class ServerKnobs(_Strict):
     staging_map: bool = True
 
 
+class EffectJournalConfig(_Strict):
+    """Where the mail tool asks before it sends (the coordinator's effect journal): the
+    coordinator's base URL, the run and its run token (the participant's credential)."""
+
+    url: Annotated[str, StringConstraints(min_length=1)]
+    run_id: Annotated[str, StringConstraints(min_length=1, max_length=256)]
+    token: Annotated[str, StringConstraints(min_length=1)]
+
+
+# `same`: a continuation asks for the very mails the discarded timeline sent; `names_attempt`:
+# the body names the Gym attempt, so a continuation asks for another mail at the same place
+# (the journal answers `diverged`); `first_attempt_only`: attempts after the first send nothing,
+# so what the discarded timeline sent is never asked for again (orphaned `not_repeated`).
+MailVariant = Literal["same", "names_attempt", "first_attempt_only"]
+
+
+class MailConfig(_Strict):
+    """The resources server's mail tool: an effect outside what Gym checkpoints (README, "Mail tool")."""
+
+    # A JSON-lines file every sent mail is appended to; never checkpointed nor restored.
+    outbox: Annotated[str, StringConstraints(min_length=1)]
+    to: Annotated[str, StringConstraints(min_length=1, max_length=256)] = "ops@example.com"
+    # A mail on the first mutation of a session and then on every `every`-th.
+    every: Annotated[int, Field(ge=1)] = 1
+    variant: MailVariant = "same"
+    # None: send without asking anyone (a restore's continuation sends again what it re-runs).
+    journal: EffectJournalConfig | None = None
+
+
 class ServerConfig(ServerKnobs):
     server_name: ServerName
     # None: not a participant (judge, relay, checkpointing off): status answers 404.
@@ -109,6 +138,8 @@ class ServerConfig(ServerKnobs):
     resources_server: ServerName | None = None
     # None: the instance's profile.
     gym_profile: GymProfile | None = None
+    # resources: send a mail on mutations (None: no mail tool).
+    mail: MailConfig | None = None
 
     @property
     def name(self) -> str:
@@ -146,6 +177,8 @@ class InstanceConfig(_Strict):
             for peer in (server.model_server, server.resources_server):
                 if peer is not None and peer not in known:
                     raise ValueError(f"{server.server_name} names unknown server {peer!r}")
+            if server.mail is not None and server.kind != "resources":
+                raise ValueError(f"{server.server_name}: only a resources server has the mail tool")
         for fault in self.faults:
             if fault.server_name not in known:
                 raise ValueError(f"fault names unknown server {fault.server_name!r}")

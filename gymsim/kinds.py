@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from .mail import Mailer
 from .participant import DropConnection, Pair, Participant, Predicate
 from .wire import ProtocolError, RolloutId, capture_key, is_valid_capture_key, normalize_code, parse_capture_key
 
@@ -235,6 +236,7 @@ class MutateBody(BaseModel):
 class Session:
     counter: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
+    mails: int = 0  # mails this episode sent: the next one's seq, checkpointed with the session
 
 
 class ResourcesParticipant(Participant):
@@ -250,6 +252,12 @@ class ResourcesParticipant(Participant):
         self.waiting = 0
         self.retired_sessions: set[str] = set()
         self.stopping: set[str] = set()
+        self.mailer = Mailer(config.mail) if config.mail is not None else None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.mailer is not None:
+            self.mailer.close_soon()
 
     def configured_mode(self, configured: str | None) -> str | None:
         # Published Gym's resources always have a mode, and restart_only is the one it falls back to.
@@ -299,7 +307,7 @@ class ResourcesParticipant(Participant):
             restored = self.claim(pair)
             session = Session()
             if restored is not None:
-                session = Session(counter=restored.get("counter", 0), history=list(restored.get("history", [])))
+                session = Session(restored.get("counter", 0), list(restored.get("history", [])), restored.get("mails", 0))
             self.sessions[sid] = session
         return session
 
@@ -311,11 +319,23 @@ class ResourcesParticipant(Participant):
             self.ensure_alive()
             self._raise_if_refused(sid, rollout_id, attempt)
             session = self._session(sid, (rollout_id, attempt))
+            mail = await self._mail(session, rollout_id, attempt)
             session.counter += 1
             session.history.append({"rollout_id": rollout_id, "attempt": attempt, "turn": body.turn, "entry": body.entry})
-            return {"session_id": sid, "counter": session.counter, "history_len": len(session.history)}
+            reply = {"session_id": sid, "counter": session.counter, "history_len": len(session.history)}
+            return reply if mail is None else {**reply, "mail": mail}
         finally:
             self._leave(sid)
+
+    async def _mail(self, session: Session, rollout_id: str, attempt: int) -> dict[str, Any] | None:
+        """The mail tool (gymsim/mail.py): sent before the mutation is applied, so a refused or
+        failed send leaves the session as it was."""
+        if self.mailer is None or not self.mailer.wants(attempt, len(session.history)):
+            return None
+        mail = await self.mailer.send(rollout_id, attempt, session.mails, len(session.history))
+        self.ensure_alive()
+        session.mails += 1
+        return mail
 
     async def read(self, sid: str) -> dict[str, Any]:
         rollout_id, attempt = await self._enter(sid)
@@ -346,7 +366,7 @@ class ResourcesParticipant(Participant):
 
     def capture_state(self) -> dict[Pair, dict[str, Any]]:
         state = {
-            parse_capture_key(sid): {"counter": s.counter, "history": [dict(h) for h in s.history]}
+            parse_capture_key(sid): {"counter": s.counter, "history": [dict(h) for h in s.history], "mails": s.mails}
             for sid, s in self.sessions.items()
         }
         state.update(super().capture_state())
@@ -356,6 +376,8 @@ class ResourcesParticipant(Participant):
         state = record["state"]
         if state and (type(state.get("counter")) is not int or not isinstance(state.get("history"), list)):
             raise ValueError("a resources record needs counter and history")
+        if state and type(state.get("mails", 0)) is not int:
+            raise ValueError("a resources record's mails is a count")
 
     def stop_work(self, pairs: list[Pair]) -> Predicate:
         sids = {capture_key(r, n) for r, n in pairs}
@@ -386,11 +408,13 @@ class ResourcesParticipant(Participant):
         return {"retired_sessions": len(self.retired_sessions)}
 
     def admin_extras(self) -> dict[str, Any]:
-        return {"sessions": len(self.sessions), "retired_sessions": sorted(self.retired_sessions)}
+        extras = {"sessions": len(self.sessions), "retired_sessions": sorted(self.retired_sessions)}
+        return extras if self.mailer is None else {**extras, "mail": dict(self.mailer.stats)}
 
     def session_dump(self) -> dict[str, Any]:
         return {
-            sid: {"counter": s.counter, "history": [dict(h) for h in s.history]} for sid, s in sorted(self.sessions.items())
+            sid: {"counter": s.counter, "history": [dict(h) for h in s.history], "mails": s.mails}
+            for sid, s in sorted(self.sessions.items())
         }
 
 

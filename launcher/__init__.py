@@ -2,10 +2,10 @@
 
 ``serve``, ``migrate`` and ``import-ledger`` are the service's (``checkpoint_coordinator.cli``);
 ``demo`` (``ckpt_demo``) and ``gymsim`` are packages of their own that the service must not import
-(docs/architecture.md#layering), and the operator commands ``restore-plan``, ``snapshots`` and
-``accounting`` are HTTP clients of a running coordinator (``ckpt_client.ops``). This module is the
-one place that knows all of them: it hands the tools to the service's command line, which lists
-and dispatches them.
+(docs/architecture.md#layering), and the operator commands ``restore-plan``, ``snapshots``,
+``accounting`` and ``effects`` are HTTP clients of a running coordinator (``ckpt_client.ops``,
+``ckpt_client.ops_effects``). This module is the one place that knows all of them: it hands the
+tools to the service's command line, which lists and dispatches them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,12 @@ def _accounting(argv: list[str]) -> int:
     return accounting_main(argv)
 
 
+def _effects(argv: list[str]) -> int:
+    from ckpt_client.ops_effects import effects_main
+
+    return effects_main(argv)
+
+
 TOOLS: dict[str, Delegated] = {
     "demo": Delegated("end-to-end demo: trainer + coordinator + gymsim, crash and restore", _demo),
     "gymsim": Delegated(
@@ -61,6 +67,10 @@ TOOLS: dict[str, Delegated] = {
         "print a run's accounting: prompt groups per bucket and whether they are conserved, rollout-seconds by fate, "
         "what each restore kept (token in $CKPTC_RUN_TOKEN)",
         _accounting,
+    ),
+    "effects": Delegated(
+        "print a run's effect journal: by default its orphans (effects of discarded timelines), by reason (token in $CKPTC_RUN_TOKEN)",
+        _effects,
     ),
 }
 

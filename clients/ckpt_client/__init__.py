@@ -10,6 +10,17 @@ from __future__ import annotations
 from ._core import RETRY_STATUSES, RetryPolicy
 from .accounting import Accounting, PromptAccounting, RestoreAccounting, WorkAccounting, WorkSplit
 from .aio import AsyncCoordinatorClient
+from .effects import (
+    AsyncEffectJournal,
+    BeginAnswer,
+    EffectJournal,
+    EffectPage,
+    EffectRecord,
+    EffectUnguarded,
+    EffectUnknown,
+    Reconciled,
+    args_digest,
+)
 from .errors import (
     BatchRefused,
     Conflict,
@@ -74,6 +85,15 @@ from .sync import CoordinatorClient
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncEffectJournal",
+    "BeginAnswer",
+    "EffectJournal",
+    "EffectPage",
+    "EffectRecord",
+    "EffectUnguarded",
+    "EffectUnknown",
+    "Reconciled",
+    "args_digest",
     "Accounting",
     "PromptAccounting",
     "RestoreAccounting",

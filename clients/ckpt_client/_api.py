@@ -23,6 +23,7 @@ MAX_ADMIT_ROWS = 20_000
 #: it cancels it, or it is a new incarnation taking over from the one that asked for it.
 ABORT_REASONS = ("data_plane_failed", "cancelled", "superseded")
 from .accounting import Accounting
+from .effects import BeginAnswer, EffectPage, EffectRecord
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -241,6 +242,25 @@ class Api:
     def abandon_groups(self, group_ids: Iterable[str], batch_size: int | None) -> Flow[GroupsResult]:
         parts = yield from self._batched(self._run_path("/groups/abandon"), "group_ids", list(group_ids), GroupsResult.parse, batch_size=batch_size)
         return GroupsResult.merge(parts)
+
+    def begin_effect(self, rollout_id: str, gym_attempt: int, seq: int, effect: str, digest: str, call_id: str | None) -> Flow[BeginAnswer]:
+        body = {"rollout_id": rollout_id, "gym_attempt": gym_attempt, "seq": seq, "effect": effect, "digest": digest, "call_id": call_id}
+        return BeginAnswer.parse((yield from self._call(RequestSpec("POST", self._run_path("/effects/begin"), body))))
+
+    def complete_effect(self, effect_id: int, result: Any) -> Flow[EffectRecord]:
+        spec = RequestSpec("POST", self._run_path(f"/effects/{int(effect_id)}/complete"), {"result": result})
+        return EffectRecord.parse((yield from self._call(spec)))
+
+    def abandon_effect(self, effect_id: int) -> Flow[EffectRecord]:
+        return EffectRecord.parse((yield from self._call(RequestSpec("POST", self._run_path(f"/effects/{int(effect_id)}/abandon"), {}))))
+
+    def effects_page(self, orphaned: bool | None, rollout_id: str | None, cursor: int, limit: int) -> Flow[EffectPage]:
+        params: dict[str, Any] = {"cursor": cursor, "limit": limit}
+        if orphaned is not None:
+            params["orphaned"] = "true" if orphaned else "false"
+        if rollout_id is not None:
+            params["rollout_id"] = rollout_id
+        return EffectPage.parse((yield from self._call(RequestSpec("GET", self._run_path("/effects"), params=params))))
 
     def accounting(self) -> Flow[Accounting]:
         return Accounting.parse((yield from self._call(RequestSpec("GET", self._run_path("/accounting")))))

@@ -1,5 +1,6 @@
 """Operator commands on the thin client: ``ckpt-coordinator restore-plan``, ``ckpt-coordinator
-snapshots`` and ``ckpt-coordinator accounting``.
+snapshots`` and ``ckpt-coordinator accounting`` (and the options, running and tables that
+``ckpt-coordinator effects``, in ``ops_effects``, shares).
 
 Each reads a running coordinator over HTTP with the client's own calls and prints tables (or the
 JSON the coordinator answered). The token comes from ``CKPTC_RUN_TOKEN`` only: a token on the

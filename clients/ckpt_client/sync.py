@@ -15,6 +15,7 @@ from ._api import HANDSHAKE_TIMEOUT_S, DEFAULT_BATCH_SIZE, Api
 from ._core import Enter, Exit, Flow, Invoke, Now, RawResponse, RetryPolicy, Send, Sleep, TransportFailure
 from .helpers import new_id
 from .accounting import Accounting
+from .effects import BeginAnswer, EffectRecord
 from .models import (
     AdmitResult,
     BarrierResult,
@@ -245,6 +246,30 @@ class CoordinatorClient:
 
     def abandon_groups(self, group_ids: Iterable[str], *, batch_size: int | None = None) -> GroupsResult:
         return self._drive(self._api.abandon_groups(group_ids, batch_size))
+
+    def begin_effect(
+        self, rollout_id: str, gym_attempt: int, seq: int, effect: str, digest: str, *, call_id: str | None = None
+    ) -> BeginAnswer:
+        """Ask before a tool acts outside Gym (docs/effects.md); usually through an effect journal
+        (``ckpt_client.effects``) rather than directly."""
+        return self._drive(self._api.begin_effect(rollout_id, gym_attempt, seq, effect, digest, call_id))
+
+    def complete_effect(self, effect_id: int, result: Any) -> EffectRecord:
+        return self._drive(self._api.complete_effect(effect_id, result))
+
+    def abandon_effect(self, effect_id: int) -> EffectRecord:
+        return self._drive(self._api.abandon_effect(effect_id))
+
+    def effects(self, *, orphaned: bool | None = None, rollout_id: str | None = None, page_size: int = 1000) -> list[EffectRecord]:
+        """The run's journal (``orphaned=True``: the effects of discarded timelines), every page."""
+        out: list[EffectRecord] = []
+        cursor = 0
+        while True:
+            page = self._drive(self._api.effects_page(orphaned, rollout_id, cursor, page_size))
+            out.extend(page.effects)
+            if page.next_cursor is None:
+                return out
+            cursor = page.next_cursor
 
     def accounting(self) -> Accounting:
         """The run's groups by bucket (``conserved``: they add up to its admissions), its

@@ -324,6 +324,13 @@ def fleet_overview() -> dict[str, Any]:
               "(docs/accounting.md#what-a-restore-kept). Empty while there is nothing of either.",
               [Target(f"sum({carried}) / (sum({carried_or_redone}) > 0)", "carried share")],
               unit="percentunit", width=8),
+        Row("Effect journal"),
+        Panel("Effect journal: begins by answer", "Begins of tools that act outside Gym, per second, all runs: proceed (acts), "
+              "done (acted before: not again), unknown (reconciled), diverged (docs/effects.md#begin-and-complete).",
+              [Target(f"sum by (answer) ({_rate('ckptc_effect_begins_total')})", "{{answer}}")], width=12),
+        Panel("Effect journal: orphans (1d)", "Effects of discarded timelines over the last day, by reason: they happened and "
+              "may need compensating; ckpt-coordinator effects lists them (docs/effects.md#orphans).",
+              [Target(f"sum by (reason) (increase(ckptc_effect_orphans_total{{{SEL}}}[1d]))", "{{reason}}")], width=12),
     ]
     return _dashboard(
         "ckptc-fleet",

@@ -109,6 +109,7 @@ async def _rollouts(run: Run, app: Any) -> None:
     first = [r["rollout_id"] for r in rows["g1"] + rows["g2"]]
     await run.post("/attempts/dispatch", {"dispatch_id": "d1", "instance_id": INSTANCE, "rollout_ids": first})
     await run.post("/attempts/dispatch", {"dispatch_id": "d2", "instance_id": INSTANCE, "rollout_ids": [rows["g3"][0]["rollout_id"]]})
+    await _effects(run, rows["g1"][0]["rollout_id"])
     sealed = await run.post("/attempts/sealed", {"rows": [_seal(r) for r in rows["g1"]]})
     assert sealed["ready_groups"] == ["g1"]
     await run.post("/attempts/sealed", {"rows": [_seal(rows["g3"][0]) | {"receipt": {"rollout_id": "other"}}]}, 409)
@@ -127,6 +128,24 @@ async def _rollouts(run: Run, app: Any) -> None:
     assert outbox["items"], "the abandoned group's attempts owe Gym retires"
     await run.post("/train-steps", {"step": 1, "checkpoint_ref": "ckpt/1"})
     await run.get("/train-steps?include_retired=true")
+
+
+async def _effects(run: Run, rollout_id: str) -> None:
+    """Every answer of the effect journal (docs/effects.md)."""
+    call = {"rollout_id": rollout_id, "gym_attempt": 0, "seq": 0, "effect": "send_mail", "digest": "sha256:a"}
+    first = await run.post("/effects/begin", call)
+    assert first["answer"] == "proceed"
+    assert (await run.post("/effects/begin", call))["answer"] == "unknown"
+    await run.post(f"/effects/{first['effect_id']}/complete", {"result": {"message_id": "m1"}})
+    assert (await run.post("/effects/begin", call))["answer"] == "done"
+    other = await run.post("/effects/begin", call | {"digest": "sha256:b"})
+    assert other["answer"] == "diverged" and other["orphaned"]["effect_id"] == first["effect_id"]
+    await run.post(f"/effects/{other['effect_id']}/abandon", {})
+    await run.post("/effects/begin", call | {"gym_attempt": 3}, 409)
+    await run.post("/effects/999999/complete", {"result": None}, 404)
+    page = await run.get("/effects?orphaned=true&limit=1")
+    assert page["orphans_total"] == 1 and [e["orphan_reason"] for e in page["effects"]] == ["diverged"]
+    await run.get("/effects")
 
 
 async def _imported(run: Run) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import ckpt_client.accounting as ca
+import ckpt_client.effects as ce
 import ckpt_client.models as cm
 import pytest
 from checkpoint_coordinator.errors import CoordinatorError
@@ -103,6 +104,12 @@ PARSES: dict[type, list[Answer]] = {
     cm.RestorePlan: [A("get_restore_plan")],
     cm.RestoreResult: [A("create_restore")],
     cm.GymRegistration: [A("register_gym_instances")],
+    ce.BeginAnswer: [A("begin_effect")],
+    ce.EffectRecord: [
+        A("complete_effect"), A("abandon_effect"), A("list_effects", where="effects[]"),
+        A("begin_effect", where="record"), A("begin_effect", where="orphaned"),
+    ],
+    ce.EffectPage: [A("list_effects")],
     ca.Accounting: [A("get_accounting")],
     ca.PromptAccounting: [A("get_accounting", where="prompts")],
     ca.WorkAccounting: [A("get_accounting", where="work")],
@@ -146,7 +153,7 @@ UNMODELLED: dict[type, set[str]] = {
     cm.RestoreResult: {
         "run_id", "gym_checkpoint_id", "snapshot_dir", "with_gym_state", "gym", "total", "reasons", "instance_map", "cohort_reruns",
         "dispatched_after_cut", "retires_queued", "groups_removed", "train_steps_retired", "aborted_snapshots", "rows_total", "next_cursor",
-        "accounting",
+        "accounting", "effects",
     },
     cm.GymRegistration: {"run_id"},
 }

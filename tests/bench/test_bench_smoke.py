@@ -67,7 +67,7 @@ def _run(script: str, tmp_path: Path, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py", "ledger_ingest.py", "accounting_read.py"])
+@pytest.mark.parametrize("script", ["pending_lookup.py", "snapshot_overhead.py", "ledger_ingest.py", "accounting_read.py", "effects_journal.py"])
 def test_help(script: str) -> None:
     out = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -105,7 +105,11 @@ def test_snapshot_overhead_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("script", "after"), [("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of"), ("accounting_read.py", "building a run")]
+    ("script", "after"),
+    [
+        ("pending_lookup.py", "building a run"), ("snapshot_overhead.py", "ledger of"), ("accounting_read.py", "building a run"),
+        ("effects_journal.py", "dispatched rows ready"),
+    ],
 )
 def test_stopped_half_way_leaves_nothing(tmp_path: Path, script: str, after: str) -> None:
     env = _env(tmp_path)
@@ -137,6 +141,22 @@ def test_accounting_read_quick(tmp_path: Path) -> None:
     assert re.search(r"accounting_read: SELECT count\(\*\) of the run's attempts\s+median [\d.]+ ms", out), out
     assert re.search(r"accounting_read: ratio accounting / count\(\*\) = [\d.]+ \(per round [\d.]+-[\d.]+; target <= 5\)", out), out
     assert "accounting_read: json {" in out
+
+
+def test_effects_journal_quick(tmp_path: Path) -> None:
+    out = _run("effects_journal.py", tmp_path, "--quick")
+    # Every effect was begun (proceed) and completed (``check_journal``), then each way timed.
+    assert re.search(r"effects_journal: 228 effects journalled, each begun \(proceed\) and completed", out), out
+    assert re.search(r"effects_journal: HTTP sequential, begin \+ complete\s+median [\d.]+ ms per effect = [\d,]+ effects/s", out), out
+    assert re.search(r"effects_journal: HTTP 2 concurrent workers\s+median [\d,]+ effects/s", out), out
+    assert re.search(r"coordinator's own time \(ckptc_http_request_seconds, begin \+ complete\)\s+median [\d.]+ ms per effect "
+                     r"\(begin [\d.]+ ms, complete [\d.]+ ms\)", out), out
+    for name in (r"in-process store\.begin \+ store\.complete", r"the SQL alone \(begin's statement \+ complete's UPDATE\)",
+                 r"reference INSERT \.\.\. ON CONFLICT DO NOTHING round trip"):
+        assert re.search(rf"effects_journal: {name}\s+median [\d.]+ ms", out), (name, out)
+    assert re.search(r"ratio own time / reference = [\d.]+ \(per round [\d.]+-[\d.]+; target <= 3\); in-process / reference = [\d.]+; "
+                     r"SQL alone / reference = [\d.]+", out), out
+    assert "effects_journal: json {" in out
 
 
 def test_restore_plan_quick(tmp_path: Path) -> None:

@@ -120,6 +120,17 @@ class Trainer:
                 await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
 
+class ReportingTrainer(Trainer):
+    """A trainer that reports a /run call whose connection dropped as a transport failure, as
+    NeMo RL's does when a Gym replica dies under it."""
+
+    async def _run(self, row: dict[str, Any], instance_id: str) -> None:
+        try:
+            await super()._run(row, instance_id)
+        except httpx.TransportError:
+            await self.api.post("/attempts/failed", {"rows": [{"rollout_id": row["rollout_id"], "failure_class": "transport"}]})
+
+
 async def drive_snapshot(api: Any, snapshot_id: str, step: int, capture_dir: Path, *, timeout: float = 30) -> dict[str, Any]:
     """The trainer side of a snapshot (docs/ledger.md#phases): request, barrier, capture,
     captured; returns the final record."""

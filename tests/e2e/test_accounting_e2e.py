@@ -12,15 +12,13 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..integration.ledger_helpers import group_body, new_run
-from .harness import Trainer, drive_snapshot, kill_all
+from .harness import ReportingTrainer, drive_snapshot, kill_all
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,16 +28,6 @@ TURNS = 32
 SAVED_AFTER = 14  # turns every episode has done before the snapshot is requested
 LOST_AFTER = 14  # turns every episode does after the snapshot before its Gym dies
 
-
-class ReportingTrainer(Trainer):
-    """A trainer that reports a /run call whose connection dropped as a transport failure, as
-    NeMo RL's does when a Gym replica dies under it."""
-
-    async def _run(self, row: dict[str, Any], instance_id: str) -> None:
-        try:
-            await super()._run(row, instance_id)
-        except httpx.TransportError:
-            await self.api.post("/attempts/failed", {"rows": [{"rollout_id": row["rollout_id"], "failure_class": "transport"}]})
 
 
 def _start(profile: str) -> GymsimInstance:

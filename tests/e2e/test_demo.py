@@ -12,7 +12,16 @@ from pathlib import Path
 import pytest
 
 from ckpt_demo import build_parser
-from ckpt_demo.checks import check_conserved, check_groups, check_instance_map, check_mutations, check_rewards
+from ckpt_demo.checks import (
+    check_conserved,
+    check_groups,
+    check_instance_map,
+    check_mails_once,
+    check_mails_twice,
+    check_mutations,
+    check_orphans_replaced,
+    check_rewards,
+)
 from ckpt_demo.runner import FIRST_ALLOCATION, INSTANCE_MAP, NEXT_ALLOCATION, pids_alive
 from ckpt_demo.trainer import DataLoader, recovery_config
 
@@ -112,6 +121,61 @@ def test_demo_allocation_end_restores_into_fewer_renamed_instances(tmp_path: Pat
     assert s["workdir"] and not Path(s["workdir"]).exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_side_effects_mails_twice_without_the_journal_and_once_with_it(tmp_path: Path) -> None:
+    out = tmp_path / "summary.json"
+    proc = _run(["--scenario", "side-effects", "--quiet", "--json-summary", str(out)], timeout=280)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr
+    s = json.loads(out.read_text())
+    assert s["ok"] is True and not [c for c in s["checks"] if not c["ok"]]
+    off, on = s["side_effects"]["without_journal"], s["side_effects"]["with_journal"]
+    assert off["run_id"] != on["run_id"]
+
+    # Without the journal every episode mailed the turns between its cut and the crash twice.
+    for name, e in off["episodes"].items():
+        assert e["mailed_twice"] and e["mailed_twice"][0] == e["saved_turn"] and e["places"] == 10, (name, e)
+    assert off["effects"] == [] and off["orphans"] == []
+    # With it no mail went out twice. The calendar's continuations asked for the same mails and
+    # were answered done; the drafting agent's asked for others (naming their attempt): sent, and
+    # the ones they replace are listed as orphans, `diverged`.
+    for name, e in on["episodes"].items():
+        assert e["sent_twice"] == [] and e["places"] == 10, (name, e)
+        assert bool(e["orphaned"]) is ("drafting" in name) and set(e["mailed_twice"]) <= set(e["orphaned"]), (name, e)
+        # (one more orphan than replaced mails: the Gym died between a begin and its mail)
+        assert len(e["orphaned"]) <= len(e["mailed_twice"]) + 1, (name, e)
+    assert on["orphans"] and {o["orphan_reason"] for o in on["orphans"]} == {"diverged"}
+    assert sum(x["done_before"] for x in on["continuation_mail_tool"].values()) > 0
+    for run in (off, on):
+        p = run["accounting"]["prompts"]
+        assert p["conserved"] is True and p["buckets"]["trained"] == 2, p
+
+    assert "mails per episode" in proc.stdout and "listed as orphans" in proc.stdout and "OK in" in proc.stdout
+    assert pids_alive(s["processes"]) == []
+    assert s["workdir"] and not Path(s["workdir"]).exists()
+
+
+def test_mail_checks_catch_a_mail_sent_twice_and_a_replacement_left_unlisted() -> None:
+    def mail(rid: str, attempt: int, seq: int, body: str = "b") -> dict:
+        return {"rollout_id": rid, "attempt": attempt, "seq": seq, "body": body}
+
+    def rec(rid: str, attempt: int, seq: int, orphaned: bool = False) -> dict:
+        return {"rollout_id": rid, "gym_attempt": attempt, "seq": seq, "state": "completed", "orphaned_at": "t" if orphaned else None}
+
+    once = [mail("r", 0, 0), mail("r", 0, 1)]
+    assert not check_mails_twice(once).ok and check_mails_twice([*once, mail("r", 1, 1)]).ok
+    assert check_mails_once(once, [rec("r", 0, 0), rec("r", 0, 1)], expected=2).ok
+    doubled = check_mails_once([*once, mail("r", 1, 1)], [rec("r", 0, 0), rec("r", 0, 1), rec("r", 1, 1)], expected=2)
+    assert not doubled.ok and "sent twice: r seq 1" in doubled.detail
+    assert "without a completed record" in check_mails_once(once, [rec("r", 0, 0)], expected=2).detail
+    assert "not every place" in check_mails_once(once[:1], [rec("r", 0, 0)], expected=2).detail
+    # A replaced mail (another body at the same place) passes only when its record is an orphan.
+    replaced = [*once, mail("r", 1, 1, "other")]
+    assert check_orphans_replaced(replaced, [rec("r", 0, 0), rec("r", 0, 1, orphaned=True), rec("r", 1, 1)]).ok
+    assert not check_orphans_replaced(replaced, [rec("r", 0, 0), rec("r", 0, 1), rec("r", 1, 1)]).ok
+
+
 def _assert_accounting(s: dict, stdout: str) -> None:
     """The coordinator's accounting is in the summary and on stdout, and its conservation is one
     of the checks that decide the exit status."""
@@ -139,7 +203,7 @@ def _assert_accounting(s: dict, stdout: str) -> None:
 def test_help_explains_every_flag() -> None:
     proc = _run(["--help"], timeout=60)
     assert proc.returncode == 0
-    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary", "--scenario", "allocation-end"):
+    for flag in ("--steps", "--groups", "--seed", "--data-dir", "--keep", "--quiet", "--json-summary", "--scenario", "allocation-end", "side-effects"):
         assert flag in proc.stdout
     assert "Exit status" in proc.stdout
 

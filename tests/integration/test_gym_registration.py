@@ -12,7 +12,7 @@ import pytest
 
 from gymsim.testing import GymsimInstance, default_instance_config, server_config
 
-from .ledger_helpers import new_run
+from .ledger_helpers import group_body, new_run
 from .test_restore_support import fetch, register, registration, start_gym
 
 INSTANCE = "math/replica-0"
@@ -90,6 +90,38 @@ async def test_reregistering_a_restarted_instance_replaces_its_servers(client, a
         listed = await api.get("/gym-instances")
         assert listed["instances"][0]["servers"] == dict(sorted(second.servers.items()))
         assert {p["base_url"] for p in listed["instances"][0]["participants"]} <= set(second.servers.values())
+    finally:
+        second.stop()
+
+
+async def test_a_fresh_replacement_process_is_not_sent_what_its_predecessor_was_owed(client, admin, app) -> None:  # type: ignore[no-untyped-def]
+    """Retires queued for attempts of a Gym process that died are not delivered to the fresh
+    process registered in its place: it never ran them, and the marks would make it refuse a
+    restore (docs/ledger.md#the-outbox)."""
+    api = await new_run(client, admin, run_id="run-moot")
+    first = start_gym(INSTANCE)
+    try:
+        await register(api, first)
+        rows = (await api.admit(group_body("G", 2)))["groups"][0]["rows"]
+        await api.dispatch([r["rollout_id"] for r in rows], INSTANCE, placeholder=False)
+    finally:
+        first.kill()
+    await api.fail(rows, "transport")  # the answers never came: retires owed to the dead process
+    assert len((await api.get("/outbox"))["items"]) == 2
+    second = start_gym(INSTANCE)
+    try:
+        again = await register(api, second)
+        assert any("2 retire/forget item(s) owed to the process(es) replaced by math/replica-0 were dropped" in w for w in again["warnings"]), again
+        assert (await api.get("/outbox"))["items"] == []
+        # Re-registering the same process (its servers did not change) drops nothing it is owed,
+        # fresh as it looks.
+        nxt = [a for s in (await api.group("G"))["siblings"] for a in s["attempts"] if a["is_current"]]
+        await api.dispatch([a["rollout_id"] for a in nxt], INSTANCE, placeholder=False)
+        await api.fail(nxt, "transport")
+        owed = (await api.get("/outbox"))["items"]
+        assert len(owed) == 2
+        same = await register(api, second)
+        assert not any("were dropped" in w for w in same["warnings"]) and len((await api.get("/outbox"))["items"]) == 2
     finally:
         second.stop()
 

@@ -93,3 +93,21 @@ def test_the_demo_runs_from_the_installed_wheel(wheel_venv: Path) -> None:
         assert check.stdout.strip() == "[]", check.stdout + check.stderr
         assert s["workdir"] and not Path(s["workdir"]).exists()
         assert sorted(p.name for p in Path(home).iterdir() if p != summary) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_side_effects_demo_runs_from_the_installed_wheel(wheel_venv: Path) -> None:
+    # gymsim's mail tool imports the thin client's effect journal helper: both must be installed
+    # and the demo's Gym processes must find them.
+    with tempfile.TemporaryDirectory(prefix="ckptc-demo-home-", ignore_cleanup_errors=True) as home:
+        summary = Path(home) / "summary.json"
+        env = {**os.environ, "HOME": home, "CKPTC_DATA_DIR": f"{home}/data", "TMPDIR": home, "PYTHONUNBUFFERED": "1"}
+        env.pop("XDG_RUNTIME_DIR", None)
+        proc = _run(wheel_venv, "ckpt-coordinator", "demo", "--scenario", "side-effects", "--quiet",
+                    "--json-summary", str(summary), env=env, timeout=540)
+        assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+        s = json.loads(summary.read_text())
+        assert s["ok"] is True and "mails per episode" in proc.stdout
+        assert s["workdir"] and not Path(s["workdir"]).exists()
+        assert sorted(p.name for p in Path(home).iterdir() if p != summary) == []

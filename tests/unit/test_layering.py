@@ -2,8 +2,9 @@
 
 ``api -> snapshots/restore/outbox -> domain, ledger, gym``; ``domain`` imports nothing of the
 project; ``ledger`` and ``gym`` import neither each other nor anything above them; ``clients`` and
-``gymsim`` import nothing of the service; the service imports neither ``clients``, ``gymsim`` nor
-the demo; the demo imports ``clients`` and ``gymsim`` and starts the service as a process.
+``gymsim`` import nothing of the service (``gymsim`` uses the client's effect journal helper); the
+service imports neither ``clients``, ``gymsim`` nor the demo; the demo imports ``clients`` and
+``gymsim`` and starts the service as a process.
 
 Every ``import`` counts wherever it stands (inside functions, under ``TYPE_CHECKING``), relative
 imports are resolved, and so is ``importlib.import_module("...")`` or ``__import__("...")`` with a
@@ -35,6 +36,7 @@ SERVICE_AREAS = {
     # Builds the Gym clients and reads a run's registered topology for the choreographies: it
     # joins the Gym client and the ledger, below the choreographies, above both.
     "accounting": "accounting",
+    "effects": "effects",
     "gym_runtime": "runtime",
     # Cross-cutting support every layer but the domain may use; it may use only the domain, so
     # that allowing it from below opens no path upwards.
@@ -59,7 +61,7 @@ PACKAGE_AREAS = {
     "ckptc_migrations": "migrations",
 }
 
-_MIDDLE = {"snapshots", "restore", "outbox", "rollouts", "accounting"}
+_MIDDLE = {"snapshots", "restore", "outbox", "rollouts", "accounting", "effects"}
 _BELOW = {"domain", "ledger", "gym", "support", "runtime"}
 _SERVICE = set(SERVICE_AREAS.values())
 
@@ -78,7 +80,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     # Migrations read the models and the vocabulary, nothing that runs.
     "migrations": {"migrations", "ledger", "domain", "support"},
     "clients": {"clients"},
-    "gymsim": {"gymsim"},
+    # gymsim's mail tool plays a participant that guards its effect with the thin client's
+    # effect journal helper (docs/effects.md#for-participants); the service stays out of reach.
+    "gymsim": {"gymsim", "clients"},
     "demo": {"demo", "clients", "gymsim"},
     # The console script joins the service's command line with the tools beside it; the
     # operator commands are HTTP clients, so they live in the client and the launcher lists them.

@@ -58,6 +58,8 @@ STATUS_OF: dict[str, int] = {
     "gym_participants_missing": 409, "gym_not_fresh": 409, "instance_map_invalid": 422,
     "instance_map_unknown_instance": 409, "restore_conflict": 409, "restore_abandoned": 409, "restore_not_applied": 409,
     "restore_ledger_conflict": 409, "snapshot_exists": 409, "legacy_ledger_invalid": 422, "legacy_ledger_version": 422,
+    # the effect journal (docs/effects.md)
+    "stale_attempt": 409, "effect_not_found": 404, "effect_completed": 409, "effect_abandoned": 409, "effect_result_too_large": 413,
 }
 
 # What every /v1 route can answer besides its own codes.

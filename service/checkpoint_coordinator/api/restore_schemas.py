@@ -83,6 +83,11 @@ class GymRestoreOut(Answer):
     resume: dict[str, Any] | None
 
 
+class RestoreEffectsOut(Answer):
+    orphaned: dict[str, int] = Field(description="Journalled effects of the discarded timelines, by reason: they may need compensating.")
+    pending: int = Field(description="Effects the continued episodes made after the cut: each is kept if the continuation makes it again.")
+
+
 class RestoreOut(SnapshotFields):
     """An applied restore: its summary and the first page of the rows to send."""
 
@@ -105,6 +110,9 @@ class RestoreOut(SnapshotFields):
     accounting: RestoreAccountingOut = sometimes(
         "What the restore found in flight, carried and must redo (docs/accounting.md#what-a-restore-kept); absent from "
         "restores applied before the coordinator kept accounting."
+    )
+    effects: RestoreEffectsOut = sometimes(
+        "The effect journal (docs/effects.md#orphans); absent from restores applied before the journal existed."
     )
     rows_total: int
     rows: list[PlanRowOut]

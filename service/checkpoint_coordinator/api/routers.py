@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import accounting, gym, restore, rollouts, snapshots
+from . import accounting, effects, gym, restore, rollouts, snapshots
 
-ROUTERS: list[Any] = [rollouts.router, snapshots.router, gym.router, restore.router, accounting.router]
+ROUTERS: list[Any] = [rollouts.router, snapshots.router, gym.router, restore.router, accounting.router, effects.router]

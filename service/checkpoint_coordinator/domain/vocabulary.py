@@ -34,6 +34,9 @@ __all__ = [
     "AbandonReason",
     "WorkFate",
     "WorkReason",
+    "EffectState",
+    "EffectAnswer",
+    "OrphanReason",
     "sql_list",
 ]
 
@@ -192,6 +195,35 @@ class WorkReason(StrEnum):
     after_cut = "after_cut"  # the turns after the cut of an episode a restore continued
     straggler = "straggler"  # it blocked max_blocking_snapshots snapshots in a row
     too_stale = "too_stale"  # a restore restarted it: its policy was too old to continue
+
+
+class EffectState(StrEnum):
+    """A journalled effect (docs/effects.md): begun, completed with its result, or abandoned by
+    the participant's reconcile hook (it did not happen; the key is free again)."""
+
+    in_progress = "in_progress"
+    completed = "completed"
+    abandoned = "abandoned"
+
+
+class EffectAnswer(StrEnum):
+    """What ``begin`` tells the tool (docs/effects.md#begin-and-complete)."""
+
+    proceed = "proceed"  # first time: act, then complete
+    done = "done"  # completed before with the same arguments: return its result, do not act
+    unknown = "unknown"  # begun before and never completed: reconcile with the outside system
+    diverged = "diverged"  # completed before with other arguments: act anew; the old one is an orphan
+
+
+class OrphanReason(StrEnum):
+    """Why an effect belongs to a discarded timeline (docs/effects.md#orphans)."""
+
+    restarted = "restarted"  # a restore restarted its row under a new rollout id
+    rerun = "rerun"  # a restore reran its row or cohort
+    too_stale = "too_stale"  # a restore restarted its continuation: its policy was too old
+    retired_by_restore = "retired_by_restore"  # a restore discarded its attempt (after the cut) or rewound its group
+    diverged = "diverged"  # the continuation asked for another effect at its place
+    not_repeated = "not_repeated"  # made after the cut; the continuation sealed without making it again
 
 
 class RunState(StrEnum):

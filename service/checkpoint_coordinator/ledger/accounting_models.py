@@ -1,10 +1,12 @@
 """The accounting tables of the ledger schema (docs/accounting.md): what a run's accounting reads
-beside the live ledger, because a restore removes or rewrites the rows it would otherwise read.
-Kept apart from the live ledger's tables (``models``, which re-exports these)."""
+beside the live ledger, because a restore removes or rewrites the rows it would otherwise read;
+and the effect journal (docs/effects.md). Kept apart from the live ledger's tables (``models``,
+which re-exports these)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -13,14 +15,17 @@ from sqlalchemy import (
     Float,
     ForeignKeyConstraint,
     Identity,
+    Index,
     Integer,
     PrimaryKeyConstraint,
     Text,
     func,
+    text,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..domain.vocabulary import AbandonReason, WorkFate, WorkReason
+from ..domain.vocabulary import AbandonReason, EffectState, OrphanReason, WorkFate, WorkReason
 from .model_base import TS, Base, in_values
 
 #: ``attempts.end_reason``: why an attempt ended other than by the trainer's report.
@@ -103,3 +108,51 @@ class SnapshotBlocker(Base):
     rollout_id: Mapped[str] = mapped_column(Text)
     attempt_id: Mapped[int | None] = mapped_column(BigInteger)
     instance_id: Mapped[str | None] = mapped_column(Text)
+
+
+EFFECT_STATES = tuple(s.value for s in EffectState)
+ORPHAN_REASONS = tuple(r.value for r in OrphanReason)
+
+
+class Effect(Base):
+    """One call of a tool with an effect outside Gym (docs/effects.md): begun, completed with its
+    result, or abandoned; an orphan once the timeline it was made in was discarded."""
+
+    __tablename__ = "effects"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "effect_id"),
+        ForeignKeyConstraint(["run_id"], ["runs.run_id"], ondelete="CASCADE"),
+        CheckConstraint(in_values("state", EFFECT_STATES), name="state"),
+        CheckConstraint(in_values("orphan_reason", ORPHAN_REASONS), name="orphan_reason"),
+        CheckConstraint("(orphaned_at IS NULL) = (orphan_reason IS NULL)", name="orphaned"),
+        CheckConstraint("seq >= 0", name="seq"),
+        CheckConstraint(f"live = (orphaned_at IS NULL AND state <> '{EffectState.abandoned}')", name="live"),
+        # One live record per key: an orphaned or abandoned one leaves the key to a new one. On
+        # ``live``, not on ``state``: a completion then changes no indexed column and is a HOT
+        # update, kept on its page by the fillfactor's room (docs/effects.md#cost).
+        Index("uq_effects_live_key", "run_id", "rollout_id", "seq", unique=True, postgresql_where=text("live")),
+        Index("ix_effects_orphans", "run_id", "effect_id", postgresql_where=text("orphaned_at IS NOT NULL")),
+        {"postgresql_with": {"fillfactor": "90"}},
+    )
+    run_id: Mapped[str] = mapped_column(Text)
+    effect_id: Mapped[int] = mapped_column(BigInteger, Identity(always=False))
+    rollout_id: Mapped[str] = mapped_column(Text)
+    seq: Mapped[int] = mapped_column(Integer)
+    effect: Mapped[str] = mapped_column(Text)
+    digest: Mapped[str] = mapped_column(Text)
+    # The begin's idempotency id: a repeat of the same begin (a lost reply) proceeds again.
+    call_id: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(Text, server_default=EffectState.in_progress.value)
+    result: Mapped[Any | None] = mapped_column(JSONB)
+    attempt_id: Mapped[int] = mapped_column(BigInteger)
+    gym_attempt: Mapped[int] = mapped_column(Integer)
+    begun_at: Mapped[datetime] = mapped_column(TS, server_default=func.now())
+    completed_at: Mapped[datetime | None] = mapped_column(TS)
+    # Set by the restore that continued the episode from a cut older than this effect: the
+    # continuation must make it again before it seals, or it becomes an orphan (not_repeated).
+    pending_restore: Mapped[str | None] = mapped_column(Text)
+    orphaned_at: Mapped[datetime | None] = mapped_column(TS)
+    orphan_reason: Mapped[str | None] = mapped_column(Text)
+    orphaned_by: Mapped[str | None] = mapped_column(Text)
+    # Neither orphaned nor abandoned (``ck_effects_live``): cleared by whatever orphans or abandons.
+    live: Mapped[bool] = mapped_column(Boolean, server_default=text("true"))

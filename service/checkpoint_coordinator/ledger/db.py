@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -91,7 +92,10 @@ async def one_statement(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
     round trip instead of ``BEGIN``, the statement and ``COMMIT``, which the snapshot's phase
     moves pay while Gym is parked. Never for two statements: each would commit on its own."""
     async with engine.connect() as conn:
-        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        # The service's engine hands out autocommit connections already (its pool's default,
+        # restored when one returns): setting it again costs ≈ 35 µs a statement (bench/README.md).
+        if not isinstance(engine, LedgerEngine):
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
         yield conn
 
 
@@ -178,6 +182,7 @@ async def driver_connection(conn: AsyncConnection) -> Any:
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
+@functools.lru_cache(maxsize=1024)
 def _binary(sql: str) -> str:
     # %(name)b: send every parameter in binary; text-format arrays escape each element in Python.
     return _PLACEHOLDER.sub(r"%(\1)b", sql)

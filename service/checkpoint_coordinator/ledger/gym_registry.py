@@ -8,12 +8,14 @@ control client and nothing else.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from ..domain.vocabulary import OutboxState
 from ..errors import Conflict, NotFound
 from .runs import lock_run
 
@@ -59,12 +61,15 @@ async def open_snapshot_id(conn: AsyncConnection, run_id: str) -> str | None:
     ).scalar()
 
 
-async def store_instances(engine: AsyncEngine, run_id: str, records: list[InstanceRecord]) -> None:
+async def store_instances(engine: AsyncEngine, run_id: str, records: list[InstanceRecord], *, replaced: Sequence[str] = ()) -> int:
     """Register (or re-register) instances with what discovery found, in one transaction.
 
     Re-registering an instance replaces its servers, token and participants: a restarted Gym
     process may listen on other ports. Refused while a snapshot is open, since the snapshot
-    works on the topology it started with.
+    works on the topology it started with. ``replaced``: re-registered instances whose new
+    process is fresh; the retires and forgets still owed to the process it replaces are moot
+    (what they would stop died with it) and are superseded, not delivered to the new one, which
+    would then hold marks and refuse a restore (docs/ledger.md#the-outbox). Returns how many.
     """
     async with engine.begin() as conn:
         await lock_run(conn, run_id, for_update=True)
@@ -76,6 +81,17 @@ async def store_instances(engine: AsyncEngine, run_id: str, records: list[Instan
                 snapshot_id=open_id,
             )
         ids = [r.instance_id for r in records]
+        moot = 0
+        if replaced:
+            moot = (
+                await conn.execute(
+                    text(
+                        f"UPDATE outbox_items SET state = '{OutboxState.superseded}' WHERE run_id = :r "
+                        f"AND instance_id = ANY(:ids) AND state = '{OutboxState.pending}'"
+                    ),
+                    {"r": run_id, "ids": list(replaced)},
+                )
+            ).rowcount
         await conn.execute(
             text(
                 "INSERT INTO gym_instances (run_id, instance_id, servers, control_token, discovered_at) "
@@ -112,6 +128,7 @@ async def store_instances(engine: AsyncEngine, run_id: str, records: list[Instan
                     "st": [p.stage for _, p in parts],
                 },
             )
+    return int(moot)
 
 
 async def delete_instance(engine: AsyncEngine, run_id: str, instance_id: str) -> None:

@@ -41,6 +41,7 @@ from ..domain.vocabulary import (
 from .accounting_models import (
     ABANDON_REASONS,
     END_REASONS,
+    Effect,
     GroupAdmission,
     RestoreRewoundGroup,
     RestoreWork,
@@ -119,6 +120,7 @@ __all__ = [
     "RestoreRewoundGroup",
     "RestoreWork",
     "SnapshotBlocker",
+    "Effect",
     "GROUP_CHILDREN_TRIGGER_UP",
     "GROUP_CHILDREN_TRIGGER_DOWN",
     "CHANGE_TRACKING_PHASES",

@@ -23,6 +23,8 @@ from ..domain.vocabulary import (
     GymOperation,
     LedgerTransition,
     ParticipantKind,
+    EffectAnswer,
+    OrphanReason,
     PromptBucket,
     WorkFate,
     SchemaState,
@@ -465,6 +467,26 @@ METRIC_SPECS: Final[tuple[MetricSpec, ...]] = (
         unit="constant",
         attr="BUILD_INFO",
         labels={"version": OPEN, "python": OPEN},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_effect_begins_total",
+        type=MetricType.COUNTER,
+        help="Effect journal begins, in calls, by answer: proceed, done (not acted again), unknown, diverged "
+        "(docs/effects.md).",
+        unit="calls",
+        attr="EFFECT_BEGINS_TOTAL",
+        labels={"answer": _values(EffectAnswer)},
+        in_spec_table=False,
+    ),
+    MetricSpec(
+        name="ckptc_effect_orphans_total",
+        type=MetricType.COUNTER,
+        help="Journalled effects found in a discarded timeline, in effects, by reason: a user may have to "
+        "compensate them (docs/effects.md#orphans).",
+        unit="effects",
+        attr="EFFECT_ORPHANS_TOTAL",
+        labels={"reason": _values(OrphanReason)},
         in_spec_table=False,
     ),
 )

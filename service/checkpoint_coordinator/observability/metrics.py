@@ -34,7 +34,7 @@ from ..domain.snapshot_state import (
     SnapshotTiming,
 )
 from ..domain.vocabulary import SchemaState, StrEnum
-from ..domain.vocabulary import PromptBucket
+from ..domain.vocabulary import EffectAnswer, OrphanReason, PromptBucket
 from .metric_specs import (
     METRIC_SPECS,
     OPEN,
@@ -118,6 +118,8 @@ OUTBOX_OLDEST_AGE_SECONDS: Final[Gauge] = _OBJECTS["ckptc_outbox_oldest_age_seco
 LEDGER_TRANSITIONS_TOTAL: Final[Counter] = _OBJECTS["ckptc_ledger_transitions_total"]  # type: ignore[assignment]
 PROMPTS_TOTAL: Final[Counter] = _OBJECTS["ckptc_prompts_total"]  # type: ignore[assignment]
 ROLLOUT_SECONDS_TOTAL: Final[Counter] = _OBJECTS["ckptc_rollout_seconds_total"]  # type: ignore[assignment]
+EFFECT_BEGINS_TOTAL: Final[Counter] = _OBJECTS["ckptc_effect_begins_total"]  # type: ignore[assignment]
+EFFECT_ORPHANS_TOTAL: Final[Counter] = _OBJECTS["ckptc_effect_orphans_total"]  # type: ignore[assignment]
 HTTP_REQUEST_SECONDS: Final[Histogram] = _OBJECTS["ckptc_http_request_seconds"]  # type: ignore[assignment]
 RESTORE_DURATION_SECONDS: Final[Histogram] = _OBJECTS["ckptc_restore_duration_seconds"]  # type: ignore[assignment]
 GYM_EXPORTED_OUTSIDE_SCOPE_TOTAL: Final[Counter] = _OBJECTS["ckptc_gym_exported_outside_scope_total"]  # type: ignore[assignment]
@@ -450,6 +452,16 @@ def record_rollout_seconds(fate: DecidedFate | str, seconds: float) -> None:
         ROLLOUT_SECONDS_TOTAL.labels(fate=_closed(fate, DecidedFate, "fate")).inc(float(seconds))
 
 
+def record_effect_begin(answer: EffectAnswer | str) -> None:
+    EFFECT_BEGINS_TOTAL.labels(answer=_closed(answer, EffectAnswer, "answer")).inc()
+
+
+def record_effect_orphans(reason: OrphanReason | str, count: int) -> None:
+    """Count journalled effects that became orphans (docs/effects.md#orphans)."""
+    if count:
+        EFFECT_ORPHANS_TOTAL.labels(reason=_closed(reason, OrphanReason, "reason")).inc(_count(count, "count"))
+
+
 def record_fenced_write(work: FencedWork | str) -> None:
     FENCED_WRITES_TOTAL.labels(work=_closed(work, FencedWork, "work")).inc()
 
@@ -547,6 +559,8 @@ HELPER_METRICS: Final[Mapping[str, tuple[str, ...]]] = {
     "record_ledger_transition": ("ckptc_ledger_transitions_total",),
     "record_prompts": ("ckptc_prompts_total",),
     "record_rollout_seconds": ("ckptc_rollout_seconds_total",),
+    "record_effect_begin": ("ckptc_effect_begins_total",),
+    "record_effect_orphans": ("ckptc_effect_orphans_total",),
     "set_run_leases_held": ("ckptc_run_leases_held",),
     "record_fenced_write": ("ckptc_fenced_writes_total",),
     "record_auth_failure": ("ckptc_auth_failures_total",),

@@ -97,6 +97,7 @@ def build_answer(
         "train_steps_retired": report.train_steps_retired,
         "aborted_snapshots": [p.aborted_snapshot] if p.aborted_snapshot else [],
         "accounting": restore_summary(report.work, report.groups_rewound),
+        "effects": {"orphaned": dict(sorted(report.effects_orphaned.items())), "pending": report.effects_pending},
         "rows_total": len(rows),
     }
     return summary, rows

@@ -40,6 +40,7 @@ from ..ledger.gym_registry import (
 from ..ledger.runs import get_run
 from ..recovery_config import domain_problem
 from .errors import EgressRefusedProblem, GymFailure, RestartOnlyRefused
+from .gym_access import probe_freshness
 
 log = logging.getLogger("checkpoint_coordinator.restore")
 
@@ -94,12 +95,14 @@ async def register_instances(
     async with engine.connect() as conn:
         run = await get_run(conn, run_id)
         stored = await participants_by_instance(conn, run_id)
+        servers_before = {i["instance_id"]: dict(i["servers"]) for i in await list_instances(conn, run_id)}
     cfg = run_config(run.config)
     await check_egress(registrations)
     specs = [InstanceSpec(r.instance_id, r.control_token, r.servers) for r in registrations]
     client = make_client(cfg, transport=transport, run_id=run_id)
     try:
         topology = await client.discover_all(specs, log_warnings=False)
+        replaced = await _fresh_replacements(client, registrations, topology, servers_before, cfg)
     except GymControlError as exc:
         raise GymFailure.of(exc, "Gym discovery", {r.instance_id: r.servers for r in registrations}) from None
     finally:
@@ -138,7 +141,12 @@ async def register_instances(
             ],
         )
     warnings.extend(verdict.warnings)
-    await store_instances(engine, run_id, records)
+    moot = await store_instances(engine, run_id, records, replaced=replaced)
+    if moot:
+        warnings.append(
+            f"{moot} retire/forget item(s) owed to the process(es) replaced by {', '.join(replaced)} were dropped: "
+            "that process is gone, and the fresh one never ran those rollouts"
+        )
     for w in warnings:
         log.warning("run %s: %s", run_id, w)
     return {
@@ -148,6 +156,19 @@ async def register_instances(
         "warnings": warnings,
         "gym_settings": gym_settings(cfg),
     }
+
+
+async def _fresh_replacements(
+    client: Any, registrations: Sequence[Registration], topology: Mapping[str, InstanceTopology],
+    servers_before: Mapping[str, dict[str, str]], cfg: RecoveryConfig,
+) -> list[str]:
+    """The instances re-registered on other servers whose participants show no sign of having
+    served work: a restarted Gym process. What the run owed the process it replaces is moot."""
+    moved = [r.instance_id for r in registrations if r.instance_id in servers_before and servers_before[r.instance_id] != dict(r.servers)]
+    if not moved:
+        return []
+    stale = await probe_freshness({i: topology[i] for i in moved}, timeout_s=cfg.control_timeout_s, client=client)
+    return [i for i in moved if i not in stale]
 
 
 async def check_egress(registrations: Sequence[Registration]) -> None:

@@ -149,7 +149,7 @@ async def execute_restore(
         raise
     _observe(started, "succeeded", run_id)
     _record_counts(answer["counts"], run_id)
-    _record_accounting(answer.get("accounting"))
+    _record_accounting(answer.get("accounting"), answer.get("effects"))
     return answer
 
 
@@ -200,12 +200,16 @@ def _record_counts(counts: dict[str, int], run_id: str) -> None:
     record_restore_plan({d: counts.get(d, 0) for d in METRIC_DISPOSITIONS}, run_id)
 
 
-def _record_accounting(accounting: dict[str, Any] | None) -> None:
+def _record_accounting(accounting: dict[str, Any] | None, answer_effects: dict[str, Any] | None = None) -> None:
     """What the restore rewound and threw away or carried (docs/accounting.md#where-it-shows)."""
     from ..observability.metrics import record_prompts, record_rollout_seconds
 
     if not accounting:
         return
+    from ..observability.metrics import record_effect_orphans
+
+    for why, n in ((answer_effects or {}).get("orphaned") or {}).items():
+        record_effect_orphans(why, int(n))
     record_prompts(PromptBucket.rewound, int(accounting.get("groups_rewound", 0)))
     record_rollout_seconds(WorkFate.carried, float(accounting.get("carried_seconds", 0.0)))
     record_rollout_seconds(WorkFate.redone, float(accounting.get("redone_seconds", 0.0)))

@@ -53,6 +53,7 @@ from ..domain.vocabulary import RetirementState as R
 from ..errors import Conflict, NotFound
 from ..ledger.models import GymInstance
 from ..ledger.runs import lock_run, require_open
+from ..effects import store as effects_store
 from ..outbox import store as outbox
 from .locks import (
     current_attempts,
@@ -392,6 +393,9 @@ async def seal(engine: AsyncEngine, run_id: str, rows_in: Sequence[SealRow]) -> 
             ]
             count_transitions({G.ready.value: len(newly_ready)})
         await forget_restored_on_seal(conn, run_id, sealed_ids)
+        # A continuation that sealed without making an effect again leaves it an orphan
+        # (docs/effects.md#orphans).
+        await effects_store.orphan_unrepeated(conn, run_id, sealed_ids)
         sealed_now = set(cohort_sealed)
         for r in results:
             if r["result"] == A.returned and atts[r["rollout_id"]].group_id in sealed_now:

@@ -32,6 +32,7 @@ from .rewind_diff import (
     unknown_attempts,
 )
 from .rewind_state import AfterCut, Minter, Rewind, Rewinding, RewindReport
+from .rewind_effects import orphan_effects
 from .rewind_work import count_reinstated, record_work
 from .rewind_write import (
     attempts_as_in_cut,
@@ -130,6 +131,7 @@ _STEPS = (
     after_cut_rows,
     unknown_attempts,
     record_work,
+    orphan_effects,
     supersede_continued,
     remove_later_groups,
     end_unknown_attempts,

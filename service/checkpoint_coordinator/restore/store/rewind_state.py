@@ -86,6 +86,10 @@ class RewindReport:
     # What the restore found, carried and threw away (docs/accounting.md#what-a-restore-kept).
     work: list[WorkItem] = field(default_factory=list)
     groups_rewound: int = 0
+    # The effect journal (docs/effects.md#orphans): effects orphaned by reason, and those of the
+    # continued episodes that wait to be made again.
+    effects_orphaned: dict[str, int] = field(default_factory=dict)
+    effects_pending: int = 0
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ async def rewound_groups(c: Rewinding) -> None:
     )
 
 
-def _sources(removed_src: str, with_unknown: bool) -> str:
+def sources_sql(removed_src: str, with_unknown: bool) -> str:
     """The attempts the rewind acts on, each with its kind and the reason its work is redone:
     continued and replaced (the plan's arrays), the attempts of the rewound groups
     (``removed_src``) and, in a rewind, those the cut does not know (``restore_unknown``)."""
@@ -77,7 +77,7 @@ def work_sql(removed_src: str, *, with_unknown: bool) -> str:
         "EXTRACT(EPOCH FROM (SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = %(r)s "
         "AND snapshot_id = %(s)s) - a.dispatched_at)))::float8 END AS before_cut, "
         f"COALESCE({LIVE_FATE}, '') = '{WorkFate.redone}' AS thrown, {LIVE_REASON} AS live_why "
-        f"FROM ({_sources(removed_src, with_unknown)}) x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s"
+        f"FROM ({sources_sql(removed_src, with_unknown)}) x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s"
     )
     found = (
         "SELECT s.gym_instance_id AS inst, g.restore_level AS lv, v.fate, v.reason, true AS found, s.kind = 'unknown' AS kept, "
