@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from checkpoint_coordinator.accounting.store import run_accounting
 from checkpoint_coordinator.ledger.db import make_async_engine
@@ -67,3 +70,13 @@ def assert_conserved(database_url: str) -> int:
     bad = [x for a in runs for x in problems(a)]
     assert not bad, "\n".join(bad)
     return len(runs)
+
+
+@pytest.fixture(autouse=True)
+def conservation_after_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Autouse in the e2e and fault suites (their conftest imports it): a test that used a ledger
+    database ends with the conservation check."""
+    url = request.getfixturevalue("database_url") if "database_url" in request.fixturenames else None
+    yield
+    if url is not None:
+        assert_conserved(url)

@@ -153,6 +153,22 @@ async def drive_snapshot(api: Any, snapshot_id: str, step: int, capture_dir: Pat
             await asyncio.sleep(0.02)
 
 
+async def turns_done(g: Any) -> dict[str, int]:
+    """Completed turns of every episode of an instance, from its resources server's sessions."""
+    sessions = (await asyncio.to_thread(g.admin, "GET", "/admin/resources/calendar_resources/sessions"))["sessions"]
+    return {k: len(x["history"]) for k, x in sessions.items()}
+
+
+async def until_every_episode_has(g: Any, keys: list[str], turns: int, timeout: float = 60) -> None:
+    """Until every episode of ``keys`` has done ``turns`` turns, however loaded the machine."""
+    async with asyncio.timeout(timeout):
+        while True:
+            done = await turns_done(g)
+            if all(done.get(k, 0) >= turns for k in keys):
+                return
+            await asyncio.sleep(0.02)
+
+
 async def wait_mid_way(gyms: dict[str, Any], turns: int, *, timeout: float = 30) -> None:
     """Until every instance has at least two long (``t``-prefixed) episodes a few turns in,
     however loaded the machine."""

@@ -18,7 +18,7 @@ import pytest
 from gymsim.testing import GymsimInstance, default_instance_config
 
 from ..integration.ledger_helpers import group_body, new_run
-from .harness import ReportingTrainer, drive_snapshot, kill_all
+from .harness import ReportingTrainer, drive_snapshot, kill_all, turns_done, until_every_episode_has
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,20 +35,6 @@ def _start(profile: str) -> GymsimInstance:
     return GymsimInstance.start(config, subprocess=True)
 
 
-async def _turns_done(g: GymsimInstance) -> dict[str, int]:
-    sessions = (await asyncio.to_thread(g.admin, "GET", "/admin/resources/calendar_resources/sessions"))["sessions"]
-    return {k: len(x["history"]) for k, x in sessions.items()}
-
-
-async def _until_every_episode_has(g: GymsimInstance, keys: list[str], turns: int, timeout: float = 60) -> None:
-    async with asyncio.timeout(timeout):
-        while True:
-            done = await _turns_done(g)
-            if all(done.get(k, 0) >= turns for k in keys):
-                return
-            await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("profile", ["published", "strict"])
 async def test_carried_and_redone_seconds_match_gymsim(client, admin, app, tmp_path: Path, profile: str) -> None:  # type: ignore[no-untyped-def]
     gym = _start(profile)
@@ -60,13 +46,13 @@ async def test_carried_and_redone_seconds_match_gymsim(client, admin, app, tmp_p
         trainer = ReportingTrainer(api, {IID: gym}, turns=TURNS)
         rows = await trainer.admit_and_dispatch([group_body(f"g{k}", 2) for k in range(2)], IID)
         keys = [r["capture_key"] for r in rows]
-        await _until_every_episode_has(gym, keys, SAVED_AFTER)
+        await until_every_episode_has(gym, keys, SAVED_AFTER)
         snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
         assert snap["outcome"] == "published", snap
         saved = (await api.get("/snapshots/s1?manifest=true"))["gym_manifest"]["instances"][IID]["episodes"]
         assert {e["rollout_id"] for e in saved} == {r["rollout_id"] for r in rows}
-        done = await _turns_done(gym)
-        await _until_every_episode_has(gym, keys, max(done[k] for k in keys) + LOST_AFTER)
+        done = await turns_done(gym)
+        await until_every_episode_has(gym, keys, max(done[k] for k in keys) + LOST_AFTER)
 
         # The Gym process dies; the trainer's calls fail and it reports each one.
         killed_at = time.time()

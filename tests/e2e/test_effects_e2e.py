@@ -31,7 +31,7 @@ from gymsim.mail import EFFECT, read_outbox
 from gymsim.testing import GymsimInstance, default_instance_config, server_config
 
 from ..integration.ledger_helpers import group_body, new_run
-from .harness import ReportingTrainer, drive_snapshot, kill_all
+from .harness import ReportingTrainer, drive_snapshot, kill_all, turns_done, until_every_episode_has
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -69,20 +69,6 @@ def _gym_config(outbox: Path, variant: str, journal: dict[str, str] | None) -> d
     return server_config(config, "calendar_resources", mail={"outbox": str(outbox), "variant": variant, "journal": journal})
 
 
-async def _turns_done(g: GymsimInstance) -> dict[str, int]:
-    sessions = (await asyncio.to_thread(g.admin, "GET", "/admin/resources/calendar_resources/sessions"))["sessions"]
-    return {k: len(x["history"]) for k, x in sessions.items()}
-
-
-async def _until_every_episode_has(g: GymsimInstance, keys: list[str], turns: int, timeout: float = 60) -> None:
-    async with asyncio.timeout(timeout):
-        while True:
-            done = await _turns_done(g)
-            if all(done.get(k, 0) >= turns for k in keys):
-                return
-            await asyncio.sleep(0.02)
-
-
 async def _crash_and_restore(client, admin, app, tmp_path: Path, variant: str, journal: bool) -> dict[str, Any]:  # type: ignore[no-untyped-def]
     """The story of the module docstring; returns what it left behind: the mails, each rollout's
     saved turn, and (with the journal) every effect and the orphans."""
@@ -99,11 +85,11 @@ async def _crash_and_restore(client, admin, app, tmp_path: Path, variant: str, j
             trainer = ReportingTrainer(api, {IID: gyms[0]}, turns=TURNS)
             rows = await trainer.admit_and_dispatch([group_body(f"g{k}", 2) for k in range(2)], IID)
             keys = [r["capture_key"] for r in rows]
-            await _until_every_episode_has(gyms[0], keys, SAVED_AFTER)
+            await until_every_episode_has(gyms[0], keys, SAVED_AFTER)
             snap = await drive_snapshot(api, "s1", 0, tmp_path / "dp")
             assert snap["outcome"] == "published", snap
-            done = await _turns_done(gyms[0])
-            await _until_every_episode_has(gyms[0], keys, max(done[k] for k in keys) + LOST_AFTER)
+            done = await turns_done(gyms[0])
+            await until_every_episode_has(gyms[0], keys, max(done[k] for k in keys) + LOST_AFTER)
 
             # The Gym process dies mid-turn; the trainer's calls fail and it reports each one.
             await asyncio.to_thread(gyms[0].kill)

@@ -16,7 +16,7 @@ from ..domain.vocabulary import RestoreRecordState, WorkFate, WorkReason
 from ..errors import NotFound
 from ..ledger.db import fetch
 from .sql import LIVE_FATE, LIVE_REASON, WORK_SECONDS_SUM
-from .summary import prompt_buckets, restore_summary, work_totals
+from .summary import WorkItem, prompt_buckets, restore_summary, work_totals
 
 # One pass over the run's attempts: the work of each (fate, reason). Reserved rows hold none.
 # The pass groups by the columns the fate and reason are made of, and the few groups get their
@@ -33,12 +33,6 @@ _SEALED_IN_ABANDONED = (
     f"AND a.status = '{A.sealed}' AND a.end_reason IS NULL"
 )
 
-
-class _Work:
-    __slots__ = ("instance_id", "restore_level", "fate", "reason", "found", "kept", "attempts", "seconds")
-
-    def __init__(self, row: tuple[Any, ...]) -> None:
-        (self.instance_id, self.restore_level, self.fate, self.reason, self.found, self.kept, self.attempts, self.seconds) = row
 
 
 async def run_accounting(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
@@ -72,9 +66,9 @@ async def run_accounting(engine: AsyncEngine, run_id: str) -> dict[str, Any]:
     if n_ab:
         live.append((WorkFate.trained.value, None, -int(n_ab), -float(sec_ab)))
         live.append((WorkFate.redone.value, WorkReason.abandoned.value, int(n_ab), float(sec_ab)))
-    by_restore: dict[str, list[_Work]] = {}
+    by_restore: dict[str, list[WorkItem]] = {}
     for row in work:
-        by_restore.setdefault(row[0], []).append(_Work(row[1:]))
+        by_restore.setdefault(row[0], []).append(WorkItem(*row[1:]))
     recorded_rows = [(w.fate, w.reason, int(w.attempts), float(w.seconds)) for ws in by_restore.values() for w in ws if not w.kept]
     restores = [
         {

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from ..domain.vocabulary import AbandonReason, GroupStatus, PromptBucket, WorkFate, WorkReason
 
 
-class WorkRow(Protocol):
+@dataclass(frozen=True)
+class WorkItem:
+    """Rollout-seconds of the attempts a restore continued, replaced or ended, summed by
+    instance, level, fate and reason (one ``restore_work`` row). ``found``: in flight or sealed
+    when the restore came; ``kept``: the attempts stay in the ledger."""
+
     instance_id: str | None
     restore_level: str
     fate: str
@@ -29,7 +35,7 @@ def _share(part: float, whole: float) -> float | None:
     return round(part / whole, 4) if whole > 0 else None
 
 
-def _split(items: Iterable[WorkRow]) -> dict[str, Any]:
+def _split(items: Iterable[WorkItem]) -> dict[str, Any]:
     found = carried = 0.0
     attempts = 0
     redone: dict[str, float] = defaultdict(float)
@@ -54,12 +60,12 @@ def _split(items: Iterable[WorkRow]) -> dict[str, Any]:
     }
 
 
-def restore_summary(items: Iterable[WorkRow], groups_rewound: int) -> dict[str, Any]:
+def restore_summary(items: Iterable[WorkItem], groups_rewound: int) -> dict[str, Any]:
     """What a restore found in flight, carried and must redo, in all, per instance and per level
     (docs/accounting.md#what-a-restore-kept)."""
     items = list(items)
-    by_instance: dict[str | None, list[WorkRow]] = defaultdict(list)
-    by_level: dict[str, list[WorkRow]] = defaultdict(list)
+    by_instance: dict[str | None, list[WorkItem]] = defaultdict(list)
+    by_level: dict[str, list[WorkItem]] = defaultdict(list)
     for w in items:
         by_instance[w.instance_id].append(w)
         by_level[w.restore_level].append(w)

@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ...accounting.summary import WorkItem
 from ...domain.restore_plan import RetireItem
 
 
@@ -91,20 +92,6 @@ class RewindReport:
     effects_orphaned: dict[str, int] = field(default_factory=dict)
     effects_pending: int = 0
 
-
-@dataclass(frozen=True)
-class WorkItem:
-    """Rollout-seconds of the attempts a restore continued, replaced or ended, summed by
-    instance, level, fate and reason (one ``restore_work`` row)."""
-
-    instance_id: str | None
-    restore_level: str
-    fate: str
-    reason: str | None
-    found: bool
-    kept: bool
-    attempts: int
-    seconds: float
 
 
 Minter = Callable[[str, int], str]

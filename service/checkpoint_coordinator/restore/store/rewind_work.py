@@ -15,7 +15,8 @@ from ...domain.vocabulary import WorkFate, WorkReason
 from ...ledger.db import execute as execute_binary
 from ...ledger.db import fetch
 from .rewind_diff import ENDED_BEFORE_CUT
-from .rewind_state import Rewinding, WorkItem
+from ...accounting.summary import WorkItem
+from .rewind_state import Rewinding
 
 # Per source row: (fate, reason, seconds) of the work it had when the restore came. A continued
 # episode keeps its work up to the cut (carried) and does the rest again (after_cut).
