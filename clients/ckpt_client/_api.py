@@ -262,6 +262,17 @@ class Api:
             params["rollout_id"] = rollout_id
         return EffectPage.parse((yield from self._call(RequestSpec("GET", self._run_path("/effects"), params=params))))
 
+    def effects(self, orphaned: bool | None, rollout_id: str | None, page_size: int) -> Flow[list[EffectRecord]]:
+        """Every page of the run's journal, in order."""
+        out: list[EffectRecord] = []
+        cursor = 0
+        while True:
+            page = yield from self.effects_page(orphaned, rollout_id, cursor, page_size)
+            out.extend(page.effects)
+            if page.next_cursor is None:
+                return out
+            cursor = page.next_cursor
+
     def accounting(self) -> Flow[Accounting]:
         return Accounting.parse((yield from self._call(RequestSpec("GET", self._run_path("/accounting")))))
 

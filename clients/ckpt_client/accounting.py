@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .models import Json, _dict, _int, _list, _obj, _opt_float, _req, _str
+from .models import Json, _dict, _float, _int, _list, _obj, _opt_float, _req, _str
 
 
 def _floats(v: Any) -> dict[str, float]:
-    return {str(k): float(x) for k, x in _dict(v).items()}
+    return {str(k): _float(x) for k, x in _dict(v).items()}
 
 
 def _ints(v: Any) -> dict[str, int]:
@@ -37,8 +37,8 @@ class WorkSplit:
     def parse(cls, doc: Any) -> WorkSplit:
         d = _obj(doc, "work split")
         return cls(
-            _int(d.get("attempts")), float(d.get("found_seconds") or 0.0), float(d.get("carried_seconds") or 0.0),
-            float(d.get("redone_seconds") or 0.0), _opt_float(d.get("carried_share")), _floats(d.get("redone_by_reason")),
+            _int(d.get("attempts")), _float(d.get("found_seconds")), _float(d.get("carried_seconds")),
+            _float(d.get("redone_seconds")), _opt_float(d.get("carried_share")), _floats(d.get("redone_by_reason")),
             _str(d.get("instance_id")), _str(d.get("restore_level")), d,
         )
 
@@ -71,7 +71,7 @@ class RestoreAccounting:
         t = WorkSplit.parse(d)
         return cls(
             t.attempts, t.found_seconds, t.carried_seconds, t.redone_seconds, t.carried_share, t.redone_by_reason,
-            _int(d.get("groups_rewound")), float(d.get("already_redone_seconds") or 0.0),
+            _int(d.get("groups_rewound")), _float(d.get("already_redone_seconds")),
             [WorkSplit.parse(x) for x in _list(d.get("by_instance"))], [WorkSplit.parse(x) for x in _list(d.get("by_level"))],
             _str(d.get("restore_id")), _str(d.get("snapshot_id")), _str(d.get("applied_at")), bool(d.get("recorded", True)), d,
         )
@@ -124,7 +124,7 @@ class WorkAccounting:
         d = _obj(doc, "work accounting")
         return cls(
             _floats(d.get("seconds_by_fate")), _ints(d.get("attempts_by_fate")), _floats(d.get("redone_by_reason")),
-            float(d.get("total_seconds") or 0.0), _opt_float(d.get("kept_share")),
+            _float(d.get("total_seconds")), _opt_float(d.get("kept_share")),
         )
 
 

@@ -243,14 +243,7 @@ class AsyncCoordinatorClient:
 
     async def effects(self, *, orphaned: bool | None = None, rollout_id: str | None = None, page_size: int = 1000) -> list[EffectRecord]:
         """The run's journal (``orphaned=True``: the effects of discarded timelines), every page."""
-        out: list[EffectRecord] = []
-        cursor = 0
-        while True:
-            page = await self._drive(self._api.effects_page(orphaned, rollout_id, cursor, page_size))
-            out.extend(page.effects)
-            if page.next_cursor is None:
-                return out
-            cursor = page.next_cursor
+        return await self._drive(self._api.effects(orphaned, rollout_id, page_size))
 
     async def accounting(self) -> Accounting:
         """The run's groups by bucket (``conserved``: they add up to its admissions), its

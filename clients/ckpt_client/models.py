@@ -88,6 +88,13 @@ def _opt_int(v: Any) -> int | None:
         return None
 
 
+def _float(v: Any, default: float = 0.0) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return default
+
+
 def _opt_float(v: Any) -> float | None:
     try:
         return None if v is None else float(v)

@@ -38,10 +38,15 @@ _FENCE = (
     "AND a.gym_attempt = %(ga)s)"
 )
 
+# A record for the begin, made only when the fence holds (``att`` has the attempt).
+_INSERT = (
+    "INSERT INTO effects (run_id, rollout_id, seq, effect, digest, call_id, attempt_id, gym_attempt) "
+    "SELECT %(r)s, %(ro)s, %(seq)s, %(e)s, %(d)s, %(c)s, att.attempt_id, %(ga)s FROM att"
+)
+
 _BEGIN = (
     f"WITH {_FENCE}, "
-    "ins AS (INSERT INTO effects (run_id, rollout_id, seq, effect, digest, call_id, attempt_id, gym_attempt) "
-    "SELECT %(r)s, %(ro)s, %(seq)s, %(e)s, %(d)s, %(c)s, att.attempt_id, %(ga)s FROM att "
+    f"ins AS ({_INSERT} "
     f"ON CONFLICT (run_id, rollout_id, seq) WHERE {LIVE} DO NOTHING RETURNING effect_id, begun_at) "
     "SELECT EXISTS (SELECT 1 FROM run), EXISTS (SELECT 1 FROM att), (SELECT effect_id FROM ins), (SELECT begun_at FROM ins)"
 )
@@ -60,9 +65,11 @@ class BeginCall:
         return {"r": run_id, "ro": self.rollout_id, "ga": self.gym_attempt, "seq": self.seq, "e": self.effect, "d": self.digest, "c": self.call_id}
 
 
+_KEYS = tuple(k.strip() for k in _COLS.split(","))
+
+
 def record_json(row: tuple[Any, ...]) -> dict[str, Any]:
-    keys = [k.strip() for k in _COLS.split(",")]
-    out = dict(zip(keys, row, strict=True))
+    out = dict(zip(_KEYS, row, strict=True))
     for k in ("begun_at", "completed_at", "orphaned_at"):
         out[k] = out[k].isoformat() if out[k] is not None else None
     return out
@@ -140,8 +147,7 @@ async def _decide(conn: AsyncConnection, run_id: str, call: BeginCall) -> dict[s
 async def _insert(conn: AsyncConnection, p: dict[str, Any]) -> tuple[int, Any]:
     ((effect_id, begun_at),) = await fetch(
         conn,
-        f"WITH {_FENCE} INSERT INTO effects (run_id, rollout_id, seq, effect, digest, call_id, attempt_id, gym_attempt) "
-        "SELECT %(r)s, %(ro)s, %(seq)s, %(e)s, %(d)s, %(c)s, att.attempt_id, %(ga)s FROM att RETURNING effect_id, begun_at",
+        f"WITH {_FENCE} {_INSERT} RETURNING effect_id, begun_at",
         p,
     )
     return effect_id, begun_at

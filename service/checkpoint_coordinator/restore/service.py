@@ -201,18 +201,16 @@ def _record_counts(counts: dict[str, int], run_id: str) -> None:
 
 
 def _record_accounting(accounting: dict[str, Any] | None, answer_effects: dict[str, Any] | None = None) -> None:
-    """What the restore rewound and threw away or carried (docs/accounting.md#where-it-shows)."""
-    from ..observability.metrics import record_prompts, record_rollout_seconds
-
-    if not accounting:
-        return
-    from ..observability.metrics import record_effect_orphans
+    """What the restore rewound and threw away or carried (docs/accounting.md#where-it-shows),
+    and the effects it orphaned (docs/effects.md#orphans)."""
+    from ..observability.metrics import record_effect_orphans, record_prompts, record_rollout_seconds
 
     for why, n in ((answer_effects or {}).get("orphaned") or {}).items():
         record_effect_orphans(why, int(n))
-    record_prompts(PromptBucket.rewound, int(accounting.get("groups_rewound", 0)))
-    record_rollout_seconds(WorkFate.carried, float(accounting.get("carried_seconds", 0.0)))
-    record_rollout_seconds(WorkFate.redone, float(accounting.get("redone_seconds", 0.0)))
+    if accounting:
+        record_prompts(PromptBucket.rewound, int(accounting.get("groups_rewound", 0)))
+        record_rollout_seconds(WorkFate.carried, float(accounting.get("carried_seconds", 0.0)))
+        record_rollout_seconds(WorkFate.redone, float(accounting.get("redone_seconds", 0.0)))
 
 
 async def _restore(

@@ -28,19 +28,27 @@ from ...outbox import store as outbox
 from ...snapshots.store import NEXT_XID_SQL, SYSTEM_ID_SQL, xid_base_usable
 from .rewind_state import AfterCut, Rewinding, SinceCut
 
+# The time of the snapshot's cut (parameters ``:r`` and ``:s``; ``CUT_TIME_BINARY``: the same
+# for statements sent through the driver, ``%(r)s`` and ``%(s)s``).
+CUT_TIME = "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+CUT_TIME_BINARY = CUT_TIME.replace(":r", "%(r)s").replace(":s", "%(s)s")
+
 # A live group absent from the cut because it had ended before the cut (the cut holds live
 # groups only): kept as history. Any other group absent from the cut was admitted after it.
 _ENDED_BY_CUT_TIME = (
-    f"g.status IN ('{G.finalized}', '{G.abandoned}') AND g.ended_at IS NOT NULL AND g.ended_at <= "
-    "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = :r AND snapshot_id = :s)"
+    f"g.status IN ('{G.finalized}', '{G.abandoned}') AND g.ended_at IS NOT NULL AND g.ended_at <= {CUT_TIME}"
 )
 _ENDED_BEFORE_CUT = (
     f"{_ENDED_BY_CUT_TIME} AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
     "WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id)"
 )
 
-#: The same, for the rewind's accounting (``rewind_work``), which lists those groups first.
-ENDED_BEFORE_CUT = _ENDED_BEFORE_CUT
+#: The live groups admitted after the cut: the rewind removes them (step 4), and its accounting
+#: (``rewind_work``) and a plan preview list them first (parameters ``:r`` and ``:s``).
+LATER_GROUPS_SQL = (
+    "SELECT g.group_id FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
+    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({_ENDED_BEFORE_CUT})"
+)
 
 _DIFF_COLS = "a.attempt_id, a.group_id, a.generation_index, a.rollout_id, a.gym_attempt, a.gym_instance_id, a.status, a.gym_owned, a.retirement"
 

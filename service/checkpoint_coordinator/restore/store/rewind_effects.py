@@ -6,25 +6,26 @@ seals. A run without a journal pays one index probe."""
 
 from __future__ import annotations
 
+from ...effects.store import LIVE
 from ...ledger.db import fetch
+from .rewind_diff import CUT_TIME_BINARY
 from .rewind_state import Rewinding
-from .rewind_work import sources_sql
+from .rewind_work import removed_source, source_params, sources_sql
 
-_LIVE = "e.live"  # neither orphaned nor abandoned (effects.store.LIVE)
+_LIVE = f"e.{LIVE}"  # neither orphaned nor abandoned
 
 
 async def orphan_effects(c: Rewinding) -> None:
     if not (await fetch(c.conn, "SELECT EXISTS (SELECT 1 FROM effects WHERE run_id = %(r)s)", {"r": c.r}))[0][0]:
         return
-    tag = c.rw.restore_id or c.s
-    removed_src = "restore_since_cut" if c.since is not None else "(SELECT attempt_id, group_id FROM attempts WHERE run_id = %(r)s)"
+    # The continued rows are not discarded: left out of the sources, handled below.
     p = {
-        "r": c.r, "s": c.s, "rid": c.rw.restore_id, "tag": tag, "cid": [], "nid": [int(x) for x in c.rw.new_old_ids],
-        "nwhy": list(c.rw.new_reasons), "rm": c.removed, "cro": list(c.rw.continued_rollouts),
+        **source_params(c.r, c.s, c.rw, c.removed, continued=False),
+        "rid": c.rw.restore_id, "tag": c.rw.restore_id or c.s, "cro": list(c.rw.continued_rollouts),
     }
     rows = await fetch(
         c.conn,
-        f"WITH x AS ({sources_sql(removed_src, with_unknown=True)}), "
+        f"WITH x AS ({sources_sql(removed_source(c), with_unknown=True)}), "
         "o AS (UPDATE effects e SET orphaned_at = now(), orphan_reason = x.why, orphaned_by = %(rid)s, pending_restore = NULL, live = false "
         "FROM x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s "
         f"WHERE e.run_id = %(r)s AND e.rollout_id = a.rollout_id AND {_LIVE} RETURNING e.orphan_reason) "
@@ -37,8 +38,7 @@ async def orphan_effects(c: Rewinding) -> None:
     ((pending,),) = await fetch(
         c.conn,
         "WITH u AS (UPDATE effects e SET pending_restore = %(tag)s FROM unnest(%(cro)s::text[]) AS ro(id) "
-        f"WHERE e.run_id = %(r)s AND e.rollout_id = ro.id AND {_LIVE} AND e.begun_at > "
-        "(SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = %(r)s AND snapshot_id = %(s)s) RETURNING 1) "
+        f"WHERE e.run_id = %(r)s AND e.rollout_id = ro.id AND {_LIVE} AND e.begun_at > {CUT_TIME_BINARY} RETURNING 1) "
         "SELECT count(*) FROM u",
         p,
     )

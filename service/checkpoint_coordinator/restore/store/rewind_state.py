@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ...accounting.summary import WorkItem
 from ...domain.restore_plan import RetireItem
+from ...domain.vocabulary import WorkReason
 
 
 @dataclass
@@ -45,7 +46,7 @@ class Rewind:
     # The restore whose record keeps what the rewind rewound (None: nothing is recorded).
     restore_id: str | None = None
 
-    def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int, reason: str = "restarted") -> None:
+    def add_new(self, old_id: int, group_id: str, index: int, rollout_id: str, group_attempt: int, reason: str = WorkReason.restarted.value) -> None:
         self.new_reasons.append(reason)
         self.new_old_ids.append(int(old_id))
         self.new_groups.append(group_id)

@@ -6,7 +6,10 @@ those the cut does not know."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ...accounting.sql import LIVE_FATE, LIVE_REASON, WORK_SECONDS
 from ...domain.vocabulary import AttemptStatus as A
@@ -14,9 +17,9 @@ from ...domain.vocabulary import GroupStatus as G
 from ...domain.vocabulary import WorkFate, WorkReason
 from ...ledger.db import execute as execute_binary
 from ...ledger.db import fetch
-from .rewind_diff import ENDED_BEFORE_CUT
 from ...accounting.summary import WorkItem
-from .rewind_state import Rewinding
+from .rewind_diff import CUT_TIME_BINARY, LATER_GROUPS_SQL
+from .rewind_state import Rewind, Rewinding
 
 # Per source row: (fate, reason, seconds) of the work it had when the restore came. A continued
 # episode keeps its work up to the cut (carried) and does the rest again (after_cut).
@@ -29,23 +32,33 @@ _SPLIT = (
 )
 
 
+async def later_groups(conn: AsyncConnection, run_id: str, snapshot_id: str) -> list[str]:
+    """The live groups of the run that the cut lacks and that had not ended before it."""
+    return list((await conn.execute(text(LATER_GROUPS_SQL), {"r": run_id, "s": snapshot_id})).scalars())
+
+
 async def rewound_groups(c: Rewinding) -> None:
     """The live groups the cut lacks that had not ended before it: admitted after the cut, the
     rewind removes them (step 4) and the trainer's data loader owes them again."""
-    if c.since is not None:
-        c.removed = list(c.since.absent)
-        return
-    c.removed = list(
-        (
-            await c.conn.execute(
-                text(
-                    "SELECT g.group_id FROM prompt_groups g WHERE g.run_id = :r AND NOT EXISTS (SELECT 1 FROM snapshot_groups sg "
-                    f"WHERE sg.run_id = :r AND sg.snapshot_id = :s AND sg.group_id = g.group_id) AND NOT ({ENDED_BEFORE_CUT})"
-                ),
-                c.p,
-            )
-        ).scalars()
-    )
+    c.removed = list(c.since.absent) if c.since is not None else await later_groups(c.conn, c.r, c.s)
+
+
+# The run's attempts, for the rewound groups' attempts when no ``restore_since_cut`` lists them.
+ALL_ATTEMPTS = "(SELECT attempt_id, group_id FROM attempts WHERE run_id = %(r)s)"
+
+
+def removed_source(c: Rewinding) -> str:
+    """Where the rewound groups' attempts are read: ``restore_since_cut`` holds them all (they
+    were written after the cut), else the run's attempts."""
+    return "restore_since_cut" if c.since is not None else ALL_ATTEMPTS
+
+
+def source_params(run_id: str, snapshot_id: str, rw: Rewind, removed: list[str], *, continued: bool = True) -> dict[str, Any]:
+    """The parameters of :func:`sources_sql` (``continued`` false: the continued rows left out)."""
+    return {
+        "r": run_id, "s": snapshot_id, "cid": [int(x) for x in rw.continued_ids] if continued else [],
+        "nid": [int(x) for x in rw.new_old_ids], "nwhy": list(rw.new_reasons), "rm": removed,
+    }
 
 
 def sources_sql(removed_src: str, with_unknown: bool) -> str:
@@ -71,14 +84,13 @@ def work_sql(removed_src: str, *, with_unknown: bool) -> str:
     Found work (in flight or sealed when the restore came) is split by what the restore does
     with it; work thrown away before (a failed or abandoned attempt, an abandoned group) keeps
     its reason, not found, for the rows whose attempt the rewind deletes or resets."""
+    # ``before_cut``: the part of ``work`` up to the cut (never more than the work itself).
     src = (
-        "SELECT a.attempt_id, a.gym_instance_id, a.group_id, a.status, x.kind, x.why, "
-        f"{WORK_SECONDS} AS work, CASE WHEN a.dispatched_at IS NULL OR a.status = '{A.reserved}' THEN 0::float8 ELSE "
-        "GREATEST(0, LEAST(EXTRACT(EPOCH FROM COALESCE(a.ended_at, now()) - a.dispatched_at), "
-        "EXTRACT(EPOCH FROM (SELECT COALESCE(cut_at, published_at, created_at) FROM snapshots WHERE run_id = %(r)s "
-        "AND snapshot_id = %(s)s) - a.dispatched_at)))::float8 END AS before_cut, "
-        f"COALESCE({LIVE_FATE}, '') = '{WorkFate.redone}' AS thrown, {LIVE_REASON} AS live_why "
-        f"FROM ({sources_sql(removed_src, with_unknown)}) x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s"
+        "SELECT w.*, CASE WHEN w.work = 0 THEN 0::float8 ELSE "
+        f"GREATEST(0, LEAST(w.work, EXTRACT(EPOCH FROM {CUT_TIME_BINARY} - w.dispatched_at)::float8)) END AS before_cut "
+        "FROM (SELECT a.attempt_id, a.gym_instance_id, a.group_id, a.status, a.dispatched_at, x.kind, x.why, "
+        f"{WORK_SECONDS} AS work, COALESCE({LIVE_FATE}, '') = '{WorkFate.redone}' AS thrown, {LIVE_REASON} AS live_why "
+        f"FROM ({sources_sql(removed_src, with_unknown)}) x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s) w"
     )
     found = (
         "SELECT s.gym_instance_id AS inst, g.restore_level AS lv, v.fate, v.reason, true AS found, s.kind = 'unknown' AS kept, "
@@ -108,15 +120,7 @@ async def record_work(c: Rewinding) -> None:
     the run's totals."""
     await rewound_groups(c)
     c.report.groups_rewound = len(c.removed)
-    removed_src = "restore_since_cut" if c.since is not None else "(SELECT attempt_id, group_id FROM attempts WHERE run_id = %(r)s)"
-    rows = await fetch(
-        c.conn,
-        work_sql(removed_src, with_unknown=True),
-        {
-            "r": c.r, "s": c.s, "cid": [int(x) for x in c.rw.continued_ids], "nid": [int(x) for x in c.rw.new_old_ids],
-            "nwhy": list(c.rw.new_reasons), "rm": c.removed,
-        },
-    )
+    rows = await fetch(c.conn, work_sql(removed_source(c), with_unknown=True), source_params(c.r, c.s, c.rw, c.removed))
     c.report.work = work_items(rows)
     if c.rw.restore_id is not None:
         await _store(c)
