@@ -191,11 +191,13 @@ class _Breakdown:
                 self.lines.append(f"{dt:6.2f}s  {' '.join(stmt.split())[:110]}")
 
         # The statements that go through the driver directly (binary parameters, plain tuples).
-        from checkpoint_coordinator.restore.store import plan_sql as restore_plan_sql
-        from checkpoint_coordinator.restore.store import rewind
+        from checkpoint_coordinator.restore.store import plan_sql, rewind_diff, rewind_effects, rewind_work, rewind_write
 
-        for module, name in ((restore_plan_sql, "fetch"), (rewind, "fetch"), (rewind, "execute_binary")):
-            setattr(module, name, self._timed(getattr(module, name)))
+        # Each module of the plan and the rewind that imports the driver's helpers.
+        for module in (plan_sql, rewind_diff, rewind_write, rewind_work, rewind_effects):
+            for name in ("fetch", "execute_binary"):
+                if hasattr(module, name):
+                    setattr(module, name, self._timed(getattr(module, name)))
 
     def _timed(self, inner: Any) -> Any:
         async def timed(conn: Any, sql: str, *a: Any, **kw: Any) -> Any:
