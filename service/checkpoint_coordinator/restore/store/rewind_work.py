@@ -84,24 +84,28 @@ def work_sql(removed_src: str, *, with_unknown: bool) -> str:
     Found work (in flight or sealed when the restore came) is split by what the restore does
     with it; work thrown away before (a failed or abandoned attempt, an abandoned group) keeps
     its reason, not found, for the rows whose attempt the rewind deletes or resets."""
-    # ``before_cut``: the part of ``work`` up to the cut (never more than the work itself).
+    # ``before_cut``: the part of ``work`` up to the cut (never more than the work itself). The
+    # group's level and status are joined once, here, for both uses below.
     src = (
         "SELECT w.*, CASE WHEN w.work = 0 THEN 0::float8 ELSE "
         f"GREATEST(0, LEAST(w.work, EXTRACT(EPOCH FROM {CUT_TIME_BINARY} - w.dispatched_at)::float8)) END AS before_cut "
-        "FROM (SELECT a.attempt_id, a.gym_instance_id, a.group_id, a.status, a.dispatched_at, x.kind, x.why, "
-        f"{WORK_SECONDS} AS work, COALESCE({LIVE_FATE}, '') = '{WorkFate.redone}' AS thrown, {LIVE_REASON} AS live_why "
-        f"FROM ({sources_sql(removed_src, with_unknown)}) x JOIN attempts a ON a.attempt_id = x.id AND a.run_id = %(r)s) w"
+        "FROM (SELECT a.attempt_id, a.gym_instance_id, a.status, a.dispatched_at, x.kind, x.why, g.restore_level, "
+        f"g.status = '{G.abandoned}' AS group_abandoned, {WORK_SECONDS} AS work, "
+        f"COALESCE({LIVE_FATE}, '') = '{WorkFate.redone}' AS thrown, {LIVE_REASON} AS live_why "
+        # Each attempt by its primary key (a tenth of the run at most), not by hashing the run.
+        f"FROM ({sources_sql(removed_src, with_unknown)}) x CROSS JOIN LATERAL (SELECT * FROM attempts a "
+        "WHERE a.attempt_id = x.id AND a.run_id = %(r)s) a JOIN prompt_groups g ON g.run_id = %(r)s AND g.group_id = a.group_id) w"
     )
     found = (
-        "SELECT s.gym_instance_id AS inst, g.restore_level AS lv, v.fate, v.reason, true AS found, s.kind = 'unknown' AS kept, "
-        f"v.seconds FROM src s JOIN prompt_groups g ON g.run_id = %(r)s AND g.group_id = s.group_id {_SPLIT} "
+        "SELECT s.gym_instance_id AS inst, s.restore_level AS lv, v.fate, v.reason, true AS found, s.kind = 'unknown' AS kept, "
+        f"v.seconds FROM src s {_SPLIT} "
         f"WHERE v.applies AND (s.work > 0 OR s.status <> '{A.reserved}') "
-        f"AND (s.kind = 'continued' OR (NOT s.thrown AND g.status <> '{G.abandoned}'))"
+        "AND (s.kind = 'continued' OR NOT (s.thrown OR s.group_abandoned))"
     )
     thrown = (
-        f"SELECT s.gym_instance_id, g.restore_level, '{WorkFate.redone}', COALESCE(s.live_why, '{WorkReason.abandoned}'), false, false, "
-        "s.work FROM src s JOIN prompt_groups g ON g.run_id = %(r)s AND g.group_id = s.group_id "
-        f"WHERE s.kind IN ('replaced', 'removed') AND (s.thrown OR g.status = '{G.abandoned}') AND s.work > 0"
+        f"SELECT s.gym_instance_id, s.restore_level, '{WorkFate.redone}', COALESCE(s.live_why, '{WorkReason.abandoned}'), false, false, "
+        "s.work FROM src s "
+        "WHERE s.kind IN ('replaced', 'removed') AND (s.thrown OR s.group_abandoned) AND s.work > 0"
     )
     return (
         f"WITH src AS MATERIALIZED ({src}) SELECT inst, lv, fate, reason, found, kept, count(*), COALESCE(sum(seconds), 0) "
