@@ -58,7 +58,7 @@ async def abandon_effect(effect_id: int, request: Request, caller: Caller = Depe
 @router.get("", operation_id="list_effects", response_model=EffectPage, responses=problems(RUN))
 async def list_effects(
     request: Request,
-    orphaned: bool | None = Query(None, description="true: only orphans; false: only live records."),
+    orphaned: bool | None = Query(None, description="true: only orphans; false: only records not orphaned (abandoned ones included)."),
     rollout_id: str | None = Query(None, pattern=ROLLOUT_ID_PATTERN, max_length=256),
     cursor: int = Query(0, ge=0, description="`next_cursor` of the previous page."),
     limit: int = Query(1000, ge=1, le=10_000),
