@@ -10,11 +10,13 @@ from ..effects import store
 from ..errors import CoordinatorError
 from ..observability.metrics import record_effect_begin
 from .auth import Caller, require_run_access
-from .common import ROLLOUT_ID_PATTERN, FastJSONRoute, as_built
+from .common import ROLLOUT_ID_PATTERN, DirectRoute, FastJSONRoute, as_built
 from .effect_schemas import MAX_RESULT_BYTES, BeginIn, BeginOut, CompleteIn, EffectOut, EffectPage
 from .problem_docs import RUN, WRITE, problems
 
 router = APIRouter(prefix="/v1/runs/{run_id}/effects", tags=["effects"], route_class=FastJSONRoute)
+# begin and complete come around every effectful tool call: they skip FastAPI's dependency solving.
+hot = APIRouter(prefix="/v1/runs/{run_id}/effects", tags=["effects"], route_class=DirectRoute)
 
 
 class ResultTooLarge(CoordinatorError):
@@ -23,7 +25,7 @@ class ResultTooLarge(CoordinatorError):
     title = "Effect result too large"
 
 
-@router.post(
+@hot.post(
     "/begin", operation_id="begin_effect", response_model=BeginOut, response_model_exclude_unset=True,
     responses=problems(WRITE, "stale_attempt"),
 )
@@ -39,7 +41,7 @@ async def begin_effect(body: BeginIn, request: Request, caller: Caller = Depends
     return as_built(answer)
 
 
-@router.post("/{effect_id}/complete", operation_id="complete_effect", response_model=EffectOut, responses=problems(RUN, "effect_not_found", "effect_completed", "effect_abandoned", "effect_result_too_large"))
+@hot.post("/{effect_id}/complete", operation_id="complete_effect", response_model=EffectOut, responses=problems(RUN, "effect_not_found", "effect_completed", "effect_abandoned", "effect_result_too_large"))
 async def complete_effect(effect_id: int, body: CompleteIn, request: Request, caller: Caller = Depends(require_run_access)) -> Response:
     """After the tool acted: its result, recorded (also for an orphan, so the list says what to
     compensate). A repeat with the same result answers the same record."""

@@ -6,4 +6,4 @@ from typing import Any
 
 from . import accounting, effects, gym, restore, rollouts, snapshots
 
-ROUTERS: list[Any] = [effects.router, rollouts.router, snapshots.router, gym.router, restore.router, accounting.router]
+ROUTERS: list[Any] = [effects.hot, effects.router, rollouts.router, snapshots.router, gym.router, restore.router, accounting.router]
