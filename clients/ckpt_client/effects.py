@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._core import Flow, Invoke
 from .errors import CoordinatorError, Unavailable
 from .models import Json, _int, _list, _obj, _str
 
@@ -151,6 +152,42 @@ def _unguarded(e: BaseException) -> EffectUnguarded:
     return EffectUnguarded(f"the coordinator cannot be reached ({e}); not acting unguarded (act_when_unreachable=True to act anyway)")
 
 
+def _journalled(
+    api: Any, journal: EffectJournal, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]
+) -> Flow[Any]:
+    """One guarded call as a sans-IO flow (``._core``), so the blocking and the async journal
+    are the same code: ``act`` and ``reconcile`` are the user's callbacks (``Invoke``, awaited by
+    the async client's driver)."""
+    digest = args_digest(effect, args)
+    while True:
+        try:
+            ans = yield from api.begin_effect(rollout_id, gym_attempt, seq, effect, digest, uuid.uuid4().hex)
+            if ans.answer == DONE:
+                return ans.result
+            if ans.answer != UNKNOWN:
+                break
+            if journal.reconcile is None:
+                raise _unknown(ans.record, ans.effect_id)
+            found = yield Invoke(journal.reconcile, (ans.record,))
+            if found.happened:
+                yield from api.complete_effect(ans.effect_id, found.result)
+                return found.result
+            yield from api.abandon_effect(ans.effect_id)  # it did not happen: begin again, and act
+        except Unavailable as e:
+            if not journal.act_when_unreachable:
+                raise _unguarded(e) from e
+            log.warning("effect %s of %s seq %d acts unguarded: %s", effect, rollout_id, seq, e)
+            return (yield Invoke(act))
+    result = yield Invoke(act)
+    try:
+        yield from api.complete_effect(ans.effect_id, result)
+    except Unavailable as e:
+        # It acted: its result is the caller's. The record stays begun; the next begin of the key
+        # answers unknown and the reconcile hook finds the effect in the outside system.
+        log.warning("effect %s of %s seq %d acted, but its completion was not recorded (%s): a later call gets unknown", effect, rollout_id, seq, e)
+    return result
+
+
 class EffectJournal:
     """A tool's guard for a blocking :class:`~ckpt_client.CoordinatorClient` of the run: one
     round trip before acting (begin), one after (complete). ``reconcile`` decides an ``unknown``
@@ -163,73 +200,15 @@ class EffectJournal:
         self.act_when_unreachable = act_when_unreachable
 
     def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]) -> Any:
-        digest = args_digest(effect, args)
-        try:
-            ans = self.client.begin_effect(rollout_id, gym_attempt, seq, effect, digest, call_id=uuid.uuid4().hex)
-            if ans.answer == DONE:
-                return ans.result
-            if ans.answer == UNKNOWN:
-                if self.reconcile is None:
-                    raise _unknown(ans.record, ans.effect_id)
-                found = self.reconcile(ans.record)  # type: ignore[arg-type]
-                if found.happened:
-                    self.client.complete_effect(ans.effect_id, found.result)
-                    return found.result
-                self.client.abandon_effect(ans.effect_id)
-                return self.call(rollout_id=rollout_id, gym_attempt=gym_attempt, seq=seq, effect=effect, args=args, act=act)
-        except Unavailable as e:
-            if not self.act_when_unreachable:
-                raise _unguarded(e) from e
-            log.warning("effect %s of %s seq %d acts unguarded: %s", effect, rollout_id, seq, e)
-            return act()
-        result = act()
-        try:
-            self.client.complete_effect(ans.effect_id, result)
-        except Unavailable as e:
-            _not_recorded(effect, rollout_id, seq, e)
-        return result
+        return self.client._drive(_journalled(self.client._api, self, rollout_id, gym_attempt, seq, effect, args, act))
 
 
-def _not_recorded(effect: str, rollout_id: str, seq: int, e: BaseException) -> None:
-    # It acted: its result is the caller's. The record stays begun; the next begin of the key
-    # answers unknown and the reconcile hook finds the effect in the outside system.
-    log.warning("effect %s of %s seq %d acted, but its completion was not recorded (%s): a later call gets unknown", effect, rollout_id, seq, e)
-
-
-class AsyncEffectJournal:
+class AsyncEffectJournal(EffectJournal):
     """:class:`EffectJournal` for an :class:`~ckpt_client.AsyncCoordinatorClient` and coroutine
     tools (``act`` returns an awaitable; ``reconcile`` may be a coroutine function)."""
 
     def __init__(self, client: Any, *, reconcile: Callable[[EffectRecord], Any] | None = None, act_when_unreachable: bool = False) -> None:
-        self.client = client
-        self.reconcile = reconcile
-        self.act_when_unreachable = act_when_unreachable
+        super().__init__(client, reconcile=reconcile, act_when_unreachable=act_when_unreachable)
 
-    async def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Awaitable[Any]]) -> Any:
-        digest = args_digest(effect, args)
-        try:
-            ans = await self.client.begin_effect(rollout_id, gym_attempt, seq, effect, digest, call_id=uuid.uuid4().hex)
-            if ans.answer == DONE:
-                return ans.result
-            if ans.answer == UNKNOWN:
-                if self.reconcile is None:
-                    raise _unknown(ans.record, ans.effect_id)
-                found = self.reconcile(ans.record)
-                if hasattr(found, "__await__"):
-                    found = await found
-                if found.happened:
-                    await self.client.complete_effect(ans.effect_id, found.result)
-                    return found.result
-                await self.client.abandon_effect(ans.effect_id)
-                return await self.call(rollout_id=rollout_id, gym_attempt=gym_attempt, seq=seq, effect=effect, args=args, act=act)
-        except Unavailable as e:
-            if not self.act_when_unreachable:
-                raise _unguarded(e) from e
-            log.warning("effect %s of %s seq %d acts unguarded: %s", effect, rollout_id, seq, e)
-            return await act()
-        result = await act()
-        try:
-            await self.client.complete_effect(ans.effect_id, result)
-        except Unavailable as e:
-            _not_recorded(effect, rollout_id, seq, e)
-        return result
+    async def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Awaitable[Any]]) -> Any:  # type: ignore[override]
+        return await self.client._drive(_journalled(self.client._api, self, rollout_id, gym_attempt, seq, effect, args, act))

@@ -204,3 +204,45 @@ def test_tables_read_in_plain_words() -> None:
     assert short_result(_rec(5)) == "null" and len(short_result(_rec(6, result="y" * 99))) == 40
     none = render_effects("run-x", [])
     assert none.splitlines() == ["orphaned effects of run run-x (--all lists every effect)", "  0 orphans in all", "", "orphaned effects: none"]
+
+
+def test_the_journals_act_unguarded_only_when_told() -> None:
+    """The coordinator cannot be reached: both journals refuse to act (``EffectUnguarded``)
+    unless ``act_when_unreachable``; then they act once and answer the act's result. A coroutine
+    ``act`` under the blocking journal is refused rather than left un-awaited."""
+    import asyncio
+
+    from ckpt_client import AsyncCoordinatorClient, AsyncEffectJournal, EffectJournal, EffectUnguarded
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    call = {"rollout_id": "r-0", "gym_attempt": 0, "seq": 0, "effect": "send_mail", "args": {"to": "a@x"}}
+    acted: list[int] = []
+
+    def act() -> dict[str, int]:
+        acted.append(1)
+        return {"n": len(acted)}
+
+    with CoordinatorClient(nowhere, "t", run_id=RUN, retries=0) as c:
+        with pytest.raises(EffectUnguarded, match="act_when_unreachable"):
+            EffectJournal(c).call(act=act, **call)
+        assert acted == []
+        assert EffectJournal(c, act_when_unreachable=True).call(act=act, **call) == {"n": 1}
+
+        async def coroutine_act() -> None:
+            return None
+
+        pending = coroutine_act()
+        with pytest.raises(TypeError, match="AsyncCoordinatorClient"):
+            EffectJournal(c, act_when_unreachable=True).call(act=lambda: pending, **call)
+        pending.close()
+
+    async def go() -> Any:
+        async def aact() -> dict[str, int]:
+            return act()
+
+        async with AsyncCoordinatorClient(nowhere, "t", run_id=RUN, retries=0) as c:
+            with pytest.raises(EffectUnguarded):
+                await AsyncEffectJournal(c).call(act=aact, **call)
+            return await AsyncEffectJournal(c, act_when_unreachable=True).call(act=aact, **call)
+
+    assert asyncio.run(go()) == {"n": 2} and len(acted) == 2
