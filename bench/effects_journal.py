@@ -25,6 +25,10 @@ rotated every round, medians and spread:
 - **reference**: a plain single-row ``INSERT ... ON CONFLICT DO NOTHING`` into a bare table with a
   primary key, autocommit, on a psycopg async connection to the same PostgreSQL with the service's
   connection options (the kind of connection the coordinator uses); one round trip per row.
+- **the reference without its flush**: the same insert on a connection with
+  ``synchronous_commit = off``, which answers before the write-ahead log reaches the disk: the
+  reference less this is what one durable commit costs, the floor each of the journal's two
+  calls pays (docs/effects.md#cost).
 
 Target (issue): begin + complete cost the coordinator at most 3x the reference round trip (own
 time ÷ reference, ratio of the medians).
@@ -172,6 +176,9 @@ class InProcess:
         self.loop = asyncio.new_event_loop()
         self.engine = make_async_engine(pg_url, pool_size=2)
         self.ref_conn: Any = None
+        self.lazy_conn: Any = None
+        # The SQL alone, split: seconds in the begin's statement and in the complete's.
+        self.sql_split = [0.0, 0.0]
         self.ref_key = itertools.count()
         self.loop.run_until_complete(self._connect(pg_url))
 
@@ -179,6 +186,8 @@ class InProcess:
         import psycopg
 
         self.ref_conn = await psycopg.AsyncConnection.connect(plain_url(pg_url), autocommit=True, **client_options(pg_url))
+        self.lazy_conn = await psycopg.AsyncConnection.connect(plain_url(pg_url), autocommit=True, **client_options(pg_url))
+        await self.lazy_conn.execute("SET synchronous_commit = off")
 
     async def _store(self, keys: list[tuple[str, int, int]]) -> None:
         for ro, ga, seq in keys:
@@ -190,16 +199,21 @@ class InProcess:
     async def _sql(self, keys: list[tuple[str, int, int]]) -> None:
         cur = self.ref_conn.cursor(binary=True)
         result = json.dumps(RESULT)
+        clock = time.perf_counter
         for ro, ga, seq in keys:
+            t0 = clock()
             await cur.execute(effects_store._BEGIN, effects_store.BeginCall(ro, ga, seq, "send_mail", DIGEST).params(RUN))
             ((run_ok, att_ok, effect_id, _),) = await cur.fetchall()
+            t1 = clock()
             if effect_id is None:
                 raise RuntimeError(f"the journal's insert did not insert ({run_ok}, {att_ok})")
             await cur.execute(COMPLETE_SQL, {"r": RUN, "id": effect_id, "res": result})
             assert len(await cur.fetchall()) == 1
+            self.sql_split[0] += t1 - t0
+            self.sql_split[1] += clock() - t1
 
-    async def _reference(self, n: int) -> None:
-        cur = self.ref_conn.cursor(binary=True)
+    async def _reference(self, n: int, lazy: bool = False) -> None:
+        cur = (self.lazy_conn if lazy else self.ref_conn).cursor(binary=True)
         for _ in range(n):
             await cur.execute(REF_SQL, {"k": next(self.ref_key), "v": "m-0123456789"})
 
@@ -213,15 +227,16 @@ class InProcess:
         self.loop.run_until_complete(self._sql(keys))
         return time.perf_counter() - t
 
-    def reference(self, n: int) -> float:
+    def reference(self, n: int, lazy: bool = False) -> float:
         t = time.perf_counter()
-        self.loop.run_until_complete(self._reference(n))
+        self.loop.run_until_complete(self._reference(n, lazy))
         return time.perf_counter() - t
 
     def close(self) -> None:
         async def go() -> None:
-            if self.ref_conn is not None:
-                await self.ref_conn.close()
+            for conn in (self.ref_conn, self.lazy_conn):
+                if conn is not None:
+                    await conn.close()
             await self.engine.dispose()
 
         self.loop.run_until_complete(go())
@@ -235,7 +250,8 @@ class InProcess:
 def measure(coord_url: str, token: str, keys: Keys, local: InProcess, effects: int, rounds: int, workers: int) -> dict[str, list[float]]:
     """Per round, each measurement once, in an order rotated every round; seconds per effect
     (``*_per_s``: effects per second)."""
-    times: dict[str, list[float]] = {k: [] for k in ("http_seq", "own", "own_begin", "own_complete", "in_process", "sql", "reference", "http_conc_per_s")}
+    times: dict[str, list[float]] = {k: [] for k in ("http_seq", "own", "own_begin", "own_complete", "in_process", "sql", "sql_begin", "sql_complete", "reference",
+                                                 "reference_unflushed", "http_conc_per_s")}
     seq_client = CoordinatorClient(coord_url, token, run_id=RUN, retries=0)
     conc = [CoordinatorClient(coord_url, token, run_id=RUN, retries=0) for _ in range(workers)]
     pool = ThreadPoolExecutor(max_workers=workers)
@@ -245,6 +261,7 @@ def measure(coord_url: str, token: str, keys: Keys, local: InProcess, effects: i
         local.store(keys.take(20))
         local.sql(keys.take(20))
         local.reference(20)
+        local.reference(20, lazy=True)
 
         def sequential() -> None:
             before = server_seconds(coord_url)
@@ -258,12 +275,19 @@ def measure(coord_url: str, token: str, keys: Keys, local: InProcess, effects: i
                 times[f"own_{name}"].append((after[name][0] - before[name][0]) / effects)
             times["own"].append(times["own_begin"][-1] + times["own_complete"][-1])
 
+        def sql(batch: list[tuple[str, int, int]]) -> None:
+            local.sql_split = [0.0, 0.0]
+            times["sql"].append(local.sql(batch) / effects)
+            times["sql_begin"].append(local.sql_split[0] / effects)
+            times["sql_complete"].append(local.sql_split[1] / effects)
+
         steps: list[tuple[str, Callable[[], None]]] = [
             ("http_seq", sequential),
             ("http_conc", lambda: times["http_conc_per_s"].append(effects / http_concurrent(conc, pool, keys, effects))),
             ("in_process", lambda: times["in_process"].append(local.store(keys.take(effects)) / effects)),
-            ("sql", lambda: times["sql"].append(local.sql(keys.take(effects)) / effects)),
+            ("sql", lambda: sql(keys.take(effects))),
             ("reference", lambda: times["reference"].append(local.reference(effects) / effects)),
+            ("reference_unflushed", lambda: times["reference_unflushed"].append(local.reference(effects, lazy=True) / effects)),
         ]
         for k in range(rounds):
             for _, step in steps[k % len(steps):] + steps[:k % len(steps)]:
@@ -292,7 +316,12 @@ def report(times: dict[str, list[float]], effects: int, workers: int) -> dict[st
         f"(begin {ms(med['own_begin'])}, complete {ms(med['own_complete'])}) {spread('own')}")
     log(f"in-process store.begin + store.complete   median {ms(med['in_process'])} per effect {spread('in_process')}")
     log(f"the SQL alone (begin's statement + complete's UPDATE)   median {ms(med['sql'])} per effect {spread('sql')}")
+    log(f"  of which the begin's statement {ms(med['sql_begin'])} ({med['sql_begin'] / med['reference']:.2f}x the reference), "
+        f"the complete's {ms(med['sql_complete'])} ({med['sql_complete'] / med['reference']:.2f}x)")
     log(f"reference INSERT ... ON CONFLICT DO NOTHING round trip   median {ms(med['reference'])} {spread('reference')}")
+    flush = med["reference"] - med["reference_unflushed"]
+    log(f"  the same insert without waiting for its flush (synchronous_commit = off)   median {ms(med['reference_unflushed'])}: "
+        f"a durable commit's flush is {ms(flush)}, {flush / med['reference']:.0%} of the reference; begin + complete flush twice")
     ratio = med["own"] / med["reference"]
     per_round = [o / r for o, r in zip(times["own"], times["reference"])]
     log(
