@@ -36,6 +36,24 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "pinned_too: also run the check against gymsim's `pinned` profile")
 
 
+def pytest_assertrepr_compare(op: str, left: Any, right: Any) -> list[str] | None:
+    """A participant's state compared before and after a refused call: name every member that
+    differs, however deep, so a rare failure says what moved (pytest's own diff elides it)."""
+    if op != "==" or not (isinstance(left, dict) and isinstance(right, dict)):
+        return None
+    lines = ["the states differ at:"]
+
+    def walk(a: Any, b: Any, at: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(a.keys() | b.keys(), key=str):
+                walk(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{at}.{k}" if at else str(k))
+        elif a != b:
+            lines.append(f"  {at}: {a!r} != {b!r}")
+
+    walk(left, right, "")
+    return lines
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "gym_profile" in metafunc.fixturenames:
         profiles = GYM_PROFILES + ([PINNED] if metafunc.definition.get_closest_marker("pinned_too") else [])
