@@ -33,6 +33,7 @@ BAD: list[tuple[str, bytes]] = [
     ("/run-a/effects/1/complete", b"{}"),
     ("/run-a/effects/1/complete", b'{"result": 1, "more": 2}'),
     ("/-bad-run/effects/x/complete", b"nope"),
+    ("/-bad-run/effects/x/complete", b'{"more": 1}'),
 ]
 
 

@@ -146,9 +146,9 @@ class DirectRoute(FastJSONRoute):
     """Route class of the few hot endpoints a participant calls around every tool call (the
     effect journal's begin and complete): their inputs are the caller (``require_run_access``),
     path ids and one JSON body, validated here by the same fields FastAPI declares (so the same
-    422s and the same OpenAPI), and the endpoint is called without FastAPI's dependency solving,
-    which was about a quarter of such a request's time (docs/effects.md#cost). An endpoint with
-    any other kind of parameter is refused when the route is built."""
+    422s, in the same order, and the same OpenAPI), and the endpoint is called without FastAPI's
+    dependency solving, about a tenth of an effect's time in the coordinator (docs/effects.md#cost).
+    An endpoint with any other kind of parameter is refused when the route is built."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         from .auth import authenticate, require_run_access
@@ -160,8 +160,9 @@ class DirectRoute(FastJSONRoute):
             raise TypeError(f"{self.path}: a DirectRoute endpoint takes the request, its caller, path ids and one body")
         caller_name, body_name, request_name = callers[0], d.body_params[0].name, d.request_param_name
         body_field = self.body_field
-        own_path = [f for f in d.path_params]
-        path_fields = own_path + [f for sub in d.dependencies for f in sub.path_params]
+        own_path = list(d.path_params)
+        # FastAPI's order: the caller's dependency (the run id) first, then the route's own ids.
+        path_fields = [f for sub in d.dependencies for f in sub.path_params] + own_path
         call = d.call
         assert call is not None
 
