@@ -49,7 +49,7 @@ async def _snapshot(engine: Any, sid: str, blocked: list[str] = (), *, outcome: 
         await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, :s, 0, 'requested', :o)"),
                            {"r": RUN, "s": sid, "o": OWNER})
     closed = await repo.close_gate(engine, RUN, sid, fence)
-    reason = "ok" if outcome == "published" else "gym_not_ready"
+    reason = {"published": "ok", "aborted": "train_step_committed"}.get(outcome, "gym_not_ready")
     await repo.end(engine, RUN, sid, outcome, reason, fence=fence, expected=SnapshotPhase.gate, blockers=[(INST, b) for b in blocked])
     return closed
 
@@ -219,3 +219,17 @@ async def test_a_snapshot_names_at_most_ten_of_its_blockers_and_none_while_it_ru
     import ckpt_client.models as cm
 
     assert cm.Snapshot.parse(s1).blockers == cm.SnapshotBlockers(12, s1["blockers"]["rollout_ids"])
+
+
+async def test_aborted_snapshots_neither_count_nor_break_the_streak(client, admin, engine) -> None:  # type: ignore[no-untyped-def]
+    """Train steps that win before Gym answers, between the blocked snapshots, must not keep a
+    straggler alive for ever (they name nobody: they used to break the streak)."""
+    api = await new_run(client, admin, target_level="sibling")
+    stuck, _ = await _sent(api, "g0", 2)
+    rid = stuck["rollout_id"]
+    for sid, blocked, outcome in (("s1", [rid], "failed"), ("a1", [], "aborted"), ("s2", [rid], "failed"), ("a2", [], "aborted"), ("a3", [], "aborted")):
+        assert (await _snapshot(engine, sid, blocked, outcome=outcome)).stragglers == ()
+    # Two blocked snapshots and three aborted ones: not yet. The third blocked one makes it one.
+    assert (await _snapshot(engine, "s3", [rid])).stragglers == ()
+    assert (await _snapshot(engine, "s4", [])).stragglers == (rid,)
+    assert await _retires(engine) == [(INST, rid, 0)]
