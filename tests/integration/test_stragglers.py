@@ -41,16 +41,18 @@ async def _fence(engine: Any) -> leases.Fence:
     return leases.Fence(OWNER, epoch)
 
 
-async def _snapshot(engine: Any, sid: str, blocked: list[str] = (), *, outcome: str = "failed") -> repo.GateClosure:  # type: ignore[assignment]
+async def _snapshot(engine: Any, sid: str, blocked: list[str] = (), *, outcome: str = "failed", prepared: bool = False) -> repo.GateClosure:  # type: ignore[assignment]
     """A snapshot from its request to its end: the gate's close (the straggler rule), then the
-    end, recording ``blocked`` (rollout ids, or any other name Gym gives) as its blockers."""
+    end, recording ``blocked`` (rollout ids, or any other name Gym gives) as its blockers;
+    ``prepared``: Gym's prepare answered ready before it ended."""
     fence = await _fence(engine)
     async with engine.begin() as conn:
         await conn.execute(text("INSERT INTO snapshots (run_id, snapshot_id, anchor_step, phase, owner) VALUES (:r, :s, 0, 'requested', :o)"),
                            {"r": RUN, "s": sid, "o": OWNER})
     closed = await repo.close_gate(engine, RUN, sid, fence)
     reason = {"published": "ok", "aborted": "train_step_committed"}.get(outcome, "gym_not_ready")
-    await repo.end(engine, RUN, sid, outcome, reason, fence=fence, expected=SnapshotPhase.gate, blockers=[(INST, b) for b in blocked])
+    await repo.end(engine, RUN, sid, outcome, reason, fence=fence, expected=SnapshotPhase.gate, blockers=[(INST, b) for b in blocked],
+                   timings={"gate": 0.01, **({"prepare": 0.2} if prepared else {})})
     return closed
 
 
@@ -221,9 +223,9 @@ async def test_a_snapshot_names_at_most_ten_of_its_blockers_and_none_while_it_ru
     assert cm.Snapshot.parse(s1).blockers == cm.SnapshotBlockers(12, s1["blockers"]["rollout_ids"])
 
 
-async def test_aborted_snapshots_neither_count_nor_break_the_streak(client, admin, engine) -> None:  # type: ignore[no-untyped-def]
-    """Train steps that win before Gym answers, between the blocked snapshots, must not keep a
-    straggler alive for ever (they name nobody: they used to break the streak)."""
+async def test_snapshots_aborted_while_gym_waited_neither_count_nor_break_the_streak(client, admin, engine) -> None:  # type: ignore[no-untyped-def]
+    """Train steps that win before Gym's prepare answers, between the blocked snapshots, must
+    not keep a straggler alive for ever (they name nobody: they used to break the streak)."""
     api = await new_run(client, admin, target_level="sibling")
     stuck, _ = await _sent(api, "g0", 2)
     rid = stuck["rollout_id"]
@@ -233,3 +235,15 @@ async def test_aborted_snapshots_neither_count_nor_break_the_streak(client, admi
     assert (await _snapshot(engine, "s3", [rid])).stragglers == ()
     assert (await _snapshot(engine, "s4", [])).stragglers == (rid,)
     assert await _retires(engine) == [(INST, rid, 0)]
+
+
+async def test_a_snapshot_aborted_after_gym_answered_ready_breaks_the_streak(client, admin, engine) -> None:  # type: ignore[no-untyped-def]
+    """Gym's prepare answered ready, so every episode had reached a boundary: the episode is no
+    straggler, whatever the snapshot's end."""
+    api = await new_run(client, admin, target_level="sibling")
+    stuck, _ = await _sent(api, "g0", 2)
+    rid = stuck["rollout_id"]
+    for sid, blocked, outcome, prepared in (("s1", [rid], "failed", False), ("a1", [], "aborted", True), ("s2", [rid], "failed", False), ("s3", [rid], "failed", False)):
+        await _snapshot(engine, sid, blocked, outcome=outcome, prepared=prepared)
+    assert (await _snapshot(engine, "s4", [])).stragglers == ()
+    assert await _retires(engine) == []
