@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import typing
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -145,26 +147,30 @@ class FastJSONRoute(APIRoute):
 class DirectRoute(FastJSONRoute):
     """Route class of the few hot endpoints a participant calls around every tool call (the
     effect journal's begin and complete): their inputs are the caller (``require_run_access``),
-    path ids and one JSON body, validated here by the same fields FastAPI declares (so the same
-    422s, in the same order, and the same OpenAPI), and the endpoint is called without FastAPI's
-    dependency solving, about a tenth of an effect's time in the coordinator (docs/effects.md#cost).
-    An endpoint with any other kind of parameter is refused when the route is built."""
+    path ids and one JSON body, validated here by the same fields FastAPI declares and by its
+    rules (a body is JSON only under a JSON content type; the same 400 and 422 answers, in the same
+    order; the same OpenAPI), and the endpoint is called without FastAPI's dependency solving,
+    about a tenth of an effect's time in the coordinator (docs/effects.md#cost). An endpoint it
+    cannot call that way is refused when the route is built."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         from .auth import authenticate, require_run_access
 
-        d = self.dependant
+        d, call = self.dependant, self.dependant.call
         callers = [sub.name for sub in d.dependencies if sub.call is require_run_access]
+        extras = (d.query_params, d.header_params, d.cookie_params, d.response_param_name, d.background_tasks_param_name,
+                  d.security_scopes_param_name, d.websocket_param_name, d.http_connection_param_name)
+        returns = typing.get_type_hints(call).get("return") if call is not None else None
         if (len(callers) != 1 or len(d.dependencies) != 1 or d.request_param_name is None or len(d.body_params) != 1
-                or d.query_params or d.header_params or d.cookie_params or self.body_field is None):
-            raise TypeError(f"{self.path}: a DirectRoute endpoint takes the request, its caller, path ids and one body")
+                or self.body_field is None or any(extras) or not inspect.iscoroutinefunction(call)
+                or not (isinstance(returns, type) and issubclass(returns, Response))):
+            raise TypeError(f"{self.path}: a DirectRoute endpoint is a coroutine of the request, its caller, path ids and one body, answering a Response")
+        assert call is not None
         caller_name, body_name, request_name = callers[0], d.body_params[0].name, d.request_param_name
         body_field = self.body_field
         own_path = list(d.path_params)
         # FastAPI's order: the caller's dependency (the run id) first, then the route's own ids.
         path_fields = [f for sub in d.dependencies for f in sub.path_params] + own_path
-        call = d.call
-        assert call is not None
 
         async def route_handler(request: Request) -> Response:
             fast = FastJSONRequest(request.scope, request.receive)
@@ -176,16 +182,11 @@ class DirectRoute(FastJSONRoute):
                 value, errs = f.validate(fast.path_params.get(f.alias), loc=("path", f.alias))
                 values[f.name] = value
                 errors += errs
-            if not await fast.body():
+            raw = await fast.body()
+            if not raw:
                 errors.append({"type": "missing", "loc": ("body",), "msg": "Field required", "input": None})
             else:
-                try:
-                    document = await fast.json()
-                except json.JSONDecodeError as e:
-                    raise RequestValidationError(
-                        [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": e.msg}}],
-                        body=e.doc,
-                    ) from None
+                document = await _json_body(fast, raw)
                 value, errs = body_field.validate(document, loc=("body",))
                 values[body_name] = value
                 errors += errs
@@ -195,3 +196,21 @@ class DirectRoute(FastJSONRoute):
             return await call(**args, **{body_name: values[body_name], request_name: fast, caller_name: caller})
 
         return route_handler
+
+
+async def _json_body(request: FastJSONRequest, raw: bytes) -> Any:
+    """The body as FastAPI reads it for a model: parsed under a JSON content type
+    (``application/json``, ``application/*+json``), else the bytes themselves (which the model
+    refuses); malformed JSON a 422 ``json_invalid``, a body the parser cannot take (nested too
+    deep) a 400."""
+    main, _, sub = request.headers.get("content-type", "").partition(";")[0].strip().lower().partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        return raw
+    try:
+        return await request.json()
+    except json.JSONDecodeError as e:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}, "ctx": {"error": e.msg}}], body=e.doc,
+        ) from None
+    except Exception as e:  # noqa: BLE001 - FastAPI answers any other parse failure so
+        raise HTTPException(status_code=400, detail="There was an error parsing the body") from e
