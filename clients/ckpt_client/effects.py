@@ -153,11 +153,12 @@ def _unguarded(e: BaseException) -> EffectUnguarded:
 
 
 def _journalled(
-    api: Any, journal: EffectJournal, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]
+    api: Any, journal: _Journal, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]
 ) -> Flow[Any]:
     """One guarded call as a sans-IO flow (``._core``), so the blocking and the async journal
     are the same code: ``act`` and ``reconcile`` are the user's callbacks (``Invoke``, awaited by
-    the async client's driver)."""
+    the async client's driver). Only the journal's own requests are guarded: an error ``act``
+    raises is the caller's, never a reason to act again."""
     digest = args_digest(effect, args)
     while True:
         try:
@@ -188,27 +189,31 @@ def _journalled(
     return result
 
 
-class EffectJournal:
+class _Journal:
+    def __init__(self, client: Any, *, reconcile: Callable[[EffectRecord], Any] | None = None, act_when_unreachable: bool = False) -> None:
+        self.client = client
+        self.reconcile = reconcile
+        self.act_when_unreachable = act_when_unreachable
+
+    def _flow(self, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]) -> Flow[Any]:
+        return _journalled(self.client._api, self, rollout_id, gym_attempt, seq, effect, args, act)
+
+
+class EffectJournal(_Journal):
     """A tool's guard for a blocking :class:`~ckpt_client.CoordinatorClient` of the run: one
     round trip before acting (begin), one after (complete). ``reconcile`` decides an ``unknown``
     effect; ``act_when_unreachable`` acts unguarded when the coordinator cannot be reached
     (default: raise :class:`EffectUnguarded`)."""
 
-    def __init__(self, client: Any, *, reconcile: Reconcile | None = None, act_when_unreachable: bool = False) -> None:
-        self.client = client
-        self.reconcile = reconcile
-        self.act_when_unreachable = act_when_unreachable
+    reconcile: Reconcile | None
 
     def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Any]) -> Any:
-        return self.client._drive(_journalled(self.client._api, self, rollout_id, gym_attempt, seq, effect, args, act))
+        return self.client._drive(self._flow(rollout_id, gym_attempt, seq, effect, args, act))
 
 
-class AsyncEffectJournal(EffectJournal):
+class AsyncEffectJournal(_Journal):
     """:class:`EffectJournal` for an :class:`~ckpt_client.AsyncCoordinatorClient` and coroutine
     tools (``act`` returns an awaitable; ``reconcile`` may be a coroutine function)."""
 
-    def __init__(self, client: Any, *, reconcile: Callable[[EffectRecord], Any] | None = None, act_when_unreachable: bool = False) -> None:
-        super().__init__(client, reconcile=reconcile, act_when_unreachable=act_when_unreachable)
-
-    async def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Awaitable[Any]]) -> Any:  # type: ignore[override]
-        return await self.client._drive(_journalled(self.client._api, self, rollout_id, gym_attempt, seq, effect, args, act))
+    async def call(self, *, rollout_id: str, gym_attempt: int, seq: int, effect: str, args: Any, act: Callable[[], Awaitable[Any]]) -> Any:
+        return await self.client._drive(self._flow(rollout_id, gym_attempt, seq, effect, args, act))

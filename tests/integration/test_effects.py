@@ -131,7 +131,7 @@ async def test_a_restore_orphans_discarded_timelines_and_a_seal_the_unrepeated(c
 
 async def test_the_async_journal_acts_once_and_reconciles(client, admin, app) -> None:  # type: ignore[no-untyped-def]
     import httpx
-    from ckpt_client import AsyncCoordinatorClient, AsyncEffectJournal, Conflict, EffectUnknown, Reconciled, args_digest
+    from ckpt_client import AsyncCoordinatorClient, AsyncEffectJournal, Conflict, EffectUnknown, Reconciled, Unavailable, args_digest
 
     api, rows = await _live_run(client, admin, "fx-async")
     ro = rows[0]["rollout_id"]
@@ -158,13 +158,30 @@ async def test_the_async_journal_acts_once_and_reconciles(client, admin, app) ->
             return Reconciled(True, {"n": 99})
 
         assert await AsyncEffectJournal(c, reconcile=found).call(seq=1, act=act, **call) == {"n": 99} and len(acted) == 1
+        # seq 3 unknown, and it did not happen: abandoned, begun again, acted. An act that fails
+        # with the client's own Unavailable is the caller's error, not an unreachable coordinator:
+        # even a journal told to act when unreachable does not act again.
+        await c.begin_effect(ro, 0, 3, "send_mail", args_digest("send_mail", {"to": "a@x"}))
+
+        async def nothing(record):  # type: ignore[no-untyped-def]
+            return Reconciled(False)
+
+        async def act_fails() -> None:
+            acted.append(1)
+            raise Unavailable("the mail server is away")
+
+        try:
+            await AsyncEffectJournal(c, reconcile=nothing, act_when_unreachable=True).call(seq=3, act=act_fails, **call)
+            raise AssertionError("the act's own error must reach the caller")
+        except Unavailable as e:
+            assert "mail server" in str(e) and len(acted) == 2
         # A stale attempt never acts.
         await api.fail([rows[0]], "transport")
         try:
             await journal.call(seq=2, act=act, **call)
             raise AssertionError("a retired attempt must not act")
         except Conflict as e:
-            assert e.code == "stale_attempt" and len(acted) == 1
+            assert e.code == "stale_attempt" and len(acted) == 2
 
 
 async def test_listing_the_journal_of_a_run_that_does_not_exist_is_404(client, admin, app) -> None:  # type: ignore[no-untyped-def]
