@@ -36,22 +36,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "pinned_too: also run the check against gymsim's `pinned` profile")
 
 
+_ABSENT = object()
+
+
 def pytest_assertrepr_compare(op: str, left: Any, right: Any) -> list[str] | None:
-    """A participant's state compared before and after a refused call: name every member that
-    differs, however deep, so a rare failure says what moved (pytest's own diff elides it)."""
+    """Two dicts compared with ``==`` (a participant's state before and after a refused call,
+    among others): name every member that differs, however deep, so a rare failure says what
+    moved (pytest's own diff elides it). Anything else, or a comparison this cannot walk, keeps
+    pytest's explanation."""
     if op != "==" or not (isinstance(left, dict) and isinstance(right, dict)):
         return None
-    lines = ["the states differ at:"]
+    lines: list[str] = []
 
     def walk(a: Any, b: Any, at: str) -> None:
         if isinstance(a, dict) and isinstance(b, dict):
             for k in sorted(a.keys() | b.keys(), key=str):
-                walk(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{at}.{k}" if at else str(k))
-        elif a != b:
-            lines.append(f"  {at}: {a!r} != {b!r}")
+                walk(a.get(k, _ABSENT), b.get(k, _ABSENT), f"{at}.{k}" if at else str(k))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{at}[{i}]")
+        elif a is _ABSENT or b is _ABSENT or a != b:
+            lines.append(f"  {at}: {'<absent>' if a is _ABSENT else repr(a)} != {'<absent>' if b is _ABSENT else repr(b)}")
 
-    walk(left, right, "")
-    return lines
+    try:
+        walk(left, right, "")
+    except Exception:  # noqa: BLE001 - a value whose comparison raises: pytest explains it
+        return None
+    return ["the dicts differ at:", *lines] if lines else None
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
