@@ -6,7 +6,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
@@ -15,6 +15,9 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import from_json, to_json
+
+if TYPE_CHECKING:
+    from .auth import Caller
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 RUN_ID_PATTERN = NAME_PATTERN
@@ -125,20 +128,26 @@ def _nul_path(value: Any, path: tuple[Any, ...]) -> tuple[Any, ...] | None:
     return None
 
 
+async def _admitted(request: Request) -> tuple[FastJSONRequest, Caller]:
+    """The request as every /v1 route reads it, and its caller."""
+    from .auth import authenticate  # auth reads this module's id patterns
+
+    fast = FastJSONRequest(request.scope, request.receive)
+    # The caller first: nothing of the body is read for a request without a valid token.
+    caller = await authenticate(fast)
+    # Outside the handler: FastAPI turns an error raised while it parses a body into a 400.
+    await fast.refuse_nul()
+    return fast, caller
+
+
 class FastJSONRoute(APIRoute):
     """Route class of every /v1 endpoint: bodies are read through ``FastJSONRequest``."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        from .auth import authenticate  # auth reads this module's id patterns
-
         handler = super().get_route_handler()
 
         async def route_handler(request: Request) -> Response:
-            fast = FastJSONRequest(request.scope, request.receive)
-            # The caller first: nothing of the body is read for a request without a valid token.
-            await authenticate(fast)
-            # Outside the handler: FastAPI turns an error raised while it parses a body into a 400.
-            await fast.refuse_nul()
+            fast, _ = await _admitted(request)
             return await handler(fast)
 
         return route_handler
@@ -154,7 +163,7 @@ class DirectRoute(FastJSONRoute):
     cannot call that way is refused when the route is built."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        from .auth import authenticate, require_run_access
+        from .auth import require_run_access
 
         d, call = self.dependant, self.dependant.call
         callers = [sub.name for sub in d.dependencies if sub.call is require_run_access]
@@ -173,9 +182,7 @@ class DirectRoute(FastJSONRoute):
         path_fields = [f for sub in d.dependencies for f in sub.path_params] + own_path
 
         async def route_handler(request: Request) -> Response:
-            fast = FastJSONRequest(request.scope, request.receive)
-            caller = await authenticate(fast)
-            await fast.refuse_nul()
+            fast, caller = await _admitted(request)
             values: dict[str, Any] = {}
             errors: list[Any] = []
             for f in path_fields:
