@@ -3,9 +3,9 @@
 Each snapshot that ended without its cut because of them recorded its blockers
 (``snapshot_blockers``, written by its end). A straggler is a current, dispatched attempt named
 by each of the run's ``max_blocking_snapshots`` most recent ended snapshots that were not aborted
-while Gym's prepare still waited, none of them published, all taken since the run's last applied restore (a restore starts the count again:
-the blocked episodes it found belong to the lineage it ended). The gate of the next snapshot
-gives them up (``phases.close_gate_in``).
+while Gym's prepare still waited, none of them published, all taken since the run's last applied
+restore (a restore starts the count again: the blocked episodes it found belong to the lineage it
+ended). The gate of the next snapshot gives them up (``phases.close_gate_in``).
 """
 
 from __future__ import annotations
@@ -25,17 +25,17 @@ _DEFAULT_MAX = RecoveryConfig.model_fields["max_blocking_snapshots"].default
 # order of the history), those aborted before Gym's prepare answered left out (a train step or the
 # trainer ended them while Gym was still waiting for its episodes, so they say nothing about any;
 # ``phase_timings`` holds ``prepare`` once it answered ready), the newest ``n`` of them, and the
-# attempts each of those names; the
-# instance is the one the newest snapshot recorded. Only a failed snapshot records blockers, so
-# fewer than ``n`` failures since the last publication (the run's streak) means none: then the
-# statement reads the run row alone, which is every gate's cost on a healthy run.
+# attempts each of those names; the instance is the one the newest snapshot recorded. Only a
+# failed snapshot records blockers, and an abort leaves the count of failures as it was, so fewer
+# than ``n`` failures since the last publication (the run's streak) means none: then the statement
+# reads the run row alone, which is every gate's cost on a healthy run.
 _FIND_SQL = (
     "WITH run AS (SELECT n, since FROM (SELECT COALESCE(CAST(config->>'max_blocking_snapshots' AS int), :dflt) AS n, "
     "  consecutive_snapshot_failures AS failures FROM runs WHERE run_id = :r) AS c "
     f"  CROSS JOIN LATERAL (SELECT COALESCE(max(ended_at), '-infinity') AS since FROM restores WHERE run_id = :r AND state = '{RestoreRecordState.applied}') AS x "
     "  WHERE c.n > 0 AND c.failures >= c.n), "
     "recent AS (SELECT s.snapshot_id, s.outcome, row_number() OVER (ORDER BY s.created_at DESC, s.snapshot_id DESC) AS k "
-    f"  FROM snapshots s, run WHERE s.run_id = :r AND s.outcome IS NOT NULL AND s.created_at > run.since "
+    "  FROM snapshots s, run WHERE s.run_id = :r AND s.outcome IS NOT NULL AND s.created_at > run.since "
     f"  AND (s.outcome <> '{SnapshotOutcome.aborted}' OR s.phase_timings -> '{SnapshotTiming.prepare}' IS NOT NULL)), "
     "last AS (SELECT recent.* FROM recent, run WHERE recent.k <= run.n), "
     f"streak AS (SELECT count(*) = (SELECT n FROM run) AND NOT bool_or(outcome = '{SnapshotOutcome.published}') AS unbroken FROM last) "
