@@ -177,8 +177,6 @@ class InProcess:
         self.engine = make_async_engine(pg_url, pool_size=2)
         self.ref_conn: Any = None
         self.lazy_conn: Any = None
-        # The SQL alone, split: seconds in the begin's statement and in the complete's.
-        self.sql_split = [0.0, 0.0]
         self.ref_key = itertools.count()
         self.loop.run_until_complete(self._connect(pg_url))
 
@@ -196,7 +194,9 @@ class InProcess:
                 raise RuntimeError(f"begin answered {ans['answer']}")
             await effects_store.complete(self.engine, RUN, ans["effect_id"], RESULT)
 
-    async def _sql(self, keys: list[tuple[str, int, int]]) -> None:
+    async def _sql(self, keys: list[tuple[str, int, int]]) -> tuple[float, float]:
+        """Seconds in the begin's statements and in the complete's."""
+        split = [0.0, 0.0]
         cur = self.ref_conn.cursor(binary=True)
         result = json.dumps(RESULT)
         clock = time.perf_counter
@@ -209,8 +209,9 @@ class InProcess:
                 raise RuntimeError(f"the journal's insert did not insert ({run_ok}, {att_ok})")
             await cur.execute(COMPLETE_SQL, {"r": RUN, "id": effect_id, "res": result})
             assert len(await cur.fetchall()) == 1
-            self.sql_split[0] += t1 - t0
-            self.sql_split[1] += clock() - t1
+            split[0] += t1 - t0
+            split[1] += clock() - t1
+        return split[0], split[1]
 
     async def _reference(self, n: int, lazy: bool = False) -> None:
         cur = (self.lazy_conn if lazy else self.ref_conn).cursor(binary=True)
@@ -222,10 +223,11 @@ class InProcess:
         self.loop.run_until_complete(self._store(keys))
         return time.perf_counter() - t
 
-    def sql(self, keys: list[tuple[str, int, int]]) -> float:
+    def sql(self, keys: list[tuple[str, int, int]]) -> tuple[float, float, float]:
+        """Seconds in all, in the begin's statements, in the complete's."""
         t = time.perf_counter()
-        self.loop.run_until_complete(self._sql(keys))
-        return time.perf_counter() - t
+        begin, complete = self.loop.run_until_complete(self._sql(keys))
+        return time.perf_counter() - t, begin, complete
 
     def reference(self, n: int, lazy: bool = False) -> float:
         t = time.perf_counter()
@@ -276,10 +278,8 @@ def measure(coord_url: str, token: str, keys: Keys, local: InProcess, effects: i
             times["own"].append(times["own_begin"][-1] + times["own_complete"][-1])
 
         def sql(batch: list[tuple[str, int, int]]) -> None:
-            local.sql_split = [0.0, 0.0]
-            times["sql"].append(local.sql(batch) / effects)
-            times["sql_begin"].append(local.sql_split[0] / effects)
-            times["sql_complete"].append(local.sql_split[1] / effects)
+            for name, seconds in zip(("sql", "sql_begin", "sql_complete"), local.sql(batch)):
+                times[name].append(seconds / effects)
 
         steps: list[tuple[str, Callable[[], None]]] = [
             ("http_seq", sequential),
